@@ -1,0 +1,1 @@
+"""Inference Lab: the key-value cache of transformer language models, built, verified and measured."""

@@ -1,0 +1,6 @@
+"""The engine: backends that take ids and return scores, and the loop that generates through them."""
+
+from .backends import RecomputeBackend, as_ids
+from .generate import Generation, generate, positions_cached, positions_uncached
+
+__all__ = ["RecomputeBackend", "as_ids", "Generation", "generate", "positions_cached", "positions_uncached"]

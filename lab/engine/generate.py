@@ -1,0 +1,53 @@
+"""The generation loop: greedy decoding through any backend, timed per step."""
+
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+
+@dataclass
+class Generation:
+    tokens: list                                   # the new tokens only
+    step_seconds: list = field(default_factory=list)  # [0] is prefill (time to first token), then decode steps
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: the prefill step."""
+        return self.step_seconds[0]
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (the decode steps)."""
+        rest = self.step_seconds[1:]
+        return sum(rest) / len(rest) if rest else float("nan")
+
+
+def generate(backend, prompt_ids, max_new_tokens: int, stop_ids=(), progress=False) -> Generation:
+    """Greedy decoding: append argmax(next_logits(ids)) until max_new_tokens or a stop token."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    ids, out = [int(i) for i in prompt_ids], Generation([])
+    for _ in tqdm(range(max_new_tokens), desc="generate", disable=not progress):
+        t0 = time.perf_counter()
+        token = int(backend.next_logits(ids).argmax())
+        out.step_seconds.append(time.perf_counter() - t0)
+        ids.append(token)
+        out.tokens.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+def positions_uncached(prompt_len: int, new_tokens: int) -> int:
+    """Positions processed without a cache: step s (0-based) recomputes prompt_len + s positions.
+
+    sum_{s=0}^{n-1} (P + s) = n*P + n*(n-1)/2, quadratic in the number of new tokens.
+    """
+    P, n = prompt_len, new_tokens
+    return n * P + n * (n - 1) // 2
+
+
+def positions_cached(prompt_len: int, new_tokens: int) -> int:
+    """Positions processed with a cache: the prompt once (prefill), then one per later token: P + n - 1."""
+    return prompt_len + new_tokens - 1

@@ -1,0 +1,11 @@
+"""One module per chapter: the measurements that fill results.json."""
+
+from importlib import import_module
+
+CHAPTERS = {"ch01": "ch01_recompute"}
+
+
+def chapter(name: str):
+    if name not in CHAPTERS:
+        raise ValueError(f"unknown chapter {name!r}; chapters: {', '.join(CHAPTERS)}")
+    return import_module(f"{__name__}.{CHAPTERS[name]}")

@@ -1,0 +1,265 @@
+"""Chapter 1, "Prefill, decode and the cost of recomputing": every measurement of the chapter.
+
+The notebook calls these functions one at a time and shows what they return; `run()` calls them all
+and records the numbers in results.json (`python -m lab.experiments ch01`).
+"""
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import data
+from ..bench import time_call
+from ..cache import bytes_per_position
+from ..engine import RecomputeBackend, generate, positions_cached, positions_uncached
+from ..metrics import logit_diff, perplexity
+from ..models import forward, load
+from ..models.published import PUBLISHED
+from ..results import figures_dir, provenance, quick, value, write_section
+
+SECTION = "ch01"
+
+
+def settings(quick_mode: bool) -> dict:
+    """Sweep sizes: the full run for results.json, a short one for tests and the quick notebook."""
+    if quick_mode:
+        return dict(contexts={"gpt2-random": [16, 64, 256], "smollm2": [16, 64, 256]}, reps=3, warmup=1,
+                    parity_tokens=64, new_tokens=32, prefill_prompts=[17, 128], ppl_passages=2, ppl_tokens=128)
+    T = [16, 32, 64, 128, 256, 512, 960]
+    return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, reps=7, warmup=2,
+                parity_tokens=256, new_tokens=32, prefill_prompts=[17, 128, 512], ppl_passages=16, ppl_tokens=256)
+
+
+def heldout_prompt(model, n_tokens: int, seed: int = 0) -> list:
+    """A prompt of exactly n_tokens ids from held-out Shakespeare."""
+    return data.passages(model.tokenizer, n_tokens=n_tokens, count=1, seed=seed)[0]
+
+
+@torch.inference_mode()
+def causal_mask(model, n_tokens: int = 64, seed: int = 0) -> dict:
+    """Change the last token of a prompt; how far do the logits of every position move?
+
+    Returns the per-position max |delta logit| (a list), and its maximum over the earlier positions and
+    at the last one. The causal mask says the earlier positions cannot see the change.
+    """
+    ids = torch.tensor([heldout_prompt(model, n_tokens, seed)])        # [1, T]
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1000) % model.config.vocab_size    # any other token
+    a = forward(ids, model.weights, model.config)[0]                    # [T, V]
+    b = forward(changed, model.weights, model.config)[0]
+    per_position = (a - b).abs().amax(-1)                               # [T]
+    return dict(per_position=per_position.tolist(), earlier_max=per_position[:-1].max().item(),
+                last=per_position[-1].item(), tokens=n_tokens)
+
+
+def naive_loop(model, prompt_len: int = 17, new_tokens: int = 32, seed: int = 0) -> dict:
+    """Greedy generation without a cache; counts the positions the model processes."""
+    prompt = heldout_prompt(model, prompt_len, seed)
+    backend = RecomputeBackend(model)
+    out = generate(backend, prompt, new_tokens)
+    return dict(prompt=prompt, tokens=out.tokens, text=model.tokenizer.decode(out.tokens),
+                prompt_text=model.tokenizer.decode(prompt), calls=backend.calls, positions=backend.positions,
+                formula_uncached=positions_uncached(prompt_len, new_tokens),
+                formula_cached=positions_cached(prompt_len, new_tokens), ttft=out.ttft, tpot=out.tpot)
+
+
+def step_times(model, contexts, reps=7, warmup=2, progress=True) -> dict:
+    """Median wall time of one uncached decode step (a forward over T positions) for each context T."""
+    out = {}
+    for T in tqdm(contexts, desc=f"step time {model.name}", disable=not progress):
+        ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+        out[T] = time_call(lambda ids=ids: forward(ids, model.weights, model.config, last_only=True), warmup, reps)
+    return out
+
+
+def prefill_decode(model, prompt_lens, new_tokens=32) -> dict:
+    """Time to first token and time per output token of the uncached loop, per prompt length."""
+    out = {}
+    for P in prompt_lens:
+        generate(RecomputeBackend(model), heldout_prompt(model, P), 2)  # warm-up
+        r = naive_loop(model, P, new_tokens)
+        out[P] = dict(ttft=r["ttft"], tpot=r["tpot"])
+    return out
+
+
+def bytes_table(dtype_bytes: int = 2, context: int = 4096) -> list:
+    """Bytes per cached position for published model shapes, what grouped-query attention saves, and the
+    cache of one sequence of `context` tokens."""
+    rows = []
+    for m in PUBLISHED:
+        actual = bytes_per_position(m.n_layers, m.n_kv_heads, m.head_dim, dtype_bytes)
+        mha = bytes_per_position(m.n_layers, m.n_heads, m.head_dim, dtype_bytes)  # one kv head per query head
+        rows.append(dict(model=m.name, layers=m.n_layers, q_heads=m.n_heads, kv_heads=m.n_kv_heads,
+                         head_dim=m.head_dim, bytes=actual, mha_bytes=mha, saving=mha / actual, source=m.source,
+                         context=context, context_gib=actual * context / 2**30))
+    return rows
+
+
+@torch.inference_mode()
+def parity(names, n_tokens=256, seed=0) -> dict:
+    """Max and median |our logits - transformers' logits| on the same weights and ids."""
+    from ..models.hf import to_transformers
+
+    out = {}
+    for name in names:
+        model = load(name)
+        hf = to_transformers(model)
+        if name == "smollm2":  # real text for the real model
+            ids = torch.tensor(data.passages(model.tokenizer, n_tokens, count=2, seed=seed))
+        else:
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, model.config.vocab_size, (2, n_tokens), generator=g)
+        ours, theirs = forward(ids, model.weights, model.config), hf(ids).logits
+        out[name] = dict(logit_diff(ours, theirs), scale=theirs.abs().max().item(), tokens=ids.numel())
+        del hf
+    return out
+
+
+def perplexities(model, n_passages=16, n_tokens=256) -> dict:
+    """Perplexity on held-out passages and on the same words shuffled (a sanity check of the model)."""
+    passages = data.passages(model.tokenizer, n_tokens, count=n_passages, seed=1)
+    shuffled = [model.tokenizer.encode(data.shuffle_words(model.tokenizer.decode(p), seed=i))[:n_tokens]
+                for i, p in enumerate(passages)]
+    return dict(heldout=perplexity(model, passages), shuffled=perplexity(model, shuffled),
+                passages=n_passages, tokens=n_tokens)
+
+
+# ---- figures -----------------------------------------------------------------------------------------
+
+def _finish(fig, path):
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_step_times(times: dict, path=None):
+    """Step time against context length, one line per model, log-log."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name, by_T in times.items():
+        Ts = sorted(by_T)
+        ax.errorbar(Ts, [by_T[T]["median"] * 1e3 for T in Ts], marker="o", capsize=3, label=name,
+                    yerr=[[(by_T[T]["median"] - by_T[T]["min"]) * 1e3 for T in Ts],
+                          [(by_T[T]["max"] - by_T[T]["median"]) * 1e3 for T in Ts]])
+    ax.set(xscale="log", yscale="log", xlabel="context length T (positions recomputed)",
+           ylabel="one uncached step, ms (median, min-max)", title="Cost of one decode step without a cache")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _finish(fig, path)
+
+
+def plot_causal(result: dict, path=None):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3))
+    y = result["per_position"]
+    ax.bar(range(len(y)), y, color=["tab:blue"] * (len(y) - 1) + ["tab:red"])
+    ax.set(xlabel="position", ylabel="max |Δ logit|",
+           title="Changing the last token moves only the last position's logits")
+    return _finish(fig, path)
+
+
+def plot_bytes(rows: list, path=None):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    names = [r["model"] for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["mha_bytes"] / 1024 for r in rows], 0.4,
+           label="if every query head had its own K/V")
+    ax.bar([i + 0.2 for i in x], [r["bytes"] / 1024 for r in rows], 0.4, label="as published (GQA where used)")
+    ax.set_xticks(list(x), names, rotation=15)
+    ax.set(yscale="log", ylabel="KiB per cached position (16-bit)", title="Bytes per cached position")
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+# ---- the whole chapter -----------------------------------------------------------------------------------
+
+def load_seconds(name="smollm2", reps=3) -> dict:
+    """Wall time of `load(name)` once the converted folder exists (the first call converts, untimed)."""
+    import time
+
+    load(name)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        assert load(name).manifest
+        times.append(time.perf_counter() - t0)
+    return dict(median=sorted(times)[len(times) // 2], max=max(times), n=reps)
+
+
+def measure(quick_mode=None) -> dict:
+    """Every measurement of chapter 1, as plain Python values (nothing written)."""
+    s = settings(quick() if quick_mode is None else quick_mode)
+    smol, gpt2 = load("smollm2"), load("gpt2-random")
+    torch.manual_seed(0)
+    return dict(
+        settings=s,
+        manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest},
+        load=load_seconds("smollm2"),
+        parity=parity(["tiny-gpt2", "tiny-llama", "gpt2-random", "smollm2"], s["parity_tokens"]),
+        causal=causal_mask(smol),
+        loop=naive_loop(smol, 17, s["new_tokens"]),
+        times={m.name: step_times(m, s["contexts"][m.name], s["reps"], s["warmup"]) for m in (gpt2, smol)},
+        prefill_decode={m.name: prefill_decode(m, s["prefill_prompts"], s["new_tokens"]) for m in (gpt2, smol)},
+        bytes=bytes_table(),
+        perplexity=perplexities(smol, s["ppl_passages"], s["ppl_tokens"]),
+    )
+
+
+def record(m: dict):
+    """Write the measurements and figures of `measure()` to results.json (a temporary file in quick mode)."""
+    figs = figures_dir()
+    plot_step_times(m["times"], figs / "ch01_step_time.png")
+    plot_causal(m["causal"], figs / "ch01_causal_mask.png")
+    plot_bytes(m["bytes"], figs / "ch01_bytes_per_position.png")
+    loop, causal, ppl = m["loop"], m["causal"], m["perplexity"]
+    values = {
+        "load_seconds": value(m["load"]["median"], "s", max=m["load"]["max"], n=m["load"]["n"],
+                              note="load('smollm2') from the converted folder, manifest included"),
+        "parity": {n: {"max_abs": value(r["max"], "logit"), "median_abs": value(r["median"], "logit"),
+                       "logit_scale": value(r["scale"], "logit", note="largest |logit| of the reference")}
+                   for n, r in m["parity"].items()},
+        "causal": {"earlier_max": value(causal["earlier_max"], "logit"), "last": value(causal["last"], "logit"),
+                   "tokens": value(causal["tokens"], "tokens")},
+        "loop": {"prompt_tokens": value(len(loop["prompt"]), "tokens"),
+                 "new_tokens": value(len(loop["tokens"]), "tokens"),
+                 "calls": value(loop["calls"], "calls"),
+                 "positions_uncached": value(loop["positions"], "positions", note="counted by the backend"),
+                 "formula_uncached": value(loop["formula_uncached"], "positions"),
+                 "formula_cached": value(loop["formula_cached"], "positions"),
+                 "ratio": value(loop["positions"] / loop["formula_cached"], "x")},
+        "step_ms": {name: {f"T{T}": value(t["median"] * 1e3, "ms", min=t["min"] * 1e3, max=t["max"] * 1e3,
+                                          iqr=t["iqr"] * 1e3, n=t["n"], threads=t["threads"])
+                           for T, t in by_T.items()} for name, by_T in m["times"].items()},
+        "prefill_decode": {name: {f"P{P}": {"ttft_ms": value(r["ttft"] * 1e3, "ms"),
+                                            "tpot_ms": value(r["tpot"] * 1e3, "ms"),
+                                            "tpot_over_ttft": value(r["tpot"] / r["ttft"], "x")}
+                                  for P, r in by_P.items()} for name, by_P in m["prefill_decode"].items()},
+        "bytes_per_position": {r["model"].replace(" ", "_").replace(".", "_"): {
+            "bytes": value(r["bytes"], "bytes"), "kib": value(r["bytes"] / 1024, "KiB"),
+            "mha_kib": value(r["mha_bytes"] / 1024, "KiB"), "gqa_saving": value(r["saving"], "x"),
+            "gib_at_4096": value(r["context_gib"], "GiB", note=f"one sequence of {r['context']} tokens, 16-bit")}
+            for r in m["bytes"]},
+        "perplexity": {"heldout": value(ppl["heldout"], "perplexity"), "shuffled": value(ppl["shuffled"], "perplexity"),
+                       "passages": value(ppl["passages"], "passages"), "tokens": value(ppl["tokens"], "tokens")},
+    }
+    for name, by_T in m["times"].items():  # how the cost grows: the longest context over the shortest
+        Ts = sorted(by_T)
+        values["step_ms"][name]["growth"] = value(by_T[Ts[-1]]["median"] / by_T[Ts[0]]["median"], "x",
+                                                  note=f"T={Ts[-1]} over T={Ts[0]}")
+    figures = {"step_time": {"path": figs / "ch01_step_time.png", "caption": "One uncached step against context"},
+               "causal_mask": {"path": figs / "ch01_causal_mask.png", "caption": "Logit change per position"},
+               "bytes_per_position": {"path": figs / "ch01_bytes_per_position.png",
+                                      "caption": "KV bytes per position"}}
+    write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
+    return values
+
+
+def run(quick_mode=None) -> dict:
+    """Measure and record chapter 1 (`python -m lab.experiments ch01`)."""
+    m = measure(quick_mode)
+    record(m)
+    return m

@@ -1,0 +1,76 @@
+"""One config dataclass for both families the book uses (GPT-2 and Llama/Qwen)."""
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                    # "gpt2" or "llama": which forward runs this model
+    vocab_size: int = 50257      # GPT-2's BPE vocabulary
+    n_layers: int = 12
+    d_model: int = 768           # width of the residual stream
+    n_heads: int = 12            # query heads
+    n_kv_heads: int = 12         # key/value heads; fewer than n_heads is grouped-query attention
+    head_dim: int = 64           # d_model // n_heads for every model here, but Qwen3 sets it apart
+    d_ff: int = 3072             # MLP hidden width (4 * d_model for GPT-2)
+    max_positions: int = 1024    # GPT-2's learned position table; RoPE models' trained context
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base (Llama family only)
+    tie_embeddings: bool = True  # the output head reuses the token embedding
+    name: str = ""
+
+    def __post_init__(self):
+        if self.arch not in ("gpt2", "llama"):
+            raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one key/value head (1 = multi-head, n_heads = multi-query)."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str = "") -> "ModelConfig":
+        """Read a Hugging Face config.json (GPT-2, Llama, Qwen2/3, SmolLM2)."""
+        if hf.get("model_type") == "gpt2":
+            d = hf["n_embd"]
+            return cls(arch="gpt2", vocab_size=hf["vocab_size"], n_layers=hf["n_layer"], d_model=d,
+                       n_heads=hf["n_head"], n_kv_heads=hf["n_head"], head_dim=d // hf["n_head"],
+                       d_ff=hf.get("n_inner") or 4 * d, max_positions=hf["n_positions"],
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_embeddings=True, name=name)
+        if hf.get("model_type") in ("llama", "qwen2", "qwen3", "mistral"):
+            rope = hf.get("rope_parameters") or {}
+            theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+                raise NotImplementedError(f"{name}: only plain RoPE is implemented, not {rope or hf['rope_scaling']}")
+            n_heads = hf["num_attention_heads"]
+            return cls(arch="llama", vocab_size=hf["vocab_size"], n_layers=hf["num_hidden_layers"],
+                       d_model=hf["hidden_size"], n_heads=n_heads,
+                       n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+                       head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+                       d_ff=hf["intermediate_size"], max_positions=hf["max_position_embeddings"],
+                       norm_eps=hf["rms_norm_eps"], rope_theta=float(theta),
+                       tie_embeddings=hf.get("tie_word_embeddings", False), name=name)
+        raise NotImplementedError(
+            f"{name}: model_type {hf.get('model_type')!r} is not supported; "
+            "the book implements the GPT-2 and Llama/Qwen families")
+
+    def to_hf(self) -> dict:
+        """The Hugging Face config.json for this config (used to build the transformers oracle)."""
+        if self.arch == "gpt2":
+            return dict(model_type="gpt2", vocab_size=self.vocab_size, n_layer=self.n_layers, n_embd=self.d_model,
+                        n_head=self.n_heads, n_inner=self.d_ff, n_positions=self.max_positions,
+                        layer_norm_epsilon=self.norm_eps, activation_function="gelu_new",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None)
+        return dict(model_type="llama", vocab_size=self.vocab_size, num_hidden_layers=self.n_layers,
+                    hidden_size=self.d_model, num_attention_heads=self.n_heads,
+                    num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim,
+                    intermediate_size=self.d_ff, max_position_embeddings=self.max_positions,
+                    rms_norm_eps=self.norm_eps, rope_theta=self.rope_theta, hidden_act="silu",
+                    tie_word_embeddings=self.tie_embeddings, attention_bias=False, mlp_bias=False,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None)

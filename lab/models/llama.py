@@ -1,0 +1,72 @@
+"""The Llama family (SmolLM2, Llama, Qwen2/3) as a function of (ids, weights, config).
+
+Differences from GPT-2: RMSNorm instead of LayerNorm, rotary position embeddings (RoPE) applied to
+queries and keys instead of a learned position table, grouped-query attention (fewer key/value heads
+than query heads), and a gated SiLU MLP. Weights keep their Hugging Face names; nn.Linear stores
+`[out, in]`, so projections are `F.linear(x, W)`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .checks import check_ids
+from .gpt2 import merge_heads, split_heads
+
+
+def rms_norm(x, weight, eps):  # normalise by the root mean square, in float32 as the reference does
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope(x, positions, theta):
+    """Rotate pairs (j, j + D/2) of every head by angle position * theta^(-2j/D). x: [B, H, T, D]."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device).float() / D)  # [D/2]
+    angles = positions.float()[:, None] * inv_freq[None, :]                          # [T, D/2]
+    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)  # [T, D]
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def project(h, w, name):  # a linear layer, with its bias when the checkpoint has one (Qwen2)
+    return F.linear(h, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def block(x, w, i, config, attend, positions):
+    """One decoder layer. `attend(i, q, k, v)` is layer i's attention; q `[B, Hq, T, D]`, k, v `[B, Hkv, T, D]`."""
+    p, eps = f"model.layers.{i}.", config.norm_eps
+    h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+    q = split_heads(project(h, w, p + "self_attn.q_proj"), config.n_heads)     # [B, Hq, T, D]
+    k = split_heads(project(h, w, p + "self_attn.k_proj"), config.n_kv_heads)  # [B, Hkv, T, D]
+    v = split_heads(project(h, w, p + "self_attn.v_proj"), config.n_kv_heads)  # [B, Hkv, T, D]
+    if p + "self_attn.q_norm.weight" in w:  # Qwen3 normalises each head before RoPE
+        q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
+    q, k = rope(q, positions, config.rope_theta), rope(k, positions, config.rope_theta)
+    x = x + F.linear(merge_heads(attend(i, q, k, v)), w[p + "self_attn.o_proj.weight"])
+    h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+    gate, up = F.linear(h, w[p + "mlp.gate_proj.weight"]), F.linear(h, w[p + "mlp.up_proj.weight"])
+    return x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+
+
+def embed(ids, w):  # [B, T] -> [B, T, D]
+    return w["model.embed_tokens.weight"][ids]
+
+
+def head(x, w, config):  # [B, T, D] -> [B, T, V]
+    x = rms_norm(x, w["model.norm.weight"], config.norm_eps)
+    return F.linear(x, w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+
+
+def causal_attention(i, q, k, v):  # grouped-query: each key/value head serves n_heads / n_kv_heads queries
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def forward(ids, w, config, last_only=False):
+    """Uncached forward: logits `[B, T, V]` for ids `[B, T]` (`[B, 1, V]` with last_only)."""
+    ids = check_ids(ids, config)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    x = embed(ids, w)
+    for i in range(config.n_layers):
+        x = block(x, w, i, config, causal_attention, positions)
+    return head(x[:, -1:] if last_only else x, w, config)

@@ -1,0 +1,64 @@
+"""The README's headline table, generated from results.json (`python -m lab.readme`; `make book` runs it).
+
+The README never types a measured number: the block between the markers is rewritten from the results
+file, and a test fails when the committed README differs from what the committed results produce.
+"""
+
+import sys
+
+from .results import COMMITTED, REPO_ROOT, format_value, lookup, read
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+# (what, key, format spec): the headline numbers, chapter by chapter
+HEADLINES = [
+    ("Ch. 1 — positions processed, 17-token prompt + 32 new tokens, no cache (counted)",
+     "ch01.loop.positions_uncached", ""),
+    ("Ch. 1 — the same with a cache (formula; measured in ch. 3)", "ch01.loop.formula_cached", ""),
+    ("Ch. 1 — one uncached SmolLM2 step at 16 / 2,048 tokens of context",
+     ("ch01.step_ms.smollm2.T16", "ch01.step_ms.smollm2.T2048"), ".1f"),
+    ("Ch. 1 — one uncached GPT-2-small-shape step at 16 / 960 tokens",
+     ("ch01.step_ms.gpt2-random.T16", "ch01.step_ms.gpt2-random.T960"), ".1f"),
+    ("Ch. 1 — our forward vs transformers, SmolLM2, max abs logit difference", "ch01.parity.smollm2.max_abs", ""),
+    ("Ch. 1 — our forward vs transformers, GPT-2 shape, max abs logit difference",
+     "ch01.parity.gpt2-random.max_abs", ""),
+    ("Ch. 1 — SmolLM2 perplexity, held-out Shakespeare / same words shuffled",
+     ("ch01.perplexity.heldout", "ch01.perplexity.shuffled"), ".1f"),
+    ("Ch. 1 — KV bytes per position, SmolLM2-135M (16-bit)", "ch01.bytes_per_position.SmolLM2-135M.kib", ""),
+]
+
+
+def table(doc, source="results") -> str:
+    rows = ["| result | value |", "|---|---|"]
+    for what, keys, spec in HEADLINES:
+        keys = (keys,) if isinstance(keys, str) else keys
+        rows.append(f"| {what} | {' / '.join(format_value(lookup(doc, k, source), spec) for k in keys)} |")
+    machines = sorted({_machine(s["provenance"]) for s in doc["sections"].values()})
+    return "\n".join(rows) + "\n\nMeasured on: " + "; ".join(machines) + "."
+
+
+def _machine(p) -> str:
+    m = p["machine"]
+    gpu = f", GPU {p['gpu']}" if p.get("gpu") else ", no GPU"
+    return (f"{m.get('processor', '?')} ({m.get('cpu_count', '?')} CPUs, {m.get('torch_threads', '?')} torch threads)"
+            f"{gpu}, torch {p['versions'].get('torch')}, {p['mode']} mode, {p['date'][:10]}")
+
+
+def block(doc) -> str:
+    return f"{START}\n{table(doc)}\n{END}"
+
+
+def rewrite(readme=REPO_ROOT / "README.md", results=COMMITTED) -> bool:
+    """Replace the README's results block; True when it changed."""
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no {START} ... {END} block")
+    head, rest = text.split(START, 1)
+    new = head + block(read(results)) + rest.split(END, 1)[1]
+    readme.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    changed = rewrite()
+    print("README results table", "updated" if changed else "unchanged", file=sys.stderr)

@@ -1,0 +1,324 @@
+"""lab.results: the results file is merged by section, written atomically, validated, and never clobbered."""
+
+import json
+import os
+import tempfile
+import threading
+
+import jsonschema
+import pytest
+
+from lab import results
+from lab.results import (
+    COMMITTED,
+    ResultsError,
+    ResultsKeyError,
+    format_value,
+    get,
+    leaf_keys,
+    not_run,
+    read,
+    validate,
+    value,
+    write_section,
+)
+
+
+@pytest.fixture(scope="module")
+def prov():
+    return results.provenance(mode="quick", manifest="sha256:test")
+
+
+@pytest.fixture(autouse=True)
+def no_env(monkeypatch):
+    """Each test starts in full mode with no override, whatever the shell that ran pytest had set."""
+    monkeypatch.delenv("LAB_QUICK", raising=False)
+    monkeypatch.delenv("LAB_RESULTS", raising=False)
+
+
+def ch01_values():
+    return {
+        "positions": {"uncached": value(1040, "positions"), "cached": value(64, "positions")},
+        "speedup": value(24.1, "x", spread=0.4, n=7),
+        "gpu_step": not_run("needs a CUDA GPU; this machine has none", unit="ms"),
+    }
+
+
+def test_schema_is_a_valid_draft_2020_12_schema():
+    schema = json.loads(results.SCHEMA.read_text())
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_provenance_has_the_required_keys(prov):
+    for key in ("date", "git", "machine", "gpu", "versions", "manifest", "mode"):
+        assert key in prov, key
+    assert prov["date"].endswith("+00:00")  # UTC
+    assert set(prov["git"]) == {"commit", "dirty"}
+    for key in ("arch", "processor", "os", "cpu_count", "torch_threads"):
+        assert key in prov["machine"], key
+    assert set(prov["versions"]) >= {"python", "torch", "transformers"}
+    assert prov["manifest"] == "sha256:test" and prov["mode"] == "quick"
+    assert results.provenance(seed=0)["seed"] == 0  # extra keys are recorded
+
+
+def test_provenance_mode_follows_quick(monkeypatch):
+    monkeypatch.setenv("LAB_QUICK", "1")
+    assert results.provenance()["mode"] == "quick"
+    monkeypatch.setenv("LAB_QUICK", "0")
+    assert results.provenance()["mode"] == "full"
+
+
+def test_round_trip(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    doc = read(path)
+    assert doc["schema_version"] == 1
+    assert doc["sections"]["ch01"]["values"] == ch01_values()
+    assert doc["sections"]["ch01"]["provenance"] == prov
+    assert get("ch01.positions.uncached", path) == {"value": 1040, "unit": "positions"}
+    assert get("ch01.speedup", path)["spread"] == 0.4
+
+
+def test_written_document_validates(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    validate(json.loads(path.read_text()))  # the file itself, read without lab.results.read
+
+
+def test_value_converts_numpy_and_torch_scalars():
+    torch = pytest.importorskip("torch")
+    leaf = value(torch.tensor(2.5), "ms", spread=torch.tensor([0.1, 0.2]))
+    assert leaf == {"value": 2.5, "unit": "ms", "spread": pytest.approx([0.1, 0.2])}
+    assert type(leaf["value"]) is float
+    json.dumps(leaf)
+
+
+def test_merge_by_section_keeps_the_other_section(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    write_section("ch02", {"bytes": value(36864, "B")}, prov, path=path)
+    write_section("ch01", {"positions": {"uncached": value(2000, "positions")}}, prov, path=path)
+    doc = read(path)
+    assert list(doc["sections"]) == ["ch01", "ch02"]
+    assert doc["sections"]["ch02"]["values"] == {"bytes": value(36864, "B")}
+    # a section is replaced whole: the old ch01 keys are gone
+    assert leaf_keys(doc) == ["ch01.positions.uncached", "ch02.bytes"]
+    assert get("ch01.positions.uncached", path)["value"] == 2000
+
+
+def test_concurrent_writers_lose_no_section(tmp_path, prov):
+    # flock locks belong to an open file description, so threads that each open the lock file exclude
+    # each other exactly as processes would.
+    path = tmp_path / "results.json"
+    n = 12
+    start = threading.Barrier(n)
+    errors = []
+
+    def writer(i):
+        try:
+            start.wait()
+            write_section(f"ch{i:02d}", {"x": value(i, None)}, prov, path=path)
+        except Exception as e:  # surfaced below; a thread's exception would vanish otherwise
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(read(path)["sections"]) == [f"ch{i:02d}" for i in range(n)]
+
+
+def test_figures_are_recorded_relative_to_the_repo_or_absolute(tmp_path, prov):
+    path = tmp_path / "results.json"
+    inside = results.FIGURES / "speedup.png"
+    outside = tmp_path / "figures" / "speedup.png"
+    write_section("ch01", ch01_values(), prov, path=path, figures={
+        "speedup": {"path": inside, "caption": "cached vs uncached"},
+        "quick": {"path": outside, "caption": "a quick-mode figure"},
+    })
+    figures = read(path)["sections"]["ch01"]["figures"]
+    assert figures["speedup"] == {"path": "results/figures/speedup.png", "caption": "cached vs uncached"}
+    assert figures["quick"]["path"] == str(outside.resolve())
+
+
+def leftovers(directory):
+    """Files a write may leave behind besides the results file and its lock."""
+    return sorted(p.name for p in directory.iterdir() if p.name not in ("results.json", "results.json.lock"))
+
+
+def test_atomic_write_leaves_no_temporary_file(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    write_section("ch02", {"bytes": value(1, "B")}, prov, path=path)
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fail", ["fsync", "replace"])
+def test_crash_mid_write_keeps_the_old_file(tmp_path, prov, monkeypatch, fail):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError(f"simulated crash in os.{fail}")
+
+    monkeypatch.setattr(os, fail, crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        write_section("ch02", {"bytes": value(1, "B")}, prov, path=path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert leftovers(tmp_path) == []
+    assert list(read(path)["sections"]) == ["ch01"]
+
+
+def test_invalid_values_are_refused_before_the_disk_is_touched(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    before = path.read_bytes()
+    with pytest.raises(ResultsError, match="unit"):
+        write_section("ch02", {"bytes": {"value": 1}}, prov, path=path)
+    with pytest.raises(ResultsError, match="NaN|nan|Out of range"):
+        write_section("ch02", {"ratio": value(float("nan"), "x")}, prov, path=path)
+    assert path.read_bytes() == before
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("content", ["half", "empty", "not-the-schema"])
+def test_corrupt_file_is_refused_by_read_and_write(tmp_path, prov, content):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    text = path.read_text()
+    corrupt = {"half": text[: len(text) // 2], "empty": "", "not-the-schema": '{"sections": []}'}[content]
+    path.write_text(corrupt)
+
+    for attempt in (lambda: read(path), lambda: write_section("ch02", {}, prov, path=path)):
+        with pytest.raises(ResultsError) as e:
+            attempt()
+        message = str(e.value)
+        assert str(path) in message
+        assert "make results" in message and "git checkout results/results.json" in message
+    assert path.read_text() == corrupt  # never overwritten
+
+
+def test_corrupt_json_message_gives_the_position(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text('{"schema_version": 1,\n "sections": {')
+    with pytest.raises(ResultsError, match=r"line 2, column"):
+        read(path)
+
+
+def test_schema_violation_message_names_the_place(tmp_path, prov):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc_with({"a": {"b": {"value": 1}}}, prov)))
+    with pytest.raises(ResultsError, match=r"sections\.ch01\.values\.a\.b.*'unit' is a required property"):
+        read(path)
+
+
+def doc_with(values, prov):
+    return {"schema_version": 1, "sections": {"ch01": {"provenance": prov, "values": values}}}
+
+
+def test_schema_rejects_a_leaf_without_unit(prov):
+    with pytest.raises(ResultsError, match="unit"):
+        validate(doc_with({"x": {"value": 3}}, prov))
+
+
+def test_schema_rejects_not_run_without_reason(prov):
+    with pytest.raises(ResultsError, match="reason"):
+        validate(doc_with({"x": {"value": "NOT_RUN", "unit": "ms"}}, prov))
+    validate(doc_with({"x": not_run("needs a GPU", "ms")}, prov))
+
+
+def test_schema_accepts_every_kind_of_value_and_nothing_else(prov):
+    good = {"int": value(3, "B"), "float": value(2.5, "ms"), "text": value("fp32", None),
+            "flag": value(True, None), "series": value([1, 2.5, 3], "ms")}
+    validate(doc_with(good, prov))
+    for bad in ({"value": {"nested": 1}, "unit": "ms"}, {"value": ["a"], "unit": None},
+                {"value": None, "unit": "ms"}, {"value": 1, "unit": 3}):
+        with pytest.raises(ResultsError):
+            validate(doc_with({"x": bad}, prov))
+
+
+def test_schema_rejects_dotted_keys_and_missing_provenance(prov):
+    with pytest.raises(ResultsError):
+        validate(doc_with({"a.b": value(1, None)}, prov))  # get() could never reach it
+    incomplete = {k: v for k, v in prov.items() if k != "machine"}
+    with pytest.raises(ResultsError, match="machine"):
+        validate(doc_with({"x": value(1, None)}, incomplete))
+
+
+def test_get_missing_key_lists_a_close_match(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    with pytest.raises(ResultsKeyError) as e:
+        get("ch01.positions.uncahced", path)
+    message = str(e.value)
+    assert "ch01.positions.uncached" in message and str(path) in message
+    assert not message.startswith(("'", '"'))  # readable, not KeyError's quoted repr
+    assert isinstance(e.value, KeyError) and isinstance(e.value, ResultsError)
+
+
+def test_get_unknown_section_lists_the_sections(tmp_path, prov):
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), prov, path=path)
+    write_section("ch02", {"bytes": value(1, "B")}, prov, path=path)
+    with pytest.raises(ResultsKeyError, match="sections available: ch01, ch02"):
+        get("zz99.something.else.entirely", path)
+    with pytest.raises(ResultsKeyError, match="group, not a value"):
+        get("ch01.positions", path)
+    with pytest.raises(ResultsKeyError, match="make results"):
+        get("ch01.x", tmp_path / "missing.json")
+
+
+def test_read_of_a_missing_file_is_empty(tmp_path):
+    assert read(tmp_path / "nothing.json") == {"schema_version": 1, "sections": {}}
+
+
+def test_quick_mode_never_writes_the_committed_file(tmp_path, monkeypatch, prov):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = COMMITTED.read_bytes() if COMMITTED.exists() else None
+    monkeypatch.setenv("LAB_QUICK", "1")
+    assert results.quick()
+    assert results.results_path() != COMMITTED
+    assert results.results_path() == tmp_path / "lab-quick" / "results.json"
+    assert results.figures_dir() == tmp_path / "lab-quick" / "figures" and results.figures_dir().is_dir()
+    write_section("ch01", ch01_values(), prov)  # default path
+    assert (tmp_path / "lab-quick" / "results.json").exists()
+    assert (COMMITTED.read_bytes() if COMMITTED.exists() else None) == before
+
+
+def test_results_path_in_full_mode_and_with_override(tmp_path, monkeypatch):
+    assert not results.quick()
+    assert results.results_path() == COMMITTED
+    assert results.figures_dir() == results.FIGURES
+    monkeypatch.setenv("LAB_RESULTS", str(tmp_path / "r.json"))
+    monkeypatch.setenv("LAB_QUICK", "yes")
+    assert results.results_path() == tmp_path / "r.json"
+
+
+@pytest.mark.parametrize("leaf, spec, expected", [
+    (value(1040, "positions"), "", "1,040 positions"),
+    (value(24.1, "x"), "", "24.1×"),
+    (value(95.2, "%"), "", "95.2%"),
+    (value(3.14159, "ms"), ".1f", "3.1 ms"),
+    (value(0.0123, "s"), "", "0.0123 s"),
+    (value(6e-5, "s"), "", "6.0e-05 s"),
+    (value(1234.56, "tokens/s"), "", "1,235 tokens/s"),
+    (value(2.5e9, "B"), "", "2.50e+09 B"),
+    (value(12, None), "", "12"),
+    (value([1, 2, 3], "ms"), "", "1, 2, 3 ms"),
+    (value("float32", None), "", "float32"),
+    (not_run("needs a CUDA GPU", "ms"), "", "not run (needs a CUDA GPU)"),
+    (not_run("needs a CUDA GPU", "ms"), ".1f", "not run (needs a CUDA GPU)"),
+])
+def test_format_value(leaf, spec, expected):
+    assert format_value(leaf, spec) == expected
+
+
+def test_committed_results_file_fits_the_schema():
+    if not COMMITTED.exists():
+        pytest.skip("results/results.json is not committed yet")
+    read(COMMITTED)
