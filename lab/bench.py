@@ -6,19 +6,35 @@ import time
 import torch
 
 
-def time_call(fn, warmup: int = 2, reps: int = 7, min_seconds: float = 0.0) -> dict:
-    """Run fn() `warmup` times untimed, then at least `reps` times (and at least `min_seconds` in all).
+def _sync(device):
+    if torch.device(device).type == "cuda":  # kernels run asynchronously: wait before reading the clock
+        torch.cuda.synchronize()
 
-    Returns seconds: median, min, max, interquartile range, the count, and the torch thread count.
-    """
-    with torch.inference_mode():
-        for _ in range(warmup):
-            fn()
-        times, start = [], time.perf_counter()
-        while len(times) < reps or time.perf_counter() - start < min_seconds:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+
+def summarize(times: list) -> dict:
+    """Median, min, max, interquartile range and count of a list of seconds, with the thread count."""
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     return dict(median=statistics.median(times), min=min(times), max=max(times), iqr=q[2] - q[0],
                 n=len(times), threads=torch.get_num_threads())
+
+
+def time_call(fn, warmup: int = 2, reps: int = 7, min_seconds: float = 0.0, device="cpu") -> dict:
+    """Run fn() `warmup` times untimed, then at least `reps` times (and at least `min_seconds` in all)."""
+    return time_steps(lambda: None, fn, warmup, reps, min_seconds, device)
+
+
+def time_steps(setup, step, warmup: int = 2, reps: int = 7, min_seconds: float = 0.0, device="cpu") -> dict:
+    """Time step() only; setup() runs untimed before every call (e.g. to crop a cache back to its length)."""
+    with torch.inference_mode():
+        for _ in range(warmup):
+            setup()
+            step()
+        times, start = [], time.perf_counter()
+        while len(times) < reps or time.perf_counter() - start < min_seconds:
+            setup()
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return summarize(times)

@@ -52,3 +52,39 @@ class RecomputeBackend:
         self.calls += 1  # counted only once the call succeeded
         self.positions += ids.shape[1]
         return logits
+
+
+class CachedBackend:
+    """Keeps a KV cache between calls and reuses it when it holds exactly the state for `ids[:-k]`, k >= 1.
+
+    `cache_factory()` makes an empty cache for the model. A call whose ids extend the ids the cache
+    holds by at least one token runs only the new tokens (a hit); any other call starts a new cache and
+    runs everything (a miss). The scores are the same either way; only the work differs.
+    """
+
+    def __init__(self, model, cache_factory):
+        self.model, self.cache_factory = model, cache_factory
+        self.cache, self.cached_ids = None, []  # the cache holds the state of exactly cached_ids
+        self.calls = self.hits = self.misses = 0
+        self.positions = 0
+
+    @torch.inference_mode()
+    def next_logits(self, ids) -> torch.Tensor:
+        from ..models import forward_cached
+
+        t = as_ids(ids, self.model.config.vocab_size)  # [1, T]
+        ids, n = t[0].tolist(), len(self.cached_ids)
+        hit = self.cache is not None and len(ids) > n and ids[:n] == self.cached_ids
+        if not hit:
+            self.cache, self.cached_ids, n = self.cache_factory(), [], 0
+        new = t[:, n:]                                   # [1, T - n]: only what the cache lacks
+        try:
+            logits = forward_cached(new, self.model.weights, self.model.config, self.cache, last_only=True)
+        except Exception:
+            self.cache, self.cached_ids = None, []      # a half-updated cache is never reused
+            raise
+        self.cached_ids = ids
+        self.calls += 1
+        self.hits, self.misses = self.hits + hit, self.misses + (not hit)
+        self.positions += new.shape[1]
+        return logits[0, -1]                             # [V]

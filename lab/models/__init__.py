@@ -12,4 +12,14 @@ def forward(ids, weights, config, last_only=False):
     return family.forward(ids, weights, config, last_only=last_only)
 
 
-__all__ = ["load", "forward", "Model", "ModelConfig", "InputError", "check_ids", "random_model", "KNOWN"]
+def forward_cached(ids, weights, config, cache, last_only=False):
+    """Forward through `cache`: ids `[B, T]` are the T tokens after the cache's length; logits `[B, T, V]`.
+
+    Prefill (empty cache), chunked prefill (several calls) and decode (T = 1) are the same call.
+    """
+    family = gpt2 if config.arch == "gpt2" else llama
+    return family.forward_cached(ids, weights, config, cache, last_only=last_only)
+
+
+__all__ = ["load", "forward", "forward_cached", "Model", "ModelConfig", "InputError", "check_ids", "random_model",
+           "KNOWN"]

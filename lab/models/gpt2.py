@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .attention import cached_attention
 from .checks import check_ids
 
 
@@ -59,4 +60,21 @@ def forward(ids, w, config, last_only=False):
     x = embed(ids, w, torch.arange(ids.shape[1], device=ids.device))
     for i in range(config.n_layers):
         x = block(x, w, i, config, causal_attention)
+    return head(x[:, -1:] if last_only else x, w, config)
+
+
+def forward_cached(ids, w, config, cache, last_only=False):
+    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, with one code path.
+
+    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits `[B, T, V]`.
+    The differences from `forward` are marked NEW.
+    """
+    cache.check_model(config)                                             # NEW: a cache fits one model shape
+    ids = check_ids(ids, config, offset=cache.length)
+    start, T = cache.length, ids.shape[1]                                 # NEW: continue after the cache
+    x = embed(ids, w, torch.arange(start, start + T, device=ids.device))  # NEW: positions start .. start+T-1
+    attend = cached_attention(cache, start, T, ids.device)                # NEW: keys and values via the cache
+    for i in range(config.n_layers):
+        x = block(x, w, i, config, attend)
+    cache.advance(T)                                                      # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

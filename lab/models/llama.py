@@ -9,6 +9,7 @@ than query heads), and a gated SiLU MLP. Weights keep their Hugging Face names; 
 import torch
 import torch.nn.functional as F
 
+from .attention import cached_attention
 from .checks import check_ids
 from .gpt2 import merge_heads, split_heads
 
@@ -69,4 +70,22 @@ def forward(ids, w, config, last_only=False):
     x = embed(ids, w)
     for i in range(config.n_layers):
         x = block(x, w, i, config, causal_attention, positions)
+    return head(x[:, -1:] if last_only else x, w, config)
+
+
+def forward_cached(ids, w, config, cache, last_only=False):
+    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, with one code path.
+
+    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits `[B, T, V]`.
+    The differences from `forward` are marked NEW.
+    """
+    cache.check_model(config)                                             # NEW: a cache fits one model shape
+    ids = check_ids(ids, config, offset=cache.length)
+    start, T = cache.length, ids.shape[1]                                 # NEW: continue after the cache
+    positions = torch.arange(start, start + T, device=ids.device)        # NEW: RoPE at the true positions
+    attend = cached_attention(cache, start, T, ids.device)                # NEW: keys and values via the cache
+    x = embed(ids, w)
+    for i in range(config.n_layers):
+        x = block(x, w, i, config, attend, positions)
+    cache.advance(T)                                                      # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

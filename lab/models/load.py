@@ -52,6 +52,15 @@ class Model:
     def dtype(self):
         return next(iter(self.weights.values())).dtype
 
+    @property
+    def device(self):
+        return next(iter(self.weights.values())).device
+
+    def to(self, device=None, dtype=None) -> "Model":
+        """The same model with its weights moved (e.g. to "cuda") or cast; the manifest stays the file hash."""
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in self.weights.items()}
+        return Model(self.name, self.config, weights, self.tokenizer, self.files, self._manifest)
+
     def n_params(self) -> int:
         return sum(t.numel() for t in self.weights.values())
 

@@ -1,0 +1,44 @@
+"""ConcatCache: grow each layer's keys and values by concatenation (what transformers' DynamicCache does).
+
+Every step allocates a new, longer tensor and copies the old one into it. Simple, and never full; the
+cost is a copy that grows with the length, and memory that comes and goes in ever larger blocks.
+Because a concatenation never writes into an existing tensor, a fork can share the parent's tensors.
+"""
+
+import torch
+
+from .base import KVCache
+
+
+class ConcatCache(KVCache):
+    def __init__(self, config, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+        super().__init__(config, batch_size, dtype, device)
+        self.keys, self.values = [None] * self.n_layers, [None] * self.n_layers  # per layer [B, H_kv, T, D]
+
+    def _store(self, layer, k, v):
+        old_k, old_v = self.keys[layer], self.values[layer]
+        # the first store copies: k and v may be views into a larger tensor (GPT-2's fused q|k|v output)
+        self.keys[layer] = k.clone() if old_k is None else torch.cat([old_k, k], dim=2)    # [B, H_kv, length+T, D]
+        self.values[layer] = v.clone() if old_v is None else torch.cat([old_v, v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def _truncate(self, n):
+        for i in range(self.n_layers):
+            if self.keys[i] is not None:
+                # clone, so the dropped positions' memory is really released (a slice would keep it alive)
+                self.keys[i] = self.keys[i][:, :, :n].clone() if n else None
+                self.values[i] = self.values[i][:, :, :n].clone() if n else None
+
+    def fork(self):
+        """An independent cache that shares the parent's tensors (safe: neither ever writes into them)."""
+        self._check_between_steps("fork")
+        child = ConcatCache(self.config, self.batch_size, self.dtype, self.device)
+        child.keys, child.values, child.length = list(self.keys), list(self.values), self.length
+        return child
+
+    def nbytes(self) -> int:
+        """Bytes of the storage really held (a view of a larger tensor would count the whole of it)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.keys + self.values if t is not None}
+        return sum(storages.values())
+

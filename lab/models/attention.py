@@ -1,0 +1,27 @@
+"""Attention through a cache: the one piece of the forward that a KV cache changes."""
+
+import torch
+import torch.nn.functional as F
+
+
+def offset_causal_mask(start: int, T: int, device=None) -> torch.Tensor:
+    """Which keys each of T new queries may see, when `start` positions are already cached.
+
+    Query i sits at absolute position start + i and sees keys 0 .. start + i: a bool `[T, start + T]`.
+    With start = 0 this is the ordinary causal mask; `is_causal=True` alone would align the triangle
+    to the top-left corner and hide cached keys from every query but the last (exercise, chapter 2).
+    """
+    q_pos = torch.arange(start, start + T, device=device)[:, None]  # [T, 1]
+    k_pos = torch.arange(start + T, device=device)[None, :]          # [1, start+T]
+    return k_pos <= q_pos
+
+
+def cached_attention(cache, start: int, T: int, device=None):
+    """An `attend(i, q, k, v)` that stores the new k, v in the cache and attends over all cached keys."""
+    mask = None if T == 1 else offset_causal_mask(start, T, device)  # one new query sees every cached key
+
+    def attend(i, q, k, v):
+        keys, values = cache.update(i, k, v)                          # [B, H_kv, start+T, D]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H_q, T, D]
+
+    return attend
