@@ -35,6 +35,7 @@ test: lint notebooks
 
 results: setup
 	$(PY) -m lab.experiments
+	$(PY) -m lab.experiments.gpu
 	$(PY) -m lab.readme
 	$(MAKE) book
 

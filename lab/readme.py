@@ -25,6 +25,18 @@ HEADLINES = [
     ("Ch. 1 — SmolLM2 perplexity, held-out Shakespeare / same words shuffled",
      ("ch01.perplexity.heldout", "ch01.perplexity.shuffled"), ".1f"),
     ("Ch. 1 — KV bytes per position, SmolLM2-135M (16-bit)", "ch01.bytes_per_position.SmolLM2-135M.kib", ""),
+    ("Ch. 2 — cached vs recomputed logits, SmolLM2, every step (max abs difference, static / concat)",
+     ("ch02.agreement.smollm2.static.vs_recompute_max", "ch02.agreement.smollm2.concat.vs_recompute_max"), ""),
+    ("Ch. 2 — cached greedy tokens identical to recomputation (SmolLM2, 48 tokens)",
+     "ch02.agreement.smollm2.static.tokens_identical", ""),
+    ("Ch. 3 — cached step speedup at T = 512, GPT-2 small shape / SmolLM2 (static cache)",
+     ("ch03.speedup.gpt2-random.T512.static", "ch03.speedup.smollm2.T512.static"), ".1f"),
+    ("Ch. 3 — lab / transformers time per decode token at 512, static caches, GPT-2 shape / SmolLM2",
+     ("ch03.library.gpt2-random.ratio_static", "ch03.library.smollm2.ratio_static"), ".2f"),
+    ("Ch. 3 — peak extra memory decoding 960 tokens at batch 8, GPT-2 shape, concat / static (MiB)",
+     ("ch03.memory.gpt2-random.concat.B8.peak_extra_mib", "ch03.memory.gpt2-random.static.B8.peak_extra_mib"),
+     ".0f"),
+    ("Ch. 3 — the same on a GPU", "ch03_gpu.step_ms", ""),
 ]
 
 

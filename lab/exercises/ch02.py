@@ -22,8 +22,9 @@ def _chunked_logits(model, ids, chunk, mask_fn):
                                                   enable_gqa=True)
 
         x = llama.embed(piece, w)
+        rope_cs = llama.rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i in range(cfg.n_layers):
-            x = llama.block(x, w, i, cfg, attend, positions)
+            x = llama.block(x, w, i, cfg, attend, rope_cs)
         cache.advance(T)
         out.append(llama.head(x, w, cfg))
     return torch.cat(out, dim=1)

@@ -2,7 +2,7 @@
 
 from importlib import import_module
 
-CHAPTERS = {"ch01": "ch01_recompute"}
+CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_savings"}
 
 
 def chapter(name: str):

@@ -19,12 +19,16 @@ def rms_norm(x, weight, eps):  # normalise by the root mean square, in float32 a
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope(x, positions, theta):
-    """Rotate pairs (j, j + D/2) of every head by angle position * theta^(-2j/D). x: [B, H, T, D]."""
+def rope_tables(positions, head_dim, theta, dtype):
+    """cos and sin `[T, D]` of angle position * theta^(-2j/D) for pair j; computed once per forward."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)  # [D/2]
+    angles = positions.float()[:, None] * inv_freq[None, :]                                             # [T, D/2]
+    return angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
+
+
+def rope(x, cos, sin):
+    """Rotate the pairs (j, j + D/2) of every head of x `[B, H, T, D]` by the angles in cos, sin `[T, D]`."""
     D = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device).float() / D)  # [D/2]
-    angles = positions.float()[:, None] * inv_freq[None, :]                          # [T, D/2]
-    cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)  # [T, D]
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -33,8 +37,9 @@ def project(h, w, name):  # a linear layer, with its bias when the checkpoint ha
     return F.linear(h, w[name + ".weight"], w.get(name + ".bias"))
 
 
-def block(x, w, i, config, attend, positions):
-    """One decoder layer. `attend(i, q, k, v)` is layer i's attention; q `[B, Hq, T, D]`, k, v `[B, Hkv, T, D]`."""
+def block(x, w, i, config, attend, rope_cs):
+    """One decoder layer. `attend(i, q, k, v)` is layer i's attention on q `[B, Hq, T, D]`, k, v `[B, Hkv, T, D]`;
+    rope_cs = (cos, sin), each `[T, D]`, from `rope_tables`."""
     p, eps = f"model.layers.{i}.", config.norm_eps
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
     q = split_heads(project(h, w, p + "self_attn.q_proj"), config.n_heads)     # [B, Hq, T, D]
@@ -43,7 +48,7 @@ def block(x, w, i, config, attend, positions):
     if p + "self_attn.q_norm.weight" in w:  # Qwen3 normalises each head before RoPE
         q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
-    q, k = rope(q, positions, config.rope_theta), rope(k, positions, config.rope_theta)
+    q, k = rope(q, *rope_cs), rope(k, *rope_cs)
     x = x + F.linear(merge_heads(attend(i, q, k, v)), w[p + "self_attn.o_proj.weight"])
     h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = F.linear(h, w[p + "mlp.gate_proj.weight"]), F.linear(h, w[p + "mlp.up_proj.weight"])
@@ -68,8 +73,9 @@ def forward(ids, w, config, last_only=False):
     ids = check_ids(ids, config)
     positions = torch.arange(ids.shape[1], device=ids.device)
     x = embed(ids, w)
+    rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
     for i in range(config.n_layers):
-        x = block(x, w, i, config, causal_attention, positions)
+        x = block(x, w, i, config, causal_attention, rope_cs)
     return head(x[:, -1:] if last_only else x, w, config)
 
 
@@ -85,7 +91,8 @@ def forward_cached(ids, w, config, cache, last_only=False):
     positions = torch.arange(start, start + T, device=ids.device)        # NEW: RoPE at the true positions
     attend = cached_attention(cache, start, T, ids.device)                # NEW: keys and values via the cache
     x = embed(ids, w)
+    rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
     for i in range(config.n_layers):
-        x = block(x, w, i, config, attend, positions)
+        x = block(x, w, i, config, attend, rope_cs)
     cache.advance(T)                                                      # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

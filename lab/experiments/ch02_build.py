@@ -1,0 +1,192 @@
+"""Chapter 2, "Building the cache": the cache computes the same function as recomputation.
+
+Every measurement compares the cached forward with an independent oracle: `forward` on the whole
+prefix (recomputation), and the transformers model running with its own cache.
+"""
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import data
+from ..cache import ConcatCache, StaticCache, cache_bytes
+from ..models import forward, forward_cached, load
+from ..results import figures_dir, provenance, quick, value, write_section
+
+SECTION = "ch02"
+DESIGNS = {"concat": lambda cfg, n, B=1: ConcatCache(cfg, batch_size=B),
+           "static": lambda cfg, n, B=1: StaticCache(cfg, max_tokens=n, batch_size=B)}
+
+
+def settings(quick_mode: bool) -> dict:
+    if quick_mode:
+        return dict(steps={"smollm2": 16, "gpt2-random": 8}, prompt=17, chunk_tokens=150, fork_prefix=128)
+    return dict(steps={"smollm2": 48, "gpt2-random": 32}, prompt=17, chunk_tokens=150, fork_prefix=512)
+
+
+@torch.inference_mode()
+def step_agreement(model, design: str, prompt_len=17, steps=48) -> dict:
+    """Greedy decode through a cache; at every step compare its logits with recomputation and with
+    the transformers model stepping with its own cache. Returns per-step max |Δ| lists and the tokens."""
+    from ..models.hf import to_transformers
+
+    cfg, w = model.config, model.weights
+    ids = torch.tensor([data.passages(model.tokenizer, prompt_len, 1)[0]]) if model.tokenizer.vocab_size > 256 \
+        else torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    cache = DESIGNS[design](cfg, prompt_len + steps)
+    hf = to_transformers(model)
+    seq, out = ids, forward_cached(ids, w, cfg, cache)[:, -1]       # prefill: [1, V]
+    hf_out = hf(ids, use_cache=True)
+    past, hf_logits = hf_out.past_key_values, hf_out.logits[:, -1]
+    vs_recompute, vs_library, tokens, ref_tokens = [], [], [], []
+    for _ in range(steps):
+        ref = forward(seq, w, cfg)[:, -1]                             # recomputation of the whole prefix
+        vs_recompute.append((out - ref).abs().max().item())
+        vs_library.append((out - hf_logits).abs().max().item())
+        token = out.argmax(-1, keepdim=True)                          # [1, 1]
+        tokens.append(int(token)), ref_tokens.append(int(ref.argmax()))
+        seq = torch.cat([seq, token], dim=1)
+        out = forward_cached(token, w, cfg, cache)[:, -1]
+        hf_out = hf(token, past_key_values=past, use_cache=True)
+        past, hf_logits = hf_out.past_key_values, hf_out.logits[:, -1]
+    return dict(vs_recompute=vs_recompute, vs_library=vs_library, tokens=tokens, tokens_identical=tokens == ref_tokens,
+                scale=ref.abs().max().item())
+
+
+@torch.inference_mode()
+def chunked_prefill(model, design: str, n_tokens=150, chunks=(1, 7, 64)) -> dict:
+    """Prefill in chunks of c tokens against a one-shot prefill: max |Δ| over all positions' logits."""
+    cfg, w = model.config, model.weights
+    ids = torch.tensor([data.passages(model.tokenizer, n_tokens, 1, seed=3)[0]])
+    one_shot = forward_cached(ids, w, cfg, DESIGNS[design](cfg, n_tokens))
+    out = {}
+    for c in chunks:
+        cache = DESIGNS[design](cfg, n_tokens)
+        pieces = [forward_cached(ids[:, s:s + c], w, cfg, cache) for s in range(0, n_tokens, c)]
+        out[c] = (torch.cat(pieces, dim=1) - one_shot).abs().max().item()
+    return out
+
+
+@torch.inference_mode()
+def fork_check(model, design: str, prefix=512) -> dict:
+    """Fork a cache after a long prefix and continue parent and child with different tokens."""
+    cfg, w = model.config, model.weights
+    ids = torch.tensor([data.passages(model.tokenizer, prefix, 1, seed=4)[0]])
+    parent = DESIGNS[design](cfg, prefix + 1)
+    forward_cached(ids, w, cfg, parent)
+    snapshot = [t.clone() for t in _tensors(parent)]
+    child = parent.fork()
+    shared = _shared_bytes(parent, child)  # right after the fork, before either writes
+    a, b = torch.tensor([[11]]), torch.tensor([[4000]])
+    child_out = forward_cached(b, w, cfg, child)[:, -1]
+    after = _tensors(parent)
+    untouched = parent.length == prefix and all(torch.equal(x, y) for x, y in zip(after, snapshot, strict=True))
+    parent_out = forward_cached(a, w, cfg, parent)[:, -1]
+    ref_a, ref_b = forward(torch.cat([ids, a], 1), w, cfg)[:, -1], forward(torch.cat([ids, b], 1), w, cfg)[:, -1]
+    return dict(parent_vs_recompute=(parent_out - ref_a).abs().max().item(),
+                child_vs_recompute=(child_out - ref_b).abs().max().item(), parent_untouched=untouched,
+                shared_bytes=shared, parent_bytes=parent.nbytes())
+
+
+def _tensors(cache):
+    if isinstance(cache, ConcatCache):
+        return [t[:, :, :cache.length] for t in cache.keys + cache.values]
+    return [cache.k_buf[:, :, :, :cache.length], cache.v_buf[:, :, :, :cache.length]]
+
+
+def _shared_bytes(a, b) -> int:
+    """Bytes of storage the two caches share (a fork of a ConcatCache shares everything until it grows)."""
+    ptrs = lambda c: {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(c)}
+    pa, pb = ptrs(a), ptrs(b)
+    return sum(n for p, n in pa.items() if p in pb)
+
+
+@torch.inference_mode()
+def crop_check(model, design: str, keep=40, extra=9, cont=5) -> float:
+    """Crop after `extra` unwanted positions and continue; compare with a cache that never held them."""
+    cfg, w = model.config, model.weights
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (1, keep + extra), generator=g)
+    more = torch.randint(0, cfg.vocab_size, (1, cont), generator=g)
+    cropped, clean = DESIGNS[design](cfg, keep + extra + cont), DESIGNS[design](cfg, keep + extra + cont)
+    forward_cached(ids, w, cfg, cropped)
+    cropped.crop(keep)
+    forward_cached(ids[:, :keep], w, cfg, clean)
+    return (forward_cached(more, w, cfg, cropped) - forward_cached(more, w, cfg, clean)).abs().max().item()
+
+
+def bytes_check(model, design: str, tokens=100, batch=2) -> dict:
+    cfg = model.config
+    cache = DESIGNS[design](cfg, tokens, batch)
+    with torch.inference_mode():
+        forward_cached(torch.zeros(batch, tokens, dtype=torch.long), model.weights, cfg, cache)
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(cache)}.values())
+    return dict(nbytes=cache.nbytes(), formula=cache_bytes(cfg, tokens, batch), held=held)
+
+
+def plot_agreement(runs: dict, path=None):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for (model, design), r in runs.items():
+        ax.plot(r["vs_recompute"], label=f"{model} {design}: vs recomputation")
+        ax.plot(r["vs_library"], "--", label=f"{model} {design}: vs transformers' cache")
+    ax.set(yscale="symlog", ylim=(0, None), xlabel="decode step", ylabel="max |Δ logit|",
+           title="Cached logits against two oracles, every step")
+    ax.yaxis.set_major_locator(plt.matplotlib.ticker.SymmetricalLogLocator(base=10, linthresh=1e-7))
+    ax.set_yscale("symlog", linthresh=1e-7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def measure(quick_mode=None) -> dict:
+    s = settings(quick() if quick_mode is None else quick_mode)
+    smol, gpt2 = load("smollm2"), load("gpt2-random")
+    runs = {(m.name, d): step_agreement(m, d, s["prompt"], s["steps"][m.name])
+            for m in tqdm((smol, gpt2), desc="step agreement") for d in DESIGNS}
+    return dict(settings=s, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, runs=runs,
+                chunked={d: chunked_prefill(smol, d, s["chunk_tokens"]) for d in DESIGNS},
+                fork={d: fork_check(smol, d, s["fork_prefix"]) for d in DESIGNS},
+                crop={d: crop_check(smol, d) for d in DESIGNS},
+                bytes={d: bytes_check(smol, d) for d in DESIGNS})
+
+
+def record(m: dict) -> dict:
+    import statistics
+
+    figs = figures_dir()
+    plot_agreement(m["runs"], figs / "ch02_agreement.png")
+    agree = {}
+    for (model, design), r in m["runs"].items():
+        agree.setdefault(model, {})[design] = {
+            "vs_recompute_max": value(max(r["vs_recompute"]), "logit"),
+            "vs_recompute_median": value(statistics.median(r["vs_recompute"]), "logit"),
+            "vs_library_max": value(max(r["vs_library"]), "logit"),
+            "vs_library_median": value(statistics.median(r["vs_library"]), "logit"),
+            "logit_scale": value(r["scale"], "logit"),
+            "steps": value(len(r["tokens"]), "steps"),
+            "tokens_identical": value(r["tokens_identical"], None)}
+    values = {
+        "agreement": agree,
+        "chunked_prefill": {d: {f"chunk{c}": value(x, "logit") for c, x in by_c.items()}
+                            for d, by_c in m["chunked"].items()},
+        "fork": {d: {"parent_vs_recompute": value(r["parent_vs_recompute"], "logit"),
+                     "child_vs_recompute": value(r["child_vs_recompute"], "logit"),
+                     "parent_untouched": value(r["parent_untouched"], None),
+                     "shared_mib": value(r["shared_bytes"] / 2**20, "MiB", note="storage parent and child share"),
+                     "parent_mib": value(r["parent_bytes"] / 2**20, "MiB"),
+                     "prefix": value(m["settings"]["fork_prefix"], "tokens")} for d, r in m["fork"].items()},
+        "crop": {d: value(x, "logit") for d, x in m["crop"].items()},
+        "bytes": {d: {k: value(v, "bytes") for k, v in r.items()} for d, r in m["bytes"].items()},
+    }
+    figures = {"agreement": {"path": figs / "ch02_agreement.png", "caption": "Per-step logit agreement"}}
+    write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
+    return values
+
+
+def run(quick_mode=None) -> dict:
+    m = measure(quick_mode)
+    record(m)
+    return m

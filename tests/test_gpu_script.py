@@ -1,0 +1,38 @@
+"""The GPU script runs its code path on the CPU (--dry-run), and without a GPU records NOT_RUN without
+ever overwriting GPU measurements already in the file."""
+
+import pytest
+
+from lab import results
+from lab.experiments import gpu
+
+
+@pytest.fixture
+def results_file(tmp_path, monkeypatch):
+    path = tmp_path / "results.json"
+    monkeypatch.setenv("LAB_RESULTS", str(path))
+    return path
+
+
+def test_dry_run_measures_on_cpu(results_file):
+    values = gpu.run(dry_run=True)
+    doc = results.read(results_file)
+    assert "gpu_dryrun" in doc["sections"] and "ch03_gpu" not in doc["sections"]
+    step = values["step_ms"]["tiny-llama"]["T64"]
+    assert step["uncached"]["value"] > 0 and step["static"]["value"] > 0
+    assert values["memory"]["tiny-llama"]["static"]["B2"]["cache_mib"]["value"] > 0
+
+
+def test_without_cuda_records_not_run(results_file, monkeypatch):
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
+    assert gpu.run() is None
+    leaf = results.get("ch03_gpu.step_ms")
+    assert leaf["value"] == "NOT_RUN" and "CUDA" in leaf["reason"]
+
+
+def test_not_run_never_overwrites_gpu_measurements(results_file, monkeypatch):
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
+    measured = {"step_ms": {"smollm2": {"T16": {"static": results.value(9.0, "ms")}}}}
+    results.write_section("ch03_gpu", measured, results.provenance())
+    gpu.run()
+    assert results.get("ch03_gpu.step_ms.smollm2.T16.static")["value"] == 9.0
