@@ -70,3 +70,43 @@ def test_ch03_flop_checks():
     with pytest.raises(AssertionError, match="PyTorch counted"):  # treats every head as a kv head
         ch03.check_decode_flops(lambda c, T: sol3.decode_flops(
             type(c)(**{**c.to_dict(), "n_kv_heads": c.n_heads}), T))
+
+
+def test_ch04_prefix_store_check():
+    from lab.exercises import ch04
+    from lab.exercises import ch04_solutions as sol4
+
+    assert ch04.check_prefix_store(sol4.LRUPrefixStore) > 0.25
+
+    class IgnoresIdentity(sol4.LRUPrefixStore):  # serves another tenant's state: must be caught
+        def lookup(self, identity, ids):
+            for key, (_, stored, cache) in self.entries.items():
+                self.entries[key] = (identity, stored, cache)
+            return super().lookup(identity, ids)
+
+    class NeverStores:
+        def __init__(self, capacity):
+            pass
+
+        def lookup(self, identity, ids):
+            return None, 0
+
+        def insert(self, identity, ids, cache):
+            pass
+
+    with pytest.raises(AssertionError, match="only 0"):
+        ch04.check_prefix_store(NeverStores)
+    with pytest.raises(AssertionError, match="another tenant|differ from recomputation"):
+        ch04.check_prefix_store(IgnoresIdentity)
+
+
+def test_ch05_checks():
+    from lab.exercises import ch05
+    from lab.exercises import ch05_solutions as sol5
+
+    assert ch05.check_speculative_rollback(sol5.speculative_step)
+    assert ch05.check_best_block_size(sol5.best_block_size)
+    with pytest.raises(AssertionError):  # forgets to roll back
+        ch05.check_speculative_rollback(lambda cache, accepted, drafted: None)
+    with pytest.raises(AssertionError):  # ignores the block-table bytes: always the smallest block
+        ch05.check_best_block_size(lambda lengths, candidates, bpp: min(candidates))

@@ -104,6 +104,14 @@ class KVCache:
         self._truncate(n)
         self.length, self.pending = n, [0] * self.n_layers
 
+    @property
+    def max_length(self) -> int:
+        return self.length
+
+    def next_positions(self, T: int, device=None) -> torch.Tensor:
+        """Positions of the next T tokens: `[T]`, or `[B, T]` in a cache whose sequences differ in length."""
+        return torch.arange(self.length, self.length + T, device=device)
+
     def _check_between_steps(self, what):
         if any(self.pending):
             raise CacheStateError(f"{what}() in the middle of a step (layers hold pending positions {self.pending}); "

@@ -1,7 +1,9 @@
-"""The engine: backends that take ids and return scores, and the loop that generates through them."""
+"""The engine: backends that take ids and return scores, state identity, and the generation loop."""
 
-from .backends import CachedBackend, RecomputeBackend, as_ids
+from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids
 from .generate import Generation, generate, positions_cached, positions_uncached
+from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 
-__all__ = ["CachedBackend", "RecomputeBackend", "as_ids", "Generation", "generate", "positions_cached",
-           "positions_uncached"]
+__all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
+           "positions_cached", "positions_uncached", "IdentityError", "StateIdentity", "identity_of", "key_for",
+           "prefix_key"]

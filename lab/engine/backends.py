@@ -11,6 +11,7 @@ import torch
 
 from ..models import forward
 from ..models.checks import InputError
+from .identity import identity_of, key_for, model_identity
 
 
 def as_ids(ids, vocab_size: int) -> torch.Tensor:
@@ -55,36 +56,93 @@ class RecomputeBackend:
 
 
 class CachedBackend:
-    """Keeps a KV cache between calls and reuses it when it holds exactly the state for `ids[:-k]`, k >= 1.
+    """Keeps a KV cache between calls, and serves from it only when it provably holds the right state.
 
-    `cache_factory()` makes an empty cache for the model. A call whose ids extend the ids the cache
-    holds by at least one token runs only the new tokens (a hit); any other call starts a new cache and
-    runs everything (a miss). The scores are the same either way; only the work differs.
+    On every call it computes the key of the state it would need — model manifest, tokenizer (with chat
+    template), compute and cache dtype, cache kind, position configuration, salt, and the exact ids
+    `ids[:-k]` for some k >= 1 — and compares it with the key of the state its cache holds. Equal: run
+    only the k new tokens (a hit). Different in any way (another model, tokenizer, dtype or salt;
+    identical ids; a diverging prefix): discard the cache and recompute (a miss). With
+    `longest_prefix=True`, a state of the same identity whose ids share a prefix with the request is
+    cropped to that prefix and only the rest is run (a hit after a crop).
+
+    The scores are the same either way; only the work differs. Counters: calls, hits, misses, crops,
+    positions (positions pushed through the model).
     """
 
-    def __init__(self, model, cache_factory):
+    def __init__(self, model, cache_factory, longest_prefix=False, salt=None):
+        model_identity(model)  # refuse at once a model whose identity cannot be computed
         self.model, self.cache_factory = model, cache_factory
-        self.cache, self.cached_ids = None, []  # the cache holds the state of exactly cached_ids
-        self.calls = self.hits = self.misses = 0
-        self.positions = 0
+        self.longest_prefix, self.salt = longest_prefix, salt
+        self.cache, self.cached_ids, self.cached_identity, self.cached_key = None, [], None, None
+        self.calls = self.hits = self.misses = self.crops = self.positions = 0
+
+    def reusable_prefix(self, ids: list, salt) -> int:
+        """How many leading positions of `ids` the current cache provably holds (0: none)."""
+        if self.cache is None:
+            return 0
+        identity = identity_of(self.model, self.cache, salt)
+        if identity != self.cached_identity:
+            return 0                                          # another model, tokenizer, dtype, salt ...
+        n = len(self.cached_ids)
+        if n < len(ids) and key_for(identity, ids[:n]) == self.cached_key:
+            return n                                          # exactly the state of ids[:-k], k >= 1
+        if self.longest_prefix:
+            m = 0
+            limit = min(n, len(ids) - 1)                      # at least one token must be run
+            while m < limit and self.cached_ids[m] == ids[m]:
+                m += 1
+            return m
+        return 0
+
+    @torch.inference_mode()
+    def next_logits(self, ids, salt=None) -> torch.Tensor:
+        from ..models import forward_cached
+
+        t = as_ids(ids, self.model.config.vocab_size)       # [1, T]
+        ids, salt = t[0].tolist(), self.salt if salt is None else salt
+        n = self.reusable_prefix(ids, salt)
+        if n == 0:
+            self.cache = self.cache_factory()
+        elif n < self.cache.length:
+            self.cache.crop(n)                                # drop the diverging tail (longest-prefix mode)
+        identity = identity_of(self.model, self.cache, salt)
+        try:
+            logits = forward_cached(t[:, n:], self.model.weights, self.model.config, self.cache, last_only=True)
+        except Exception:
+            self.cache, self.cached_ids, self.cached_identity, self.cached_key = None, [], None, None
+            raise                                             # a half-updated cache is never reused
+        crop = 0 < n < len(self.cached_ids)
+        self.cached_ids, self.cached_identity, self.cached_key = ids, identity, key_for(identity, ids)
+        self.calls += 1
+        self.hits, self.misses, self.crops = self.hits + (n > 0), self.misses + (n == 0), self.crops + crop
+        self.positions += len(ids) - n
+        return logits[0, -1]                                  # [V]
+
+
+class LibraryBackend:
+    """The transformers model on the same weights, with its own cache (`use_cache=True`) or without.
+
+    With a cache it keeps `past_key_values` and reuses them when the ids extend the ids they hold.
+    """
+
+    def __init__(self, model, use_cache=True):
+        from ..models.hf import to_transformers
+
+        self.model, self.hf, self.use_cache = model, to_transformers(model), use_cache
+        self.past, self.cached_ids = None, []
+        self.calls = self.hits = self.misses = self.positions = 0
 
     @torch.inference_mode()
     def next_logits(self, ids) -> torch.Tensor:
-        from ..models import forward_cached
-
-        t = as_ids(ids, self.model.config.vocab_size)  # [1, T]
+        t = as_ids(ids, self.model.config.vocab_size)
         ids, n = t[0].tolist(), len(self.cached_ids)
-        hit = self.cache is not None and len(ids) > n and ids[:n] == self.cached_ids
+        hit = self.use_cache and self.past is not None and n < len(ids) and ids[:n] == self.cached_ids
         if not hit:
-            self.cache, self.cached_ids, n = self.cache_factory(), [], 0
-        new = t[:, n:]                                   # [1, T - n]: only what the cache lacks
-        try:
-            logits = forward_cached(new, self.model.weights, self.model.config, self.cache, last_only=True)
-        except Exception:
-            self.cache, self.cached_ids = None, []      # a half-updated cache is never reused
-            raise
-        self.cached_ids = ids
-        self.calls += 1
-        self.hits, self.misses = self.hits + hit, self.misses + (not hit)
-        self.positions += new.shape[1]
-        return logits[0, -1]                             # [V]
+            self.past, n = None, 0
+        out = self.hf(t[:, n:], past_key_values=self.past, use_cache=self.use_cache)
+        if self.use_cache:
+            self.past, self.cached_ids = out.past_key_values, ids
+        self.calls, self.hits, self.misses = self.calls + 1, self.hits + hit, self.misses + (not hit)
+        self.positions += len(ids) - n
+        return out.logits[0, -1]

@@ -2,7 +2,8 @@
 
 from importlib import import_module
 
-CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_savings"}
+CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_savings",
+            "ch04": "ch04_identity"}
 
 
 def chapter(name: str):

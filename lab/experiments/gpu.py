@@ -1,8 +1,10 @@
 """`python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (under 5 minutes).
 
-On a machine with a GPU it runs chapter 3's step-time sweep and memory probe on CUDA and writes section
-`ch03_gpu` of results.json with the GPU's provenance. Without one, it records NOT_RUN with the reason —
-unless the section already holds measurements, which a CPU-only run must never overwrite.
+On a machine with a GPU it runs chapter 3's step-time sweep and memory probe on CUDA (section `ch03_gpu`
+of results.json) and chapter 5's paged-attention kernel: achieved bandwidth at contexts 4k-32k and batch
+1-64, and the kernel against SDPA on a contiguous cache (section `ch05_gpu`), with the GPU's provenance.
+Without one, it records NOT_RUN with the reason — unless a section already holds measurements, which a
+CPU-only run must never overwrite.
 
 `--dry-run` runs the same code on the CPU with tiny sizes, into section `gpu_dryrun`, so the tests can
 exercise the script on machines without a GPU.
@@ -19,14 +21,63 @@ from . import ch03_savings as ch03
 from . import memory
 
 SECTION = "ch03_gpu"
+SECTION5 = "ch05_gpu"
 
 
 def settings(dry_run: bool) -> dict:
-    if dry_run:
+    if dry_run:  # the kernel runs under Triton's interpreter here: tiny shapes
         return dict(device="cpu", models=("tiny-llama",), contexts=[16, 64], reps=2, warmup=1, memory_tokens=48,
-                    batches=(1, 2), section="gpu_dryrun")
+                    batches=(1, 2), section="gpu_dryrun", kernel_contexts=[40], kernel_batches=[1, 2],
+                    kernel_heads=(4, 2), kernel_head_dim=16, kernel_dtype=torch.float32, kernel_reps=1,
+                    section5="gpu_dryrun_ch05")
     return dict(device="cuda", models=("gpt2-random", "smollm2"), contexts=[16, 32, 64, 128, 256, 512, 960],
-                reps=10, warmup=3, memory_tokens=960, batches=(1, 8), section=SECTION)
+                reps=10, warmup=3, memory_tokens=960, batches=(1, 8), section=SECTION,
+                kernel_contexts=[4096, 8192, 16384, 32768], kernel_batches=[1, 4, 16, 64],
+                kernel_heads=(32, 8), kernel_head_dim=128, kernel_dtype=torch.float16, kernel_reps=20,
+                section5=SECTION5)
+
+
+# Peak memory bandwidth by GPU name, from the vendor's product page (shared/FACTS.md); others: not known here.
+PEAK_BYTES_PER_S = {"H200": 4.8e12}
+
+
+def peak_bandwidth(name: str):
+    return next((v for k, v in PEAK_BYTES_PER_S.items() if k in name), None)
+
+
+@torch.inference_mode()
+def kernel_case(B, L, s, gpu) -> dict:
+    """One (batch, context): the kernel's time and bandwidth, and SDPA over a contiguous cache."""
+    import torch.nn.functional as F
+
+    from ..bench import time_call
+    from ..kernels import paged_attention
+    from .ch05_paged import paged_copy
+
+    (Hq, Hkv), D, dtype, device = s["kernel_heads"], s["kernel_head_dim"], s["kernel_dtype"], s["device"]
+    g = torch.Generator().manual_seed(L + B)
+    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)                          # [B, H_q, D]
+    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))         # [B, H_kv, L, D]
+    pool_k, pool_v, tables, lengths = (t.to(device) for t in paged_copy(k, v, 16, g))
+    k, v = k.to(device), v.to(device)
+    kernel = time_call(lambda: paged_attention(q, pool_k, pool_v, tables, lengths), 2, s["kernel_reps"], device=device)
+    sdpa = time_call(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True), 2,
+                     s["kernel_reps"], device=device)
+    bandwidth = 2 * B * L * Hkv * D * k.element_size() / kernel["median"]              # every key and value once
+    peak = peak_bandwidth(gpu)
+    return {"kernel_ms": value(kernel["median"] * 1e3, "ms", n=kernel["n"]),
+            "sdpa_contiguous_ms": value(sdpa["median"] * 1e3, "ms"),
+            "kernel_over_sdpa": value(kernel["median"] / sdpa["median"], "x"),
+            "bandwidth_gb_s": value(bandwidth / 1e9, "GB/s"),
+            "fraction_of_peak": (value(bandwidth / peak * 100, "%") if peak
+                                 else value("unknown", None, note=f"no peak bandwidth known for {gpu}"))}
+
+
+def kernel_bandwidth(s: dict) -> dict:
+    """The Triton paged-attention kernel's achieved bandwidth (bytes of K and V read / time), and its time
+    against scaled_dot_product_attention over a contiguous cache, per (batch, context)."""
+    gpu = torch.cuda.get_device_name(0) if s["device"] == "cuda" else "cpu (interpreter)"
+    return {f"B{B}": {f"T{L}": kernel_case(B, L, s, gpu) for L in s["kernel_contexts"]} for B in s["kernel_batches"]}
 
 
 def has_measurements(section: str) -> bool:
@@ -45,13 +96,16 @@ def has_measurements(section: str) -> bool:
 
 
 def record_not_run(reason: str):
-    if has_measurements(SECTION):
-        print(f"{SECTION}: keeping the GPU measurements already in {results_path()} ({reason})")
-        return
-    values = {"step_ms": not_run(reason, "ms"), "speedup": not_run(reason, "x"),
-              "memory": {"allocated_extra_mib": not_run(reason, "MiB"), "reserved_extra_mib": not_run(reason, "MiB")}}
-    write_section(SECTION, values, provenance())
-    print(f"{SECTION}: NOT_RUN ({reason})")
+    blanks = {SECTION: {"step_ms": not_run(reason, "ms"), "speedup": not_run(reason, "x"),
+                        "memory": {"allocated_extra_mib": not_run(reason, "MiB"),
+                                   "reserved_extra_mib": not_run(reason, "MiB")}},
+              SECTION5: {"bandwidth": not_run(reason, "GB/s"), "kernel_over_sdpa": not_run(reason, "x")}}
+    for section, values in blanks.items():
+        if has_measurements(section):
+            print(f"{section}: keeping the GPU measurements already in {results_path()} ({reason})")
+            continue
+        write_section(section, values, provenance())
+        print(f"{section}: NOT_RUN ({reason})")
 
 
 def run(dry_run=False):
@@ -84,6 +138,9 @@ def run(dry_run=False):
         values["memory"].setdefault(r["model"], {}).setdefault(r["design"], {})[f"B{r['batch_size']}"] = entry
     values["seconds"] = value(time.perf_counter() - t0, "s")
     write_section(s["section"], values, provenance(manifest=manifests, dtype="float32"))
+    bandwidth = kernel_bandwidth(s)
+    write_section(s["section5"], {"bandwidth": bandwidth}, provenance(dtype=str(s["kernel_dtype"]),
+                                                                        heads=list(s["kernel_heads"])))
     print(f"{s['section']}: measured in {time.perf_counter() - t0:.0f} s on {s['device']}")
     return values
 

@@ -61,7 +61,7 @@ def lab_greedy(model, ids, new_tokens, design="concat") -> list:
 
 
 @torch.inference_mode()
-def lab_decode_time(model, design, context=512, new_tokens=32, reps=3, seed=0) -> dict:
+def lab_decode_time(model, design, context=512, new_tokens=32, reps=3, seed=0, warmup=True) -> dict:
     """Seconds per decode step of the lab's `forward_cached` with a ConcatCache or a StaticCache.
 
     Per rep: a fresh cache, an untimed prefill of `context` random ids, then `new_tokens` timed greedy
@@ -70,7 +70,7 @@ def lab_decode_time(model, design, context=512, new_tokens=32, reps=3, seed=0) -
     model = _model(model)
     ids, w, cfg = random_ids(model, context, seed), model.weights, model.config
     per_token = []
-    for rep in range(reps + 1):
+    for rep in range(reps + 1) if warmup else range(1, reps + 1):
         cache = make_cache(model, design, context + new_tokens)
         logits = forward_cached(ids, w, cfg, cache, last_only=True)        # prefill, untimed
         t0 = time.perf_counter()
@@ -92,7 +92,8 @@ def _generate(hf, ids, new_tokens, cache_implementation):
                            pad_token_id=0, eos_token_id=None, disable_compile=True)
 
 
-def library_decode_time(model, cache_implementation, context=512, new_tokens=32, reps=3, seed=0, hf=None) -> dict:
+def library_decode_time(model, cache_implementation, context=512, new_tokens=32, reps=3, seed=0, hf=None,
+                        warmup=True) -> dict:
     """Seconds per decode step of transformers' `generate` with cache_implementation "dynamic" or "static".
 
     Per rep: one call generating 1 token (prefill only) and one generating new_tokens; the decode time per
@@ -115,7 +116,7 @@ def library_decode_time(model, cache_implementation, context=512, new_tokens=32,
         return time.perf_counter() - t0
 
     per_token, full, prefill = [], [], []
-    for rep in range(reps + 1):
+    for rep in range(reps + 1) if warmup else range(1, reps + 1):
         p, f = timed(1), timed(new_tokens)
         if rep:                                                             # rep 0 is the warm-up
             prefill.append(p)
@@ -136,6 +137,24 @@ def tokens_match(model, hf, context=512, new_tokens=32, seed=0) -> dict:
     return dict(match=ours == theirs, lab=ours, library=theirs, first_mismatch=first)
 
 
+def interleaved(model, hf, context, new_tokens, reps, bar=None) -> dict:
+    """Time the four configurations in rounds (one warm-up of each, then `reps` rounds of all four), so that
+    a slow spell of this shared machine hits every configuration alike instead of one block of reps."""
+    runs = {f"lab_{d}": lambda d=d, **kw: lab_decode_time(model, d, context, new_tokens, **kw)
+            for d in ("concat", "static")}
+    runs |= {f"library_{i}": lambda i=i, **kw: library_decode_time(model, i, context, new_tokens, hf=hf, **kw)
+             for i in ("dynamic", "static")}
+    for run in runs.values():
+        run(reps=1, warmup=False)                                           # warm-up, discarded
+    per = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, run in runs.items():
+            per[k].append(run(reps=1, warmup=False)["median"])
+            if bar is not None:
+                bar.update(1 / reps)
+    return {k: _summary(v) for k, v in per.items()}
+
+
 def compare(model_names=("gpt2-random", "smollm2"), context=512, new_tokens=32, reps=3, progress=True) -> dict:
     """Seconds per decode token, lab vs library, per model, with lab/library ratios (> 1: the lab is slower)."""
     from ..models.hf import to_transformers
@@ -147,14 +166,7 @@ def compare(model_names=("gpt2-random", "smollm2"), context=512, new_tokens=32, 
         hf = to_transformers(model)
         match = tokens_match(model, hf, context, new_tokens)
         bar.update()
-        r = {}
-        for design in ("concat", "static"):
-            r[f"lab_{design}"] = lab_decode_time(model, design, context, new_tokens, reps)
-            bar.update()
-        for implementation in ("dynamic", "static"):
-            r[f"library_{implementation}"] = library_decode_time(model, implementation, context, new_tokens, reps,
-                                                                 hf=hf)
-            bar.update()
+        r = interleaved(model, hf, context, new_tokens, reps, bar)
         out[name] = dict(
             **{k: v["median"] for k, v in r.items()},
             ratio_static=r["lab_static"]["median"] / r["library_static"]["median"],

@@ -16,9 +16,16 @@ def offset_causal_mask(start: int, T: int, device=None) -> torch.Tensor:
     return k_pos <= q_pos
 
 
-def cached_attention(cache, start: int, T: int, device=None):
-    """An `attend(i, q, k, v)` that stores the new k, v in the cache and attends over all cached keys."""
-    mask = None if T == 1 else offset_causal_mask(start, T, device)  # one new query sees every cached key
+def cached_attention(cache, positions):
+    """An `attend(i, q, k, v)` that stores the new k, v in the cache and attends over all cached keys.
+
+    positions `[T]` are those of the new tokens. A cache with its own attention (the paged cache, which
+    reads keys page by page and handles sequences of different lengths) provides `attend` itself.
+    """
+    if hasattr(cache, "attend"):
+        return cache.attend
+    T, start = positions.shape[-1], int(positions[0])
+    mask = None if T == 1 else offset_causal_mask(start, T, positions.device)  # one query sees every key
 
     def attend(i, q, k, v):
         keys, values = cache.update(i, k, v)                          # [B, H_kv, start+T, D]

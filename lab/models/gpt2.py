@@ -70,11 +70,11 @@ def forward_cached(ids, w, config, cache, last_only=False):
     The differences from `forward` are marked NEW.
     """
     cache.check_model(config)                                             # NEW: a cache fits one model shape
-    ids = check_ids(ids, config, offset=cache.length)
-    start, T = cache.length, ids.shape[1]                                 # NEW: continue after the cache
-    x = embed(ids, w, torch.arange(start, start + T, device=ids.device))  # NEW: positions start .. start+T-1
-    attend = cached_attention(cache, start, T, ids.device)                # NEW: keys and values via the cache
+    ids = check_ids(ids, config, offset=cache.max_length)
+    positions = cache.next_positions(ids.shape[1], ids.device)           # NEW: continue after the cache
+    x = embed(ids, w, positions)                                          # NEW: positions length .. length+T-1
+    attend = cached_attention(cache, positions)                           # NEW: keys and values via the cache
     for i in range(config.n_layers):
         x = block(x, w, i, config, attend)
-    cache.advance(T)                                                      # NEW: commit the T positions
+    cache.advance(ids.shape[1])                                           # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

@@ -22,8 +22,12 @@ def rms_norm(x, weight, eps):  # normalise by the root mean square, in float32 a
 def rope_tables(positions, head_dim, theta, dtype):
     """cos and sin `[T, D]` of angle position * theta^(-2j/D) for pair j; computed once per forward."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)  # [D/2]
-    angles = positions.float()[:, None] * inv_freq[None, :]                                             # [T, D/2]
-    return angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
+    angles = positions.float()[..., None] * inv_freq                                                   # [T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)                                                       # [T, D]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    if positions.dim() == 2:  # [B, T] positions (sequences of different lengths): broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]                                                           # [B, 1, T, D]
+    return cos, sin
 
 
 def rope(x, cos, sin):
@@ -86,13 +90,12 @@ def forward_cached(ids, w, config, cache, last_only=False):
     The differences from `forward` are marked NEW.
     """
     cache.check_model(config)                                             # NEW: a cache fits one model shape
-    ids = check_ids(ids, config, offset=cache.length)
-    start, T = cache.length, ids.shape[1]                                 # NEW: continue after the cache
-    positions = torch.arange(start, start + T, device=ids.device)        # NEW: RoPE at the true positions
-    attend = cached_attention(cache, start, T, ids.device)                # NEW: keys and values via the cache
+    ids = check_ids(ids, config, offset=cache.max_length)
+    positions = cache.next_positions(ids.shape[1], ids.device)           # NEW: RoPE at the true positions
+    attend = cached_attention(cache, positions)                           # NEW: keys and values via the cache
     x = embed(ids, w)
     rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
     for i in range(config.n_layers):
         x = block(x, w, i, config, attend, rope_cs)
-    cache.advance(T)                                                      # NEW: commit the T positions
+    cache.advance(ids.shape[1])                                           # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

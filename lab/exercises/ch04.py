@@ -1,0 +1,72 @@
+"""Chapter 4 exercise: a store of cached prefixes, keyed by identity, with an eviction rule of your choice."""
+
+import random
+
+import torch
+
+from ..cache import ConcatCache
+from ..engine import identity_of
+from ..models import forward, forward_cached, load
+
+SYSTEMS = ["You are terse.", "You are a pirate.", "You translate to French.", "You write haiku.",
+           "You answer in JSON.", "You are a patient teacher of physics."]
+USERS = ["What is a cache?", "Why is the sky blue?", "Name three rivers.", "How do magnets work?",
+         "Tell me a joke.", "What is 17 times 3?"]
+
+
+def request_stream(n=48, seed=0):
+    """Requests that share system prompts: (text, who). Most go to the base model; some to a fine-tuned
+    variant of it (other weights, same shapes), some come from another tenant (another salt)."""
+    rng = random.Random(seed)
+    return [(f"<system>{rng.choice(SYSTEMS)}</system><user>{rng.choice(USERS)}</user>",
+             rng.choices(["base", "tuned", "tenant-b"], weights=[6, 1, 1])[0]) for _ in range(n)]
+
+
+@torch.inference_mode()
+def check_prefix_store(make_store, capacity=3):
+    """make_store(capacity) -> an object with lookup(identity, ids) -> (cache or None, n) and
+    insert(identity, ids, cache).
+
+    lookup returns a cache holding exactly ids[:n] (n < len(ids)) stored under the same identity, which the
+    caller may extend; insert keeps the state of ids. The check serves a stream of requests through your
+    store, compares every answer with recomputation, and reports the hit rate of your eviction rule.
+    """
+    from ..experiments.ch04_identity import scaled_mlp_model
+
+    base = load("tiny-llama")
+    models = {"base": base, "tuned": scaled_mlp_model(base, layer=1, factor=1.5), "tenant-b": base}
+    cfg = base.config
+    store = make_store(capacity)
+
+    # the rule itself: a state stored for one tenant is never offered to another, whatever the ids
+    ids = base.tokenizer.encode("<system>shared</system>")
+    cache = ConcatCache(cfg)
+    forward_cached(torch.tensor([ids]), base.weights, cfg, cache)
+    store.insert(identity_of(base, cache, "tenant-a"), ids, cache)
+    other, n = store.lookup(identity_of(base, ConcatCache(cfg), "tenant-c"), ids + [1])
+    assert other is None and n == 0, "a state stored under one salt was offered to another tenant"
+
+    store = make_store(capacity)
+    hits, saved, total = 0, 0, 0
+    for text, who in request_stream():
+        model, salt = models[who], "tenant-b" if who == "tenant-b" else None
+        w = model.weights
+        ids = model.tokenizer.encode(text)
+        identity = identity_of(model, ConcatCache(cfg), salt)
+        cache, n = store.lookup(identity, ids)
+        if cache is None:
+            cache, n = ConcatCache(cfg), 0
+        assert 0 <= n < len(ids) and cache.length == n, f"lookup returned n={n} with a cache of {cache.length}"
+        got = forward_cached(torch.tensor([ids[n:]]), w, cfg, cache)[0, -1]
+        want = forward(torch.tensor([ids]), w, cfg)[0, -1]
+        assert (got - want).abs().max() < 1e-5, (
+            f"request {text!r} ({who}): served from a stored prefix of {n} tokens, the scores differ from "
+            "recomputation: the stored state was not the state of ids[:n] under this identity")
+        store.insert(identity, ids, cache)
+        hits, saved, total = hits + (n > 0), saved + n, total + len(ids)
+    stream = request_stream()
+    assert hits >= len(stream) // 4, (f"only {hits} of {len(stream)} requests reused a prefix: "
+                                      "the store keeps too little")
+    print(f"correct: {hits} of {len(stream)} requests reused a prefix; {saved} of {total} positions "
+          f"({saved / total:.0%}) were not recomputed (capacity {capacity})")
+    return hits / len(stream)

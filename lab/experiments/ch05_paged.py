@@ -1,0 +1,303 @@
+"""Chapter 5, "Paged attention": how much reserved memory holds real tokens, how many requests fit,
+what reading keys page by page costs on the CPU, and the paged cache checked token for token.
+
+Request lengths are SYNTHETIC: drawn from log-normal distributions whose means match the statistics the
+vLLM paper published for ShareGPT and Alpaca. No real trace ships in any package; every figure that uses
+these lengths says so.
+"""
+
+import math
+import statistics
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .. import data
+from ..bench import time_call
+from ..cache import BlockManager, ConcatCache, PagedCache, cache_bytes
+from ..engine import CachedBackend, generate
+from ..kernels import paged_attention_reference
+from ..models import forward_cached, load
+from ..results import figures_dir, provenance, quick, value, write_section
+
+SECTION = "ch05"
+DATASETS = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}  # mean input, mean output (vLLM paper)
+SIGMA = 1.0            # log-normal shape: an assumption (the paper gives means, not spreads); said in the chapter
+MAX_LEN = 2048         # the contiguous reservation "at the maximum length"
+ANSWER_BUDGET = 512    # max_new_tokens of the "prompt plus answer budget" reservation
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+SYNTHETIC = "synthetic lengths: log-normal, sigma 1.0, means of the vLLM paper's ShareGPT / Alpaca statistics"
+
+
+def settings(quick_mode: bool) -> dict:
+    if quick_mode:
+        return dict(requests=2000, contexts=(256, 1024), batches=(1,), reps=3, page_sizes=(1, 16, 64),
+                    new_tokens=8, manager_requests=200)
+    return dict(requests=20000, contexts=(256, 1024, 4096), batches=(1, 8), reps=9, page_sizes=(1, 16, 64),
+                new_tokens=24, manager_requests=2000)
+
+
+def synthetic_lengths(dataset: str, n: int, seed=0):
+    """(inputs, outputs): n request lengths, log-normal with the dataset's published means, in [1, MAX_LEN]."""
+    mean_in, mean_out = DATASETS[dataset]
+    rng = np.random.default_rng(seed)
+    draw = lambda mean: np.exp(rng.normal(math.log(mean) - SIGMA**2 / 2, SIGMA, n))  # E[x] = mean before rounding
+    inputs = np.clip(np.rint(draw(mean_in)), 1, MAX_LEN // 2).astype(int)
+    outputs = np.clip(np.rint(draw(mean_out)), 1, MAX_LEN - inputs).astype(int)
+    return inputs, outputs
+
+
+def reserved(inputs, outputs, scheme: str, block: int = 16):
+    """Positions reserved per request, at completion, under each scheme."""
+    real = inputs + outputs
+    if scheme == "contiguous_max":
+        return np.full_like(real, MAX_LEN)
+    if scheme == "contiguous_budget":
+        return inputs + ANSWER_BUDGET
+    if scheme == "paged":
+        return -(-real // block) * block
+    raise ValueError(f"unknown scheme {scheme!r}")
+
+
+def utilization(inputs, outputs) -> dict:
+    """Fraction of reserved positions that hold real tokens, per scheme and block size."""
+    real = (inputs + outputs).sum()
+    out = {"contiguous_max": real / reserved(inputs, outputs, "contiguous_max").sum(),
+           "contiguous_budget": real / np.maximum(reserved(inputs, outputs, "contiguous_budget"),
+                                                  inputs + outputs).sum()}
+    for b in BLOCK_SIZES:
+        out[f"paged_{b}"] = real / reserved(inputs, outputs, "paged", b).sum()
+    return {k: float(v) for k, v in out.items()}
+
+
+def utilization_by_manager(inputs, outputs, page_size=16) -> float:
+    """The same measurement through the real BlockManager: reserve the prompt, then one position per token."""
+    total_pages = int(sum(-(-(i + o) // page_size) for i, o in zip(inputs, outputs, strict=True)))
+    bm = BlockManager(total_pages, page_size)
+    for r, (i, o) in enumerate(zip(inputs, outputs, strict=True)):
+        bm.reserve(r, int(i))
+        for _ in range(int(o)):
+            bm.reserve(r, 1)
+    used = total_pages - bm.num_free
+    return float((inputs + outputs).sum() / (used * page_size))
+
+
+def concurrency(inputs, outputs, budget_positions: int) -> dict:
+    """How many requests, taken in arrival order, fit at once in a budget of cache positions."""
+    out = {}
+    for scheme, block in [("contiguous_max", 0), ("contiguous_budget", 0)] + [("paged", b) for b in (16,)]:
+        need = np.maximum(reserved(inputs, outputs, scheme, block or 16), inputs + outputs)
+        out[scheme if scheme != "paged" else "paged_16"] = int(np.searchsorted(np.cumsum(need), budget_positions,
+                                                                               side="right"))
+    return out
+
+
+def paged_copy(k, v, page_size, generator):
+    """The same keys and values `[B, H_kv, L, D]` written into pages scattered at random in a pool.
+
+    Returns pools `[B * P, page_size, H_kv, D]`, block tables int32 `[B, P]` and lengths int32 `[B]`.
+    """
+    B, H, L, D = k.shape
+    P = math.ceil(L / page_size)
+    tables = torch.randperm(B * P, generator=generator).view(B, P).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pages = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, P * page_size - L)).reshape(B, P, page_size, H, D)
+        pool = torch.zeros(B * P, page_size, H, D, dtype=x.dtype)
+        pool[tables.long()] = pages
+        pools.append(pool)
+    return pools[0], pools[1], tables, torch.full((B,), L, dtype=torch.int32)
+
+
+@torch.inference_mode()
+def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0) -> dict:
+    """One decode attention at context L, batch B: over pages (the reference) and over a contiguous cache."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads[0], head_dim, generator=g)                         # [B, H_q, D]
+    k, v = (torch.randn(B, heads[1], L, head_dim, generator=g) for _ in range(2))  # [B, H_kv, L, D]
+    pool_k, pool_v, tables, lengths = paged_copy(k, v, page_size, g)
+    paged_fn = lambda: paged_attention_reference(q, pool_k, pool_v, tables, lengths)          # [B, H_q, D]
+    contiguous_fn = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    paged, contiguous = time_call(paged_fn, 2, reps), time_call(contiguous_fn, 2, reps)
+    return dict(paged=paged, contiguous=contiguous, ratio=paged["median"] / contiguous["median"],
+                max_diff=float((paged_fn() - contiguous_fn()).abs().max()))
+
+
+def decode_attention_times(contexts, batches, reps=9) -> dict:
+    """Decode attention over pages against SDPA over a contiguous cache, CPU, SmolLM2's head shape."""
+    return {(B, L): attention_case(B, L, reps) for B in batches
+            for L in tqdm(contexts, desc=f"attention, batch {B}")}
+
+
+@torch.inference_mode()
+def token_agreement(model, page_sizes=(1, 16, 64), prompt=37, new_tokens=24) -> dict:
+    """Greedy decoding through a PagedCache against a ConcatCache, token for token, and the logits."""
+    ids = data.passages(model.tokenizer, prompt, count=1, seed=21)[0]  # 37: crosses page boundaries
+    ref = CachedBackend(model, lambda: ConcatCache(model.config))
+    want = generate(ref, ids, new_tokens).tokens
+    out = {}
+    for ps in page_sizes:
+        backend = CachedBackend(model, lambda ps=ps: PagedCache(model.config, prompt + new_tokens + ps, page_size=ps))
+        got = generate(backend, ids, new_tokens).tokens
+        # logits at every step, against the concatenating cache
+        paged, concat = PagedCache(model.config, prompt + new_tokens + ps, page_size=ps), ConcatCache(model.config)
+        seq, diffs = torch.tensor([ids]), []
+        a, b = forward_cached(seq, model.weights, model.config, paged), forward_cached(seq, model.weights, model.config,
+                                                                                       concat)
+        for t in want:
+            diffs.append((a[:, -1] - b[:, -1]).abs().max().item())
+            tok = torch.tensor([[t]])
+            a, b = forward_cached(tok, model.weights, model.config, paged), forward_cached(tok, model.weights,
+                                                                                           model.config, concat)
+        out[ps] = dict(identical=got == want, max_diff=max(diffs), median_diff=statistics.median(diffs))
+    return out
+
+
+@torch.inference_mode()
+def ragged_batch(model, lengths=(5, 16, 17, 40), new_tokens=12, page_size=16) -> dict:
+    """Sequences of different lengths prefilled one by one, then decoded together in one batch."""
+    prompts = [data.passages(model.tokenizer, n, count=1, seed=30 + n)[0] for n in lengths]
+    cache = PagedCache(model.config, sum(lengths) + len(lengths) * (new_tokens + page_size), page_size=page_size,
+                       batch_size=len(lengths))
+    last = []
+    for row, p in enumerate(prompts):                                   # prefill each row on its own
+        last.append(forward_cached(torch.tensor([p]), model.weights, model.config, cache.select([row]))[0, -1])
+    tokens = [[int(x.argmax())] for x in last]
+    for _ in range(new_tokens - 1):                                     # then decode all rows at once
+        logits = forward_cached(torch.tensor([[t[-1]] for t in tokens]), model.weights, model.config, cache)
+        for row, t in enumerate(tokens):
+            t.append(int(logits[row, -1].argmax()))
+    alone = []
+    for p in prompts:                                                   # each sequence on its own, for reference
+        alone.append(generate(CachedBackend(model, lambda: ConcatCache(model.config)), p, new_tokens).tokens)
+    return dict(identical=tokens == alone, lengths=list(lengths), tokens=tokens)
+
+
+def plot_utilization(util: dict, path=None):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for name, u in util.items():
+        ax.plot(BLOCK_SIZES, [u[f"paged_{b}"] for b in BLOCK_SIZES], "o-", label=f"{name}: paged")
+        ax.axhline(u["contiguous_max"], ls=":", color=ax.lines[-1].get_color(), label=f"{name}: contiguous, {MAX_LEN}")
+        ax.axhline(u["contiguous_budget"], ls="--", color=ax.lines[-1].get_color(),
+                   label=f"{name}: contiguous, prompt + {ANSWER_BUDGET}")
+    ax.set(xscale="log", ylim=(0, 1.02), xlabel="block size (positions per page)",
+           ylabel="reserved memory holding real tokens", title="KV memory utilization (synthetic lengths)")
+    ax.set_xticks(BLOCK_SIZES, [str(b) for b in BLOCK_SIZES])
+    ax.legend(fontsize=6.5, loc="lower left")
+    fig.text(0.01, 0.01, SYNTHETIC, fontsize=6)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_block_tables(path=None):
+    """The pages of a live PagedCache: three sequences of different lengths and a fork, drawn from its state."""
+    import matplotlib.pyplot as plt
+
+    model = load("tiny-llama")
+    cache = PagedCache(model.config, 24 * 4, page_size=4, batch_size=3)
+    g = torch.Generator().manual_seed(0)
+    for row, n in enumerate((9, 4, 14)):
+        forward_cached(torch.randint(0, 320, (1, n), generator=g), model.weights, model.config, cache.select([row]))
+    child = cache.select([0]).fork()                                    # shares sequence 0's pages
+    forward_cached(torch.randint(0, 320, (1, 2), generator=g), model.weights, model.config, child)
+    owners = {}
+    seqs = cache.seqs + child.seqs
+    for s in seqs:
+        for p in cache.manager.block_table(s):
+            owners.setdefault(p, []).append(s)
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    colors = plt.get_cmap("tab10")
+    for p in range(cache.num_pages):
+        who = owners.get(p, [])
+        color = "white" if not who else ("lightgray" if len(who) > 1 else colors(seqs.index(who[0])))
+        ax.add_patch(plt.Rectangle((p % 12, -(p // 12)), 0.9, 0.9, facecolor=color, edgecolor="black"))
+        ax.text(p % 12 + 0.45, -(p // 12) + 0.45, f"{p}\n{','.join(map(str, who))}", ha="center", va="center",
+                fontsize=6)
+    lines = [f"seq {s} (len {cache.manager.length(s)}): pages {cache.manager.block_table(s)}" for s in seqs]
+    ax.text(12.3, 0.9, "\n".join(lines) + "\ngray: shared by a fork", va="top", fontsize=7)
+    ax.set(xlim=(0, 20), ylim=(-(cache.num_pages // 12) - 0.2, 1), title="Pool pages and block tables (page size 4)")
+    ax.axis("off")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_speed(times: dict, path=None):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for B in sorted({b for b, _ in times}):
+        Ls = sorted(L for b, L in times if b == B)
+        for kind, style in (("paged", "o-"), ("contiguous", "s--")):
+            ax.plot(Ls, [times[(B, L)][kind]["median"] * 1e3 for L in Ls], style, label=f"{kind}, batch {B}")
+    ax.set(xscale="log", yscale="log", xlabel="context", ylabel="decode attention, ms (median)",
+           title="Attention over pages against a contiguous cache (CPU, one layer)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def measure(quick_mode=None) -> dict:
+    s = settings(quick() if quick_mode is None else quick_mode)
+    smol = load("smollm2")
+    lengths = {d: synthetic_lengths(d, s["requests"], seed=i) for i, d in enumerate(DATASETS)}
+    budget = 2**30 // cache_bytes(smol.config, 1, 1, torch.float16)    # positions in 1 GiB of 16-bit SmolLM2 cache
+    return dict(
+        settings=s, manifest=smol.manifest,
+        means={d: (float(i.mean()), float(o.mean())) for d, (i, o) in lengths.items()},
+        utilization={d: utilization(i, o) for d, (i, o) in lengths.items()},
+        by_manager={d: utilization_by_manager(i[:s["manager_requests"]], o[:s["manager_requests"]])
+                    for d, (i, o) in lengths.items()},
+        concurrency={d: concurrency(i, o, budget) for d, (i, o) in lengths.items()}, budget_positions=budget,
+        speed=decode_attention_times(s["contexts"], s["batches"], s["reps"]),
+        agreement=token_agreement(smol, s["page_sizes"], 37, s["new_tokens"]),
+        ragged=ragged_batch(smol, new_tokens=s["new_tokens"] // 2),
+    )
+
+
+def record(m: dict) -> dict:
+    figs = figures_dir()
+    plot_utilization(m["utilization"], figs / "ch05_utilization.png")
+    plot_block_tables(figs / "ch05_block_tables.png")
+    plot_speed(m["speed"], figs / "ch05_speed.png")
+    values = {"utilization": {}, "concurrency": {}, "speed": {}, "agreement": {}}
+    for d, u in m["utilization"].items():
+        values["utilization"][d] = {k: value(v * 100, "%") for k, v in u.items()}
+        values["utilization"][d]["paged_16_by_manager"] = value(m["by_manager"][d] * 100, "%",
+                                                                note="through the real BlockManager")
+        values["utilization"][d]["mean_input"] = value(m["means"][d][0], "tokens", note=SYNTHETIC)
+        values["utilization"][d]["mean_output"] = value(m["means"][d][1], "tokens", note=SYNTHETIC)
+        values["concurrency"][d] = {k: value(v, "requests") for k, v in m["concurrency"][d].items()}
+    values["concurrency"]["budget_positions"] = value(m["budget_positions"], "positions",
+                                                      note="1 GiB of 16-bit SmolLM2 cache")
+    for (B, L), r in m["speed"].items():
+        values["speed"].setdefault(f"B{B}", {})[f"T{L}"] = {
+            "paged_ms": value(r["paged"]["median"] * 1e3, "ms", min=r["paged"]["min"] * 1e3, n=r["paged"]["n"]),
+            "contiguous_ms": value(r["contiguous"]["median"] * 1e3, "ms", min=r["contiguous"]["min"] * 1e3),
+            "ratio": value(r["ratio"], "x"), "max_diff": value(r["max_diff"], "logit")}
+    for ps, r in m["agreement"].items():
+        values["agreement"][f"page{ps}"] = {"identical": value(r["identical"], None),
+                                            "max_abs": value(r["max_diff"], "logit"),
+                                            "median_abs": value(r["median_diff"], "logit")}
+    values["agreement"]["ragged_batch_identical"] = value(m["ragged"]["identical"], None,
+                                                          note=f"lengths {m['ragged']['lengths']}")
+    figures = {"utilization": {"path": figs / "ch05_utilization.png", "caption": "Utilization against block size"},
+               "block_tables": {"path": figs / "ch05_block_tables.png", "caption": "A live cache's pages"},
+               "speed": {"path": figs / "ch05_speed.png", "caption": "Attention over pages, CPU"}}
+    write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
+    return values
+
+
+def run(quick_mode=None) -> dict:
+    m = measure(quick_mode)
+    record(m)
+    return m

@@ -1,0 +1,145 @@
+"""Paged decode attention as a Triton kernel: one query per sequence, keys and values read page by page.
+
+The kernel never gathers the pages into a contiguous copy, as the PyTorch reference does. It walks the
+sequence's block table, loads one page of keys and values at a time straight from the pool, and keeps
+an online softmax (a running maximum and sum, as in FlashAttention) so that only one page is in flight.
+
+`paged_attention` always launches this kernel. On a GPU Triton compiles it; on CPU tensors it runs only
+under Triton's interpreter (`TRITON_INTERPRET=1`), which executes the same code with NumPy: slow, but it
+lets the CPU test suite check the very kernel a GPU runs against `paged_attention_reference`.
+"""
+
+import math
+import os
+
+import torch
+
+from .reference import check_paged_inputs
+
+# Triton 3.9 reads TRITON_INTERPRET when `@triton.jit` decorates a function, i.e. while this module is
+# imported (older releases read it when `triton` itself was imported, so it is set before that too).
+# Without a GPU there is nothing for Triton to compile for, so the interpreter is the only way the
+# kernel can run: default to it. With a GPU, leave the variable alone so the kernel is compiled; a
+# reader who wants the interpreter there sets TRITON_INTERPRET=1 before starting Python. setdefault
+# respects an explicit TRITON_INTERPRET=0. The test file sets the same default before importing `lab`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+except ImportError:  # Triton is optional: the `gpu` and `dev` extras install it
+    triton = None
+
+
+def _next_power_of_2(n: int, at_least: int = 16) -> int:
+    # Triton blocks have power-of-two sizes, and tl.dot needs every dimension to be at least 16.
+    return max(at_least, 1 << (n - 1).bit_length())
+
+
+if triton is not None:
+    INTERPRETED = bool(triton.knobs.runtime.interpret)  # how the kernel below is decorated
+
+    # One program per (sequence, kv head), not per (sequence, query head). Decode attention is bound by
+    # memory traffic: every key and value is used for one dot product per query head. A program that
+    # owns a kv head loads the GROUP query heads that share it as a [GROUP, D] block, so each page of
+    # K and V is read from memory once per kv head instead of once per query head (3x less traffic for
+    # SmolLM2's 9 query / 3 kv heads). The price is fewer programs (batch * kv_heads): at batch 1 a GPU
+    # is far from full. Splitting long sequences across programs (flash-decoding) would fix that; it is
+    # left out to keep the kernel short.
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, lengths_ptr, out_ptr,
+        scale,
+        stride_qb, stride_qh, stride_qd,                    # q   [B, H_q, D]
+        stride_kp, stride_kt, stride_kh, stride_kd,         # k_pool [num_pages, page_size, H_kv, D]
+        stride_vp, stride_vt, stride_vh, stride_vd,         # v_pool, same layout
+        stride_btb, stride_btp,                             # block_tables [B, max_pages]
+        stride_ob, stride_oh, stride_od,                    # out [B, H_q, D]
+        GROUP: tl.constexpr,           # query heads per kv head
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        GROUP_PAD: tl.constexpr,       # the three sizes above, padded to powers of two (at least 16)
+        HEAD_DIM_PAD: tl.constexpr,
+        PAGE_PAD: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        offs_g = tl.arange(0, GROUP_PAD)                    # query heads of this kv head (padded)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)                 # features (padded)
+        offs_t = tl.arange(0, PAGE_PAD)                     # positions within a page (padded)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+
+        # The group's queries, pre-scaled: query head kv_head * GROUP + g reads this kv head.
+        q_heads = kv_head * GROUP + offs_g
+        q_ptrs = q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G, D]
+        q = q * scale
+
+        length = tl.load(lengths_ptr + seq)
+        n_pages = tl.cdiv(length, PAGE_SIZE)               # block-table entries past this are padding
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                # running sum of exp(score - max)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(...) * value
+
+        for i in range(0, n_pages):
+            page = tl.load(block_tables_ptr + seq * stride_btb + i * stride_btp).to(tl.int64)  # int64: big pools
+            pos = i * PAGE_SIZE + offs_t                    # positions of this page in the sequence
+            t_mask = (offs_t < PAGE_SIZE) & (pos < length)  # real slots that hold this sequence's tokens
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k_ptrs = k_pool_ptr + page * stride_kp + offs_t[:, None] * stride_kt + kv_head * stride_kh \
+                + offs_d[None, :] * stride_kd
+            v_ptrs = v_pool_ptr + page * stride_vp + offs_t[:, None] * stride_vt + kv_head * stride_vh \
+                + offs_d[None, :] * stride_vd
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)   # [PAGE, D]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)   # [PAGE, D]
+
+            # "ieee": full float32 products; the default on recent GPUs is TF32 (about 1e-3 relative).
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")            # [G, PAGE]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            # Online softmax: rescale what was summed so far to the new maximum. Every page visited holds
+            # at least one real position, so m_new is finite and exp(-inf - m_new) = 0 on the first page.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))                    # [G]
+            alpha = tl.exp(m_i - m_new)                                   # [G]
+            p = tl.exp(s - m_new[:, None])                                # [G, PAGE], 0 where masked
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # [G, D]
+            m_i = m_new
+
+        out = acc / l_i[:, None]                                          # [G, D]
+        out_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+else:
+    INTERPRETED = False
+
+
+def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None):
+    """Decode attention over paged keys and values with the Triton kernel. Returns [B, H_q, D] in q's dtype.
+
+    Same arguments and result as `paged_attention_reference`: q [B, H_q, D]; k_pool, v_pool
+    [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths int32 [B]; scale defaults
+    to 1/sqrt(D). Always launches the kernel: CUDA tensors, or any tensors under TRITON_INTERPRET=1.
+    """
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    if triton is None:
+        raise RuntimeError("paged_attention needs Triton, which is not installed: pip install triton==3.9.0 "
+                           "(the `gpu` extra), or use paged_attention_reference")
+    if q.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"paged_attention compiles a Triton kernel for a GPU, but the inputs are on {q.device}: "
+                           "set TRITON_INTERPRET=1 before Python starts to run it in Triton's interpreter, "
+                           "or use paged_attention_reference")
+    B, H_q, D = q.shape
+    _, page_size, H_kv, _ = k_pool.shape
+    group = H_q // H_kv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, H_q, D]
+    grid = (B, H_kv)                                                   # one program per (sequence, kv head)
+    _paged_decode_kernel[grid](
+        q, k_pool, v_pool, block_tables, lengths.contiguous(), out,   # the kernel reads lengths[seq] at stride 1
+        scale,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(), *out.stride(),
+        GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size,
+        GROUP_PAD=_next_power_of_2(group), HEAD_DIM_PAD=_next_power_of_2(D), PAGE_PAD=_next_power_of_2(page_size),
+    )
+    return out

@@ -1,0 +1,174 @@
+"""State identity: prefix keys, and a CachedBackend that serves from its cache only when it provably
+holds the requested state. The oracle is recomputation (RecomputeBackend / forward)."""
+
+import pytest
+import torch
+
+from lab.cache import ConcatCache, StaticCache
+from lab.engine import CachedBackend, IdentityError, LibraryBackend, RecomputeBackend, generate, identity_of, prefix_key
+from lab.models import InputError, load
+from lab.models.load import Model
+
+TOL = 1e-5  # tiny models, float32: cached and recomputed logits differ only by summation order
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-llama")
+
+
+def factory(model, kind="static", n=256):
+    if kind == "static":
+        return lambda: StaticCache(model.config, n, dtype=model.dtype)
+    return lambda: ConcatCache(model.config, dtype=model.dtype)
+
+
+BASE = dict(tokenizer="t" * 64, compute_dtype="torch.float32", cache_dtype="torch.float32", cache_kind="StaticCache",
+            rope_theta=10000.0, max_positions=2048, salt=None)
+
+
+@pytest.mark.parametrize("change", [
+    ("manifest", None), ("tokenizer", "u" * 64), ("compute_dtype", "torch.bfloat16"),
+    ("cache_dtype", "torch.bfloat16"), ("cache_kind", "ConcatCache"), ("rope_theta", 100000.0),
+    ("max_positions", 8192), ("salt", "tenant-b"), ("ids", None)])
+def test_prefix_key_changes_when_any_one_input_changes(change):
+    field, new = change
+    key = prefix_key("m" * 64, [1, 2, 3], **BASE)
+    if field == "manifest":
+        other = prefix_key("n" * 64, [1, 2, 3], **BASE)
+    elif field == "ids":
+        other = prefix_key("m" * 64, [1, 2, 4], **BASE)
+    else:
+        other = prefix_key("m" * 64, [1, 2, 3], **{**BASE, field: new})
+    assert key != other and len(key) == 64
+    assert key == prefix_key("m" * 64, [1, 2, 3], **BASE)  # and it is deterministic
+
+
+def test_prefix_key_distinguishes_lengths_and_tensors():
+    assert prefix_key("m", [1, 2], **BASE) != prefix_key("m", [1, 2, 0], **BASE)
+    assert prefix_key("m", torch.tensor([5, 6]), **BASE) == prefix_key("m", [5, 6], **BASE)
+
+
+def test_engine_five_requests_give_5_misses_and_155_hits(tiny):
+    """The issue's engine check: 5 requests x 32 greedy tokens -> 160 calls, 5 misses, 155 hits, 48 positions each."""
+    backend, recompute = CachedBackend(tiny, factory(tiny, n=64)), RecomputeBackend(tiny)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        prompt = torch.randint(0, 320, (17,), generator=g).tolist()
+        before = backend.positions
+        assert generate(backend, prompt, 32).tokens == generate(recompute, prompt, 32).tokens
+        assert backend.positions - before == 48
+    assert (backend.calls, backend.misses, backend.hits) == (160, 5, 155)
+
+
+def _logits_ok(backend, ids, model):
+    want = RecomputeBackend(model).next_logits(ids)
+    got = backend.next_logits(ids)
+    assert (got - want).abs().max() < TOL
+    return got
+
+
+def test_identical_ids_are_a_miss(tiny):
+    b = CachedBackend(tiny, factory(tiny))
+    _logits_ok(b, [1, 2, 3], tiny)
+    _logits_ok(b, [1, 2, 3], tiny)  # k = 0 new tokens: the state for ids[:-k] does not exist
+    assert (b.hits, b.misses) == (0, 2)
+
+
+def test_diverging_prefix_is_a_miss_and_correct(tiny):
+    b = CachedBackend(tiny, factory(tiny))
+    _logits_ok(b, [1, 2, 3, 4], tiny)
+    _logits_ok(b, [1, 2, 9, 4, 5], tiny)
+    assert (b.hits, b.misses, b.crops) == (0, 2, 0)
+
+
+def test_longest_prefix_mode_crops_and_runs_only_the_rest(tiny):
+    b = CachedBackend(tiny, factory(tiny), longest_prefix=True)
+    _logits_ok(b, [1, 2, 3, 4, 5, 6], tiny)
+    before = b.positions
+    _logits_ok(b, [1, 2, 3, 9, 9], tiny)        # common prefix 3: crop to 3, run 2
+    assert (b.hits, b.misses, b.crops) == (1, 1, 1) and b.positions - before == 2
+    _logits_ok(b, [1, 2, 3, 9, 9], tiny)        # identical ids: crop to 4, run the last one
+    assert b.crops == 2 and b.cache.length == 5
+
+
+@pytest.mark.parametrize("kind", ["static", "concat"])
+def test_salt_separates_tenants(tiny, kind):
+    b = CachedBackend(tiny, factory(tiny, kind))
+    b.next_logits([1, 2, 3], salt="tenant-a")
+    _ = b.next_logits([1, 2, 3, 4], salt="tenant-b")
+    assert b.misses == 2 and b.hits == 0
+    b.next_logits([1, 2, 3, 4, 5], salt="tenant-b")
+    assert b.hits == 1
+
+
+def test_model_swap_is_refused(tiny):
+    """An adapter swap: same shapes, other weights, another manifest -> the cache is never reused."""
+    w = dict(tiny.weights)
+    w["model.layers.1.mlp.down_proj.weight"] = w["model.layers.1.mlp.down_proj.weight"] * 1.02
+    other = Model("tiny-llama-scaled", tiny.config, w, tiny.tokenizer)
+    assert other.manifest != tiny.manifest
+    b = CachedBackend(other, factory(other))
+    b.next_logits([1, 2, 3])
+    b.model = tiny
+    _logits_ok(b, [1, 2, 3, 4], tiny)
+    assert b.misses == 2 and b.hits == 0
+
+
+def test_precision_change_is_refused(tiny):
+    half = tiny.to(dtype=torch.bfloat16)
+    b = CachedBackend(half, factory(half))
+    b.next_logits([1, 2, 3])
+    b.model, b.cache_factory = tiny, factory(tiny)
+    _logits_ok(b, [1, 2, 3, 4], tiny)
+    assert b.misses == 2
+
+
+def test_tokenizer_change_is_refused(tiny):
+    class OtherTokenizer(type(tiny.tokenizer)):
+        sha256 = "0" * 64
+
+    b = CachedBackend(tiny, factory(tiny))
+    b.next_logits([1, 2, 3])
+    b.model = Model(tiny.name, tiny.config, tiny.weights, OtherTokenizer(), tiny.files, tiny.manifest)
+    b.next_logits([1, 2, 3, 4])
+    assert b.misses == 2
+
+
+def test_a_model_without_a_manifest_is_refused(tmp_path, tiny):
+    broken = Model("gone", tiny.config, tiny.weights, tiny.tokenizer, [tmp_path / "deleted.safetensors"])
+    with pytest.raises(IdentityError, match="manifest"):
+        CachedBackend(broken, factory(tiny))
+    b = CachedBackend(tiny, factory(tiny))
+    b.next_logits([1, 2])
+    b.model = broken
+    with pytest.raises(IdentityError):
+        b.next_logits([1, 2, 3])
+
+
+@pytest.mark.parametrize("bad, word", [([], "empty"), ([[1, 2]], "rank 1"), ([1, 320], "vocabulary"),
+                                       (torch.zeros(2, 3, dtype=torch.long), "rank 1"), ([-1], "vocabulary")])
+def test_bad_ids_are_refused_without_touching_the_state(tiny, bad, word):
+    b = CachedBackend(tiny, factory(tiny))
+    b.next_logits([1, 2, 3])
+    state = (b.cached_key, b.cache.length, b.calls)
+    with pytest.raises(InputError, match=word):
+        b.next_logits(bad)
+    assert (b.cached_key, b.cache.length, b.calls) == state
+    b.next_logits([1, 2, 3, 4])
+    assert b.hits == 1
+
+
+def test_identity_records_cache_kind_and_dtype(tiny):
+    a = identity_of(tiny, StaticCache(tiny.config, 8))
+    b = identity_of(tiny, ConcatCache(tiny.config))
+    c = identity_of(tiny, StaticCache(tiny.config, 8, dtype=torch.bfloat16))
+    assert len({a, b, c}) == 3
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_library_backend_matches_recompute(tiny, use_cache):
+    lib, ref = LibraryBackend(tiny, use_cache=use_cache), RecomputeBackend(tiny)
+    prompt = [5, 6, 7, 8]
+    assert generate(lib, prompt, 12).tokens == generate(ref, prompt, 12).tokens
+    assert lib.hits == (11 if use_cache else 0)

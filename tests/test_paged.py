@@ -1,0 +1,152 @@
+"""PagedCache under the same forward: token for token against other caches and recomputation, ragged
+batches, fork with copy-on-write, exhaustion and bad input (the allocator consistent after every error)."""
+
+import pytest
+import torch
+
+from lab.cache import CacheInputError, CacheStateError, OutOfPagesError, PagedCache, cache_bytes
+from lab.experiments import ch05_paged as ch05
+from lab.models import forward, forward_cached, load
+
+TINY_ATOL = 1e-5  # float32, tiny model: paged and contiguous attention differ only in summation order
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-llama")
+
+
+def ids(n, seed=0):
+    return torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_paged_prefill_and_decode_match_recomputation(tiny, page_size):
+    x = ids(40)
+    cache = PagedCache(tiny.config, 64, page_size=page_size)
+    out = [forward_cached(x[:, :7], tiny.weights, tiny.config, cache)]
+    out += [forward_cached(x[:, t:t + 1], tiny.weights, tiny.config, cache) for t in range(7, 40)]
+    assert (torch.cat(out, 1) - forward(x, tiny.weights, tiny.config)).abs().max() < TINY_ATOL
+    assert cache.length == 40 and cache.manager.num_free == cache.num_pages - -(-40 // page_size)
+
+
+def test_smollm2_tokens_match_concat_for_page_sizes_1_16_64():
+    r = ch05.token_agreement(load("smollm2"), (1, 16, 64), prompt=37, new_tokens=8)
+    for ps, x in r.items():
+        assert x["identical"], f"page size {ps}"
+        assert x["max_diff"] < 1e-4 * 40  # 1e-4 x SmolLM2's largest logits (about 40): fp32 summation order
+
+
+def test_ragged_batch_decodes_like_each_sequence_alone():
+    assert ch05.ragged_batch(load("smollm2"), lengths=(5, 16, 17, 33), new_tokens=5)["identical"]
+
+
+def test_ragged_batch_logits_match_recomputation(tiny):
+    cache = PagedCache(tiny.config, 128, page_size=4, batch_size=3)
+    seqs = [ids(n, seed=n) for n in (5, 8, 13)]
+    for row, s in enumerate(seqs):
+        forward_cached(s, tiny.weights, tiny.config, cache.select([row]))
+    nxt = torch.tensor([[1], [2], [3]])
+    out = forward_cached(nxt, tiny.weights, tiny.config, cache)
+    for row, s in enumerate(seqs):
+        want = forward(torch.cat([s, nxt[row:row + 1]], 1), tiny.weights, tiny.config)[0, -1]
+        assert (out[row, -1] - want).abs().max() < TINY_ATOL
+    assert cache.seq_lengths() == [6, 9, 14]
+
+
+def test_nbytes_is_the_pool(tiny):
+    cache = PagedCache(tiny.config, 100, page_size=16)
+    assert cache.nbytes() == cache_bytes(tiny.config, 7 * 16) == cache.k_pool.nbytes * 2
+
+
+def test_block_table_buffers_keep_their_shape(tiny):
+    cache = PagedCache(tiny.config, 200, page_size=4)
+    shapes, ptrs = set(), set()
+    x = ids(60)
+    for t in range(0, 60, 5):
+        forward_cached(x[:, t:t + 5], tiny.weights, tiny.config, cache)
+        shapes.add((tuple(cache.block_tables.shape), tuple(cache.lengths.shape)))
+        ptrs.add(cache.block_tables.data_ptr())
+    assert shapes == {((1, 64), (1,))} and len(ptrs) == 1  # 50 pages padded to 64; the same buffer throughout
+
+
+def test_fork_copies_the_shared_partial_page_on_first_write(tiny):
+    x = ids(10)
+    parent = PagedCache(tiny.config, 64, page_size=4)
+    forward_cached(x, tiny.weights, tiny.config, parent)          # pages: 4 + 4 + 2 (partial)
+    before = (parent.k_pool.clone(), parent.manager.block_table(parent.seqs[0]))
+    child = parent.fork()
+    a = forward_cached(torch.tensor([[7]]), tiny.weights, tiny.config, child)[0, -1]
+    table = parent.manager.block_table(parent.seqs[0])
+    assert table == before[1]
+    for p in table:  # the parent's pages are untouched by the child's write
+        assert torch.equal(parent.k_pool[:, p], before[0][:, p])
+    assert child.manager.block_table(child.seqs[0])[:2] == table[:2]            # full pages still shared
+    assert child.manager.block_table(child.seqs[0])[2] != table[2]              # the partial one was copied
+    want = forward(torch.cat([x, torch.tensor([[7]])], 1), tiny.weights, tiny.config)[0, -1]
+    assert (a - want).abs().max() < TINY_ATOL
+    b = forward_cached(torch.tensor([[9]]), tiny.weights, tiny.config, parent)[0, -1]
+    want = forward(torch.cat([x, torch.tensor([[9]])], 1), tiny.weights, tiny.config)[0, -1]
+    assert (b - want).abs().max() < TINY_ATOL
+
+
+def test_out_of_pages_changes_nothing(tiny):
+    cache = PagedCache(tiny.config, 32, page_size=8, batch_size=2)
+    forward_cached(ids(12).repeat(2, 1), tiny.weights, tiny.config, cache)       # 2 pages each: 4 of 4 used
+    forward_cached(torch.tensor([[1], [2]]), tiny.weights, tiny.config, cache)
+    state = (cache.seq_lengths(), cache.manager.num_free, [cache.manager.block_table(s) for s in cache.seqs])
+    with pytest.raises(OutOfPagesError):
+        forward_cached(ids(8, 1).repeat(2, 1), tiny.weights, tiny.config, cache)  # needs a third page each
+    assert (cache.seq_lengths(), cache.manager.num_free, [cache.manager.block_table(s) for s in cache.seqs]) == state
+    assert cache.pending == [0] * tiny.config.n_layers
+    out = forward_cached(torch.tensor([[3], [4]]), tiny.weights, tiny.config, cache)  # still usable
+    assert out.shape == (2, 1, 320)
+
+
+def test_crop_returns_pages_and_continues_correctly(tiny):
+    x = ids(30)
+    cache = PagedCache(tiny.config, 64, page_size=4)
+    forward_cached(x, tiny.weights, tiny.config, cache)
+    cache.crop(9)
+    assert cache.length == 9 and cache.manager.num_free == 16 - 3
+    got = forward_cached(torch.tensor([[5]]), tiny.weights, tiny.config, cache)[0, -1]
+    want = forward(torch.cat([x[:, :9], torch.tensor([[5]])], 1), tiny.weights, tiny.config)[0, -1]
+    assert (got - want).abs().max() < TINY_ATOL
+
+
+@pytest.mark.parametrize("make, error, word", [
+    (lambda c: PagedCache(c, 64, page_size=0), CacheInputError, "page_size"),
+    (lambda c: PagedCache(c, 0, page_size=16), CacheInputError, "max_tokens"),
+])
+def test_bad_construction(tiny, make, error, word):
+    with pytest.raises(error, match=word):
+        make(tiny.config)
+
+
+def test_crop_beyond_length_and_use_after_release(tiny):
+    cache = PagedCache(tiny.config, 64, page_size=4)
+    forward_cached(ids(6), tiny.weights, tiny.config, cache)
+    with pytest.raises(CacheStateError, match="crop"):
+        cache.crop(7)
+    assert cache.length == 6
+    cache.release()
+    with pytest.raises(CacheStateError, match="release"):
+        forward_cached(ids(1), tiny.weights, tiny.config, cache)
+    assert cache.manager.num_free == cache.num_pages
+
+
+def test_block_table_wider_than_its_padded_buffer(tiny):
+    cache = PagedCache(tiny.config, 200, page_size=1, max_seq_tokens=16)  # table width 16
+    forward_cached(ids(16), tiny.weights, tiny.config, cache)
+    free = cache.manager.num_free
+    with pytest.raises(CacheStateError, match="padded"):
+        forward_cached(ids(1), tiny.weights, tiny.config, cache)
+    assert cache.length == 16 and cache.manager.num_free == free  # nothing reserved
+
+
+def test_from_memory_sizes_the_pool(tiny):
+    cache = PagedCache.from_memory(tiny.config, 0.5, page_size=16, available_bytes=1 << 20)
+    per_page = cache_bytes(tiny.config, 16)
+    assert cache.num_pages == (1 << 19) // per_page and cache.nbytes() <= 1 << 19
+    with pytest.raises(CacheInputError):
+        PagedCache.from_memory(tiny.config, 0.0)
