@@ -44,6 +44,13 @@ HEADLINES = [
     ("Ch. 4 — identity-changing hazards refused by the CachedBackend (another prompt / adapter / bf16)",
      ("ch04.hazards.other_prompt.refused", "ch04.hazards.adapter_weights.refused", "ch04.hazards.bf16_cache.refused"),
      ""),
+    ("Ch. 5 — reserved KV memory holding real tokens, synthetic ShareGPT-shaped lengths: contiguous at 2,048 / "
+     "pages of 16", ("ch05.utilization.ShareGPT.contiguous_max", "ch05.utilization.ShareGPT.paged_16"), ".1f"),
+    ("Ch. 5 — the same, synthetic Alpaca-shaped lengths",
+     ("ch05.utilization.Alpaca.contiguous_max", "ch05.utilization.Alpaca.paged_16"), ".1f"),
+    ("Ch. 5 — decode attention over pages / contiguous, CPU, context 4,096, batch 1 / batch 8",
+     ("ch05.speed.B1.T4096.ratio", "ch05.speed.B8.T4096.ratio"), ".2f"),
+    ("Ch. 5 — Triton kernel bandwidth on a GPU", "ch05_gpu.bandwidth", ""),
 ]
 
 
