@@ -3,7 +3,7 @@
 from importlib import import_module
 
 CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_savings",
-            "ch04": "ch04_identity"}
+            "ch04": "ch04_identity", "ch05": "ch05_paged"}
 
 
 def chapter(name: str):
