@@ -44,7 +44,8 @@ book: setup
 
 lab: setup
 	$(PIP) -e '.[lab]'
-	cd notebooks && ../$(VENV)/bin/jupyter lab --ServerApp.contents_manager_class=jupytext.TextFileContentsManager
+	cd notebooks && ../$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \
+	  --ServerApp.contents_manager_class=jupytext.TextFileContentsManager
 
 clean:
 	rm -rf build .pytest_cache
