@@ -37,11 +37,11 @@ HEADLINES = [
      ("ch03.memory.gpt2-random.concat.B8.peak_extra_mib", "ch03.memory.gpt2-random.static.B8.peak_extra_mib"),
      ".0f"),
     ("Ch. 3 — the same on a GPU", "ch03_gpu.step_ms", ""),
-    ("Ch. 4 — another prompt's cache: median / max |Δ logit| against a correct computation",
+    ("Ch. 4 — another prompt's cache: median / max abs Δ logit against a correct computation",
      ("ch04.hazards.other_prompt.delta_median", "ch04.hazards.other_prompt.delta_max"), ".2f"),
-    ("Ch. 4 — MLP output × 1.02 (adapter swap): median |Δ logit|, and trials with the same top token",
+    ("Ch. 4 — MLP output × 1.02 (adapter swap): median abs Δ logit, and trials of 20 with the same top token",
      ("ch04.hazards.adapter_weights.delta_median", "ch04.hazards.adapter_weights.argmax_agree"), ""),
-    ("Ch. 4 — identity-changing hazards refused by the CachedBackend (another prompt / adapter / bf16)",
+    ("Ch. 4 — identity-changing hazards refused by the CachedBackend, of 20 trials (another prompt / adapter / bf16)",
      ("ch04.hazards.other_prompt.refused", "ch04.hazards.adapter_weights.refused", "ch04.hazards.bf16_cache.refused"),
      ""),
     ("Ch. 5 — reserved KV memory holding real tokens, synthetic ShareGPT-shaped lengths: contiguous at 2,048 / "
@@ -55,6 +55,7 @@ HEADLINES = [
 
 
 def table(doc, source="results") -> str:
+    assert not any("|" in what for what, _, _ in HEADLINES), "a | would split the markdown table's cells"
     rows = ["| result | value |", "|---|---|"]
     for what, keys, spec in HEADLINES:
         keys = (keys,) if isinstance(keys, str) else keys
