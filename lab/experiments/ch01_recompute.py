@@ -15,6 +15,7 @@ from ..metrics import logit_diff, perplexity
 from ..models import forward, load
 from ..models.published import PUBLISHED
 from ..results import figures_dir, provenance, quick, value, write_section
+from .plots import finish
 
 SECTION = "ch01"
 
@@ -125,13 +126,6 @@ def perplexities(model, n_passages=16, n_tokens=256) -> dict:
 
 # ---- figures -----------------------------------------------------------------------------------------
 
-def _finish(fig, path):
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
-
-
 def plot_step_times(times: dict, path=None):
     """Step time against context length, one line per model, log-log."""
     import matplotlib.pyplot as plt
@@ -146,7 +140,7 @@ def plot_step_times(times: dict, path=None):
            ylabel="one uncached step, ms (median, min-max)", title="Cost of one decode step without a cache")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_causal(result: dict, path=None):
@@ -157,7 +151,7 @@ def plot_causal(result: dict, path=None):
     ax.bar(range(len(y)), y, color=["tab:blue"] * (len(y) - 1) + ["tab:red"])
     ax.set(xlabel="position", ylabel="max |Δ logit|",
            title="Changing the last token moves only the last position's logits")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_bytes(rows: list, path=None):
@@ -172,7 +166,7 @@ def plot_bytes(rows: list, path=None):
     ax.set_xticks(list(x), names, rotation=15)
     ax.set(yscale="log", ylabel="KiB per cached position (16-bit)", title="Bytes per cached position")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 # ---- the whole chapter -----------------------------------------------------------------------------------

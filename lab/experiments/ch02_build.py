@@ -11,6 +11,7 @@ from .. import data
 from ..cache import ConcatCache, StaticCache, cache_bytes
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
+from .plots import finish
 
 SECTION = "ch02"
 DESIGNS = {"concat": lambda cfg, n, B=1: ConcatCache(cfg, batch_size=B),
@@ -135,10 +136,7 @@ def plot_agreement(runs: dict, path=None):
     ax.yaxis.set_major_locator(plt.matplotlib.ticker.SymmetricalLogLocator(base=10, linthresh=1e-7))
     ax.set_yscale("symlog", linthresh=1e-7)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path)
 
 
 def measure(quick_mode=None) -> dict:

@@ -13,6 +13,7 @@ from ..cache import ConcatCache, StaticCache
 from ..engine import CachedBackend, RecomputeBackend, generate
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
+from .plots import finish
 
 SECTION = "ch03"
 
@@ -103,10 +104,7 @@ def plot_step_times(times_by_model: dict, path=None):
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path)
 
 
 def measure(quick_mode=None) -> dict:

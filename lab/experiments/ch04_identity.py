@@ -19,6 +19,7 @@ from ..models import forward, forward_cached, llama, load
 from ..models.attention import cached_attention
 from ..models.load import Model
 from ..results import figures_dir, provenance, quick, value, write_section
+from .plots import finish
 
 SECTION = "ch04"
 SYSTEM_A = "You are a helpful assistant who answers briefly."
@@ -204,10 +205,7 @@ def plot_hazards(h: dict, path=None):
     b.barh(names, [h[n]["argmax_agree"] / h[n]["trials"] for n in names], color="tab:blue")
     b.set(xlim=(0, 1), xlabel="fraction of trials with the same top token", title="Does the answer change?")
     b.set_yticks([])
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path)
 
 
 def measure(quick_mode=None) -> dict:

@@ -21,6 +21,7 @@ from ..engine import CachedBackend, generate
 from ..kernels import paged_attention_reference
 from ..models import forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
+from .plots import finish
 
 SECTION = "ch05"
 DATASETS = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}  # mean input, mean output (vLLM paper)
@@ -189,10 +190,7 @@ def plot_utilization(util: dict, path=None):
     ax.set_xticks(BLOCK_SIZES, [str(b) for b in BLOCK_SIZES])
     ax.legend(fontsize=6.5, loc="lower left")
     fig.text(0.01, 0.01, SYNTHETIC, fontsize=6)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path, rect=(0, 0.03, 1, 1))
 
 
 def plot_block_tables(path=None):
@@ -223,10 +221,7 @@ def plot_block_tables(path=None):
     ax.text(12.3, 0.9, "\n".join(lines) + "\ngray: shared by a fork", va="top", fontsize=7)
     ax.set(xlim=(0, 20), ylim=(-(cache.num_pages // 12) - 0.2, 1), title="Pool pages and block tables (page size 4)")
     ax.axis("off")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path)
 
 
 def plot_speed(times: dict, path=None):
@@ -240,10 +235,7 @@ def plot_speed(times: dict, path=None):
     ax.set(xscale="log", yscale="log", xlabel="context", ylabel="decode attention, ms (median)",
            title="Attention over pages against a contiguous cache (CPU, one layer)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path)
 
 
 def measure(quick_mode=None) -> dict:

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from ..cache import ConcatCache, StaticCache, cache_bytes
 from ..models import forward_cached, load
 from ..results import REPO_ROOT
+from .plots import finish
 
 MiB = 2**20
 
@@ -182,10 +183,7 @@ def plot(rows, path=None):
     ax.set_xticks(range(len(groups)), [f"{m}\nbatch {b}" for m, b in groups])
     ax.set(ylabel="MiB", title=f"Peak extra RSS while decoding to {rows[0]['tokens']} positions")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120)
-    return fig
+    return finish(fig, path)
 
 
 def main(argv=None):
