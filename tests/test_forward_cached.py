@@ -29,14 +29,7 @@ TINY = ["tiny-gpt2", "tiny-llama", "tiny-mqa"]
 _TINY_MODELS = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module on one thread: the tiny models' ops are too small to split, and on a busy 2-core machine
-    a second thread mostly waits for a timeslice (measured: both files 9 min with two threads, 34 s with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny(name):

@@ -83,7 +83,9 @@ def test_round_trip(tmp_path, prov):
 def test_written_document_validates(tmp_path, prov):
     path = tmp_path / "results.json"
     write_section("ch01", ch01_values(), prov, path=path)
-    validate(json.loads(path.read_text()))  # the file itself, read without lab.results.read
+    doc = json.loads(path.read_text())  # the file itself, read without lab.results.read
+    validate(doc)                       # raises ResultsError if the written file broke the schema
+    assert doc["sections"]["ch01"]["values"] == ch01_values()
 
 
 def test_value_converts_numpy_and_torch_scalars():
@@ -321,4 +323,6 @@ def test_format_value(leaf, spec, expected):
 def test_committed_results_file_fits_the_schema():
     if not COMMITTED.exists():
         pytest.skip("results/results.json is not committed yet")
-    read(COMMITTED)
+    doc = read(COMMITTED)  # raises ResultsError unless the file is valid JSON that fits the schema
+    assert {"ch01", "ch02", "ch03", "ch04", "ch05"} <= set(doc["sections"])
+    assert all(s["provenance"]["mode"] == "full" for s in doc["sections"].values())
