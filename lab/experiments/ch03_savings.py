@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import time_call, time_steps
-from ..cache import ConcatCache, StaticCache
+from ..cache import make_cache
 from ..engine import CachedBackend, RecomputeBackend, generate
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
@@ -27,12 +27,6 @@ def settings(quick_mode: bool) -> dict:
     return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, reps=7, warmup=2,
                 library_context=512, library_tokens=32, library_reps=5, memory_tokens=960, memory_batches=(1, 8),
                 memory_models=("gpt2-random", "smollm2"), e2e_tokens=32)
-
-
-def make_cache(design, config, max_tokens, batch_size=1, device="cpu"):
-    if design == "concat":
-        return ConcatCache(config, batch_size=batch_size, device=device)
-    return StaticCache(config, max_tokens=max_tokens, batch_size=batch_size, device=device)
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import ConcatCache, StaticCache
+from ..cache import make_cache
 from ..models import forward_cached, load
 
 
@@ -31,14 +31,6 @@ def random_ids(model, context, seed=0) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (1, context), generator=g)
 
 
-def make_cache(model, design, max_tokens):
-    if design == "concat":
-        return ConcatCache(model.config)
-    if design == "static":
-        return StaticCache(model.config, max_tokens=max_tokens)
-    raise ValueError(f"design must be 'concat' or 'static', got {design!r}")
-
-
 def _summary(per_token: list, **extra) -> dict:
     return dict(median=statistics.median(per_token), min=min(per_token), max=max(per_token), reps=len(per_token),
                 threads=torch.get_num_threads(), **extra)
@@ -49,7 +41,7 @@ def _summary(per_token: list, **extra) -> dict:
 @torch.inference_mode()
 def lab_greedy(model, ids, new_tokens, design="concat") -> list:
     """The lab's greedy continuation of ids `[1, T]`: `new_tokens` token ids (prefill, then new_tokens - 1 steps)."""
-    cache = make_cache(model, design, ids.shape[1] + new_tokens)
+    cache = make_cache(design, model.config, ids.shape[1] + new_tokens)
     logits = forward_cached(ids, model.weights, model.config, cache, last_only=True)  # [1, 1, V]
     out = []
     while True:
@@ -71,7 +63,7 @@ def lab_decode_time(model, design, context=512, new_tokens=32, reps=3, seed=0, w
     ids, w, cfg = random_ids(model, context, seed), model.weights, model.config
     per_token = []
     for rep in range(reps + 1) if warmup else range(1, reps + 1):
-        cache = make_cache(model, design, context + new_tokens)
+        cache = make_cache(design, model.config, context + new_tokens)
         logits = forward_cached(ids, w, cfg, cache, last_only=True)        # prefill, untimed
         t0 = time.perf_counter()
         for _ in range(new_tokens):                                         # decode_one_token, new_tokens times

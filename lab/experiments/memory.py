@@ -44,20 +44,13 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import ConcatCache, StaticCache, cache_bytes
+from ..bench import _sync
+from ..cache import cache_bytes, make_cache
 from ..models import forward_cached, load
 from ..results import REPO_ROOT
 from .plots import finish
 
 MiB = 2**20
-
-
-def make_cache(design, config, tokens, batch_size, device):
-    if design == "concat":
-        return ConcatCache(config, batch_size=batch_size, device=device)
-    if design == "static":
-        return StaticCache(config, max_tokens=tokens, batch_size=batch_size, device=device)
-    raise ValueError(f"design must be 'concat' or 'static', got {design!r}")
 
 
 def decode_until(model, cache, prompt_ids, tokens, on_step=None):
@@ -80,11 +73,6 @@ def release_free_memory() -> bool:
         return True
     except (OSError, AttributeError):  # not glibc (macOS, musl): the baseline keeps the allocator's free lists
         return False
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()

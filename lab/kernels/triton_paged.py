@@ -22,6 +22,10 @@ from .reference import check_paged_inputs
 # kernel can run: default to it. With a GPU, leave the variable alone so the kernel is compiled; a
 # reader who wants the interpreter there sets TRITON_INTERPRET=1 before starting Python. setdefault
 # respects an explicit TRITON_INTERPRET=0. The test file sets the same default before importing `lab`.
+# Known pitfall (torch 2.13, triton 3.9): once `torch._dynamo` is imported in a process (transformers'
+# `generate` imports it), the interpreter can no longer run Triton's own @jit helpers (tl.zeros, tl.sum,
+# ...) and the kernel fails with "Cannot call @triton.jit'd outside of the scope of a kernel". On a GPU
+# the compiled kernel is unaffected; on the CPU, run the interpreter in a process that has not imported it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
