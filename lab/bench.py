@@ -38,3 +38,21 @@ def time_steps(setup, step, warmup: int = 2, reps: int = 7, min_seconds: float =
             _sync(device)
             times.append(time.perf_counter() - t0)
     return summarize(times)
+
+
+def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, device="cpu") -> dict:
+    """Time several functions in rounds (each once per round, in turn), so that a slow spell of a shared
+    machine hits all of them alike rather than one block of repetitions. {name: summary} in fns' order."""
+    times = {name: [] for name in fns}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+    return {name: summarize(t) for name, t in times.items()}

@@ -98,14 +98,15 @@ print(f"requests that fit at once in 1 GiB of 16-bit SmolLM2 cache ({budget:,} p
 # %% [markdown]
 # ## Reading keys page by page, on the CPU
 #
-# Decode attention over pages (the PyTorch reference, which gathers the pages) against
-# `scaled_dot_product_attention` over a contiguous cache, for SmolLM2's head shape.
+# Decode attention over pages (the PyTorch reference: it gathers the key pages and sums the values by
+# index) against `scaled_dot_product_attention` over a contiguous cache, for SmolLM2's head shape.
 
 # %%
 speed = ch05.decode_attention_times(S["contexts"], S["batches"], S["reps"])
 for (B, L), r in speed.items():
+    spread = f" (lowest {r['ratio_range'][0]:.2f}, highest {r['ratio_range'][1]:.2f} of {r['repeats']})"
     print(f"batch {B}, context {L:>5}: pages {r['paged']['median'] * 1e3:7.3f} ms, contiguous "
-          f"{r['contiguous']['median'] * 1e3:7.3f} ms, ratio {r['ratio']:.2f}")
+          f"{r['contiguous']['median'] * 1e3:7.3f} ms, ratio {r['ratio']:.2f}" + (spread if r["repeats"] > 1 else ""))
 ch05.plot_speed(speed);
 
 # %% [markdown]

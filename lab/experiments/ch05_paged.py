@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .. import data
-from ..bench import time_call
+from ..bench import time_rounds
 from ..cache import BlockManager, ConcatCache, PagedCache, cache_bytes
 from ..engine import CachedBackend, generate
 from ..kernels import paged_attention_reference
@@ -29,6 +29,7 @@ SIGMA = 1.0            # log-normal shape: an assumption (the paper gives means,
 MAX_LEN = 2048         # the contiguous reservation "at the maximum length"
 ANSWER_BUDGET = 512    # max_new_tokens of the "prompt plus answer budget" reservation
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+SPEED_TARGET = (4096, 1.5)  # at this context, pages should cost at most this many times the contiguous time
 SYNTHETIC = "synthetic lengths: log-normal, sigma 1.0, means of the vLLM paper's ShareGPT / Alpaca statistics"
 
 
@@ -36,7 +37,7 @@ def settings(quick_mode: bool) -> dict:
     if quick_mode:
         return dict(requests=2000, contexts=(256, 1024), batches=(1,), reps=3, page_sizes=(1, 16, 64),
                     new_tokens=8, manager_requests=200)
-    return dict(requests=20000, contexts=(256, 1024, 4096), batches=(1, 8), reps=9, page_sizes=(1, 16, 64),
+    return dict(requests=20000, contexts=(256, 1024, 4096), batches=(1, 8), reps=31, page_sizes=(1, 16, 64),
                 new_tokens=24, manager_requests=2000)
 
 
@@ -114,22 +115,33 @@ def paged_copy(k, v, page_size, generator):
 
 @torch.inference_mode()
 def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0) -> dict:
-    """One decode attention at context L, batch B: over pages (the reference) and over a contiguous cache."""
+    """One decode attention at context L, batch B: over pages (the reference) and over a contiguous cache,
+    timed in alternating rounds. ratio = median paged time / median contiguous time."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, heads[0], head_dim, generator=g)                         # [B, H_q, D]
     k, v = (torch.randn(B, heads[1], L, head_dim, generator=g) for _ in range(2))  # [B, H_kv, L, D]
     pool_k, pool_v, tables, lengths = paged_copy(k, v, page_size, g)
     paged_fn = lambda: paged_attention_reference(q, pool_k, pool_v, tables, lengths)          # [B, H_q, D]
     contiguous_fn = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-    paged, contiguous = time_call(paged_fn, 2, reps), time_call(contiguous_fn, 2, reps)
+    r = time_rounds({"paged": paged_fn, "contiguous": contiguous_fn}, warmup=2, rounds=reps)
+    paged, contiguous = r["paged"], r["contiguous"]
     return dict(paged=paged, contiguous=contiguous, ratio=paged["median"] / contiguous["median"],
                 max_diff=float((paged_fn() - contiguous_fn()).abs().max()))
 
 
-def decode_attention_times(contexts, batches, reps=9) -> dict:
-    """Decode attention over pages against SDPA over a contiguous cache, CPU, SmolLM2's head shape."""
-    return {(B, L): attention_case(B, L, reps) for B in batches
-            for L in tqdm(contexts, desc=f"attention, batch {B}")}
+def decode_attention_times(contexts, batches, reps=9, repeats=3) -> dict:
+    """Decode attention over pages against SDPA over a contiguous cache, CPU, SmolLM2's head shape.
+
+    {(B, L): attention_case result}. At the target context the case runs `repeats` times on fresh data;
+    the run with the median ratio is kept, with the lowest and highest ratio beside it (the noise).
+    """
+    out = {}
+    for B in batches:
+        for L in tqdm(contexts, desc=f"attention, batch {B}"):
+            n = repeats if L == SPEED_TARGET[0] else 1
+            runs = sorted((attention_case(B, L, reps, seed=i) for i in range(n)), key=lambda r: r["ratio"])
+            out[(B, L)] = dict(runs[n // 2], ratio_range=(runs[0]["ratio"], runs[-1]["ratio"]), repeats=n)
+    return out
 
 
 @torch.inference_mode()
@@ -227,14 +239,21 @@ def plot_block_tables(path=None):
 def plot_speed(times: dict, path=None):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(9.6, 3.6))
     for B in sorted({b for b, _ in times}):
         Ls = sorted(L for b, L in times if b == B)
         for kind, style in (("paged", "o-"), ("contiguous", "s--")):
             ax.plot(Ls, [times[(B, L)][kind]["median"] * 1e3 for L in Ls], style, label=f"{kind}, batch {B}")
+        ax_ratio.plot(Ls, [times[(B, L)]["ratio"] for L in Ls], "o-", label=f"batch {B}")
     ax.set(xscale="log", yscale="log", xlabel="context", ylabel="decode attention, ms (median)",
-           title="Attention over pages against a contiguous cache (CPU, one layer)")
+           title="Over pages and over a contiguous cache")
     ax.legend(fontsize=7)
+    context, ratio = SPEED_TARGET
+    ax_ratio.axhline(ratio, color="grey", linestyle=":", label=f"target at {context:,}: {ratio}x")
+    ax_ratio.set(xscale="log", ylim=(0, None), xlabel="context", ylabel="pages / contiguous",
+                 title="The cost of the indirection")
+    ax_ratio.legend(fontsize=7)
+    fig.suptitle("Decode attention on the CPU, one layer, SmolLM2's heads", fontsize=10)
     return finish(fig, path)
 
 
@@ -276,6 +295,12 @@ def record(m: dict) -> dict:
             "paged_ms": value(r["paged"]["median"] * 1e3, "ms", min=r["paged"]["min"] * 1e3, n=r["paged"]["n"]),
             "contiguous_ms": value(r["contiguous"]["median"] * 1e3, "ms", min=r["contiguous"]["min"] * 1e3),
             "ratio": value(r["ratio"], "x"), "max_diff": value(r["max_diff"], "logit")}
+        if L == SPEED_TARGET[0]:
+            values["speed"][f"B{B}"][f"T{L}"] |= {
+                "within_target": value(bool(r["ratio"] <= SPEED_TARGET[1]), None,
+                                       note=f"median-ratio run of {r['repeats']} at most {SPEED_TARGET[1]}"),
+                "ratio_lowest": value(r["ratio_range"][0], "x", n=r["repeats"]),
+                "ratio_highest": value(r["ratio_range"][1], "x", n=r["repeats"])}
     for ps, r in m["agreement"].items():
         values["agreement"][f"page{ps}"] = {"identical": value(r["identical"], None),
                                             "max_abs": value(r["max_diff"], "logit"),

@@ -3,8 +3,9 @@
 One decode step: every sequence in the batch has one new query per head, and its keys and values live
 in pages of a shared pool. The sequence's block table lists its pages in order, so position t sits in
 page `block_table[t // page_size]` at offset `t % page_size`. For each sequence the reference gathers
-those pages into one contiguous `[L, H_kv, D]` tensor, keeps the first `length` positions (the tail of
-the last page and the block table's padding are never looked at), and attends with a float32 softmax.
+the key pages into one contiguous `[L, H_kv, D]` tensor, keeps the first `length` positions (the tail of
+the last page and the block table's padding are never looked at), takes a float32 softmax, and sums the
+values it needs straight from the pool by index.
 
 `check_paged_inputs` holds the argument checks that the reference and the Triton kernel share.
 """
@@ -12,6 +13,7 @@ the last page and the block table's padding are never looked at), and attends wi
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths) -> None:
@@ -85,12 +87,15 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
 
     q [B, H_q, D]; k_pool, v_pool [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]
     (entries past a sequence's pages are ignored); lengths int32 [B] (positions per sequence, this one
-    included). Query head h reads kv head h // (H_q // H_kv). Scores and softmax are computed in float32.
+    included). Query head h reads kv head h // (H_q // H_kv). Scores and softmax are computed in float32;
+    the weighted sum of values runs in the pools' dtype (the probabilities are cast to it).
 
-    One sequence at a time. Gathering the whole batch at once into [B, L_max, H_kv, D] and masking reads
-    as well, but on a CPU it measured 2 to 9 times slower than attention over a contiguous cache at batch 8
-    (the batched matmul copies the gathered keys, and a batch of long contexts no longer fits the cache);
-    the loop comes closer (see ch05.speed in results.json), and ragged lengths need no mask.
+    One sequence at a time, in two halves. Keys: gather the sequence's pages into one buffer and take the
+    scores with a matrix product. Values: `embedding_bag` looks rows up by index and adds them, weighted by
+    the probabilities, without copying them out first: gather and sum fused, as the Triton kernel does for
+    both halves. Gathering the values as well and multiplying measured slower on two CPU threads (one more
+    copy, and a batched product of 3-row matrices that uses the cores poorly); gathering the whole batch
+    at once, padded and masked, slower still. The chapter's table compares this with a contiguous cache.
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
     B, H_q, D = q.shape
@@ -101,18 +106,27 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
     # Grouped-query attention without repeating k and v: the query heads that share kv head j are
     # q[:, j * group : (j + 1) * group], so q viewed as [B, H_kv, group, D] lines them up with kv head j.
     q_grouped = q.reshape(B, H_kv, group, D).float() * scale         # [B, H_kv, group, D], pre-scaled
-    out = torch.empty(B, H_kv, group, D, dtype=torch.float32, device=q.device)  # [B, H_kv, group, D]
+    # The value pool as a table of rows, one per (slot, kv head): row (page * page_size + offset) * H_kv + j.
+    # A view of a contiguous pool (a PagedCache's are); any other pool is copied once here.
+    v_rows = v_pool.reshape(-1, D)                                    # [num_pages * page_size * H_kv, D]
+    offset = torch.arange(page_size, device=q.device)                 # [page_size]
+    kv_head = torch.arange(H_kv, device=q.device)[:, None, None]      # [H_kv, 1, 1]
+    bag_starts = torch.arange(H_q, device=q.device)                   # [H_q]: one bag per query head
+    out = torch.empty(B, H_q, D, dtype=q.dtype, device=q.device)      # [B, H_q, D]
     for b, length in enumerate(lengths.tolist()):
         pages = block_tables[b, : -(-length // page_size)]           # [n_pages]: ceil(length / page_size)
         # index_select copies whole pages (page_size * H_kv * D contiguous values each; faster than fancy
         # indexing or a per-position slot index); the view lays them end to end, so row t is position t,
         # and the slice drops the unused tail of the last page.
         k = k_pool.index_select(0, pages).view(-1, H_kv, D)[:length]  # [length, H_kv, D]
-        v = v_pool.index_select(0, pages).view(-1, H_kv, D)[:length]  # [length, H_kv, D]
-        # The permutes are views: matmul reads k and v in their gathered layout, with no transposed copy.
+        # The permute is a view: matmul reads k in its gathered layout, with no transposed copy.
         scores = q_grouped[b] @ k.permute(1, 2, 0).float()            # [H_kv, group, D] @ [H_kv, D, length]
         #                                                               -> [H_kv, group, length]
         probs = scores.softmax(dim=-1)                                # [H_kv, group, length], float32
-        out[b] = probs @ v.transpose(0, 1).float()                    # [H_kv, group, length] @ [H_kv, length, D]
-        #                                                               -> [H_kv, group, D]
-    return out.view(B, H_q, D).to(q.dtype)                            # [B, H_q, D]
+        # Position t's slot is pages[t // page_size] * page_size + t % page_size; its value for kv head j
+        # is row slot * H_kv + j. Query head (j, g) sums those rows weighted by probs[j, g].
+        slots = (pages.long()[:, None] * page_size + offset).view(-1)[:length]  # [length]
+        rows = (slots * H_kv + kv_head).expand(H_kv, group, length)            # [H_kv, group, length]
+        out[b] = F.embedding_bag(rows.reshape(-1), v_rows, bag_starts * length, mode="sum",
+                                 per_sample_weights=probs.reshape(-1).to(v_pool.dtype))  # [H_q, D]
+    return out                                                        # [B, H_q, D]
