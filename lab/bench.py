@@ -40,9 +40,10 @@ def time_steps(setup, step, warmup: int = 2, reps: int = 7, min_seconds: float =
     return summarize(times)
 
 
-def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, device="cpu") -> dict:
+def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, setup=None, device="cpu") -> dict:
     """Time several functions in rounds (each once per round, in turn), so that a slow spell of a shared
-    machine hits all of them alike rather than one block of repetitions. {name: summary} in fns' order."""
+    machine hits all of them alike rather than one block of repetitions. setup(), if given, runs untimed
+    before every call (e.g. flush_caches). {name: summary} in fns' order."""
     times = {name: [] for name in fns}
     with torch.inference_mode():
         for _ in range(warmup):
@@ -50,9 +51,22 @@ def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, device="cpu") -> di
                 fn()
         for _ in range(rounds):
             for name, fn in fns.items():
+                if setup is not None:
+                    setup()
                 _sync(device)
                 t0 = time.perf_counter()
                 fn()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
     return {name: summarize(t) for name, t in times.items()}
+
+
+_FLUSH = {}
+
+
+def flush_caches(nbytes: int = 128 * 2**20) -> None:
+    """Write nbytes of scratch memory, evicting everything else from the CPU's caches (128 MiB by default,
+    more than the last-level cache of most CPUs), so the next call reads its inputs from main memory."""
+    if nbytes not in _FLUSH:
+        _FLUSH[nbytes] = torch.empty(nbytes // 4, dtype=torch.float32)
+    _FLUSH[nbytes].fill_(1.0)

@@ -48,8 +48,10 @@ HEADLINES = [
      "pages of 16", ("ch05.utilization.ShareGPT.contiguous_max", "ch05.utilization.ShareGPT.paged_16"), ".1f"),
     ("Ch. 5 — the same, synthetic Alpaca-shaped lengths",
      ("ch05.utilization.Alpaca.contiguous_max", "ch05.utilization.Alpaca.paged_16"), ".1f"),
-    ("Ch. 5 — decode attention over pages / contiguous, CPU, context 4,096, batch 1 / batch 8",
+    ("Ch. 5 — decode attention over pages / contiguous, CPU, context 4,096, warm caches, batch 1 / batch 8",
      ("ch05.speed.B1.T4096.ratio", "ch05.speed.B8.T4096.ratio"), ".2f"),
+    ("Ch. 5 — the same with the caches flushed before every call",
+     ("ch05.speed.B1.T4096.cold.ratio", "ch05.speed.B8.T4096.cold.ratio"), ".2f"),
     ("Ch. 5 — Triton kernel bandwidth on a GPU", "ch05_gpu.bandwidth", ""),
 ]
 

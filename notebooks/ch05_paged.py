@@ -103,10 +103,18 @@ print(f"requests that fit at once in 1 GiB of 16-bit SmolLM2 cache ({budget:,} p
 
 # %%
 speed = ch05.decode_attention_times(S["contexts"], S["batches"], S["reps"])
+
+
+def line(r):
+    spread = f" (lowest {r['ratio_range'][0]:.2f}, highest {r['ratio_range'][1]:.2f} of {r['repeats']} runs)"
+    return (f"pages {r['paged']['median'] * 1e3:7.3f} ms, contiguous {r['contiguous']['median'] * 1e3:7.3f} ms, "
+            f"ratio {r['ratio']:.2f}" + (spread if r["repeats"] > 1 else ""))
+
+
 for (B, L), r in speed.items():
-    spread = f" (lowest {r['ratio_range'][0]:.2f}, highest {r['ratio_range'][1]:.2f} of {r['repeats']})"
-    print(f"batch {B}, context {L:>5}: pages {r['paged']['median'] * 1e3:7.3f} ms, contiguous "
-          f"{r['contiguous']['median'] * 1e3:7.3f} ms, ratio {r['ratio']:.2f}" + (spread if r["repeats"] > 1 else ""))
+    print(f"batch {B}, context {L:>5}: {line(r)}")
+    if "cold" in r:
+        print(f"         caches flushed: {line(r['cold'])}")
 ch05.plot_speed(speed);
 
 # %% [markdown]
