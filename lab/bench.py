@@ -66,7 +66,8 @@ _FLUSH = {}
 
 def flush_caches(nbytes: int = 128 * 2**20) -> None:
     """Write nbytes of scratch memory, evicting everything else from the CPU's caches (128 MiB by default,
-    more than the last-level cache of most CPUs), so the next call reads its inputs from main memory."""
+    more than the last-level cache of most CPUs), so the next call reads its inputs from main memory.
+    The scratch buffer is allocated once per size and kept, so the flush itself never page-faults."""
     if nbytes not in _FLUSH:
         _FLUSH[nbytes] = torch.empty(nbytes // 4, dtype=torch.float32)
     _FLUSH[nbytes].fill_(1.0)
