@@ -173,15 +173,7 @@ def plot_bytes(rows: list, path=None):
 
 def load_seconds(name="smollm2", reps=3) -> dict:
     """Wall time of `load(name)` once the converted folder exists (the first call converts, untimed)."""
-    import time
-
-    load(name)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        assert load(name).manifest
-        times.append(time.perf_counter() - t0)
-    return dict(median=sorted(times)[len(times) // 2], max=max(times), n=reps)
+    return time_call(lambda: load(name).manifest, warmup=1, reps=reps)
 
 
 def measure(quick_mode=None) -> dict:

@@ -6,12 +6,12 @@ CachedBackend, which must refuse the reuse (a miss) or handle it, and still retu
 """
 
 import statistics
-import time
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import data
+from ..bench import time_rounds
 from ..cache import StaticCache
 from ..engine import CachedBackend, RecomputeBackend, generate
 from ..metrics import kl_divergence
@@ -167,16 +167,11 @@ def refusal_cost(model, prefix_len=24, reps=5) -> dict:
     request = p[prefix_len:]
     recompute = RecomputeBackend(model)
     backend = CachedBackend(model, static_for(model))
-    t_refused, t_recompute = [], []
-    for _ in range(reps + 1):
-        backend.next_logits(p[:prefix_len])                    # holds another prompt's state
-        t0 = time.perf_counter()
-        backend.next_logits(request)                           # refused: recomputes
-        t1 = time.perf_counter()
-        recompute.next_logits(request)
-        t2 = time.perf_counter()
-        t_refused.append(t1 - t0), t_recompute.append(t2 - t1)
-    return dict(refused=statistics.median(t_refused[1:]), recompute=statistics.median(t_recompute[1:]))
+    r = time_rounds({"refused": lambda: backend.next_logits(request),     # refused: recomputes
+                     "recompute": lambda: recompute.next_logits(request)},
+                    warmup=1, rounds=reps,
+                    setup=lambda: backend.next_logits(p[:prefix_len]))  # untimed: holds another prompt's state
+    return dict(refused=r["refused"]["median"], recompute=r["recompute"]["median"])
 
 
 def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
