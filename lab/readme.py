@@ -52,6 +52,8 @@ HEADLINES = [
      ("ch05.speed.B1.T4096.ratio", "ch05.speed.B8.T4096.ratio"), ".2f"),
     ("Ch. 5 — the same with the caches flushed before every call",
      ("ch05.speed.B1.T4096.cold.ratio", "ch05.speed.B8.T4096.cold.ratio"), ".2f"),
+    ("Ch. 5 — the same, warm, on one thread",
+     ("ch05.speed.B1.T4096.one_thread.ratio", "ch05.speed.B8.T4096.one_thread.ratio"), ".2f"),
     ("Ch. 5 — Triton kernel bandwidth on a GPU", "ch05_gpu.bandwidth", ""),
 ]
 

@@ -102,19 +102,21 @@ print(f"requests that fit at once in 1 GiB of 16-bit SmolLM2 cache ({budget:,} p
 # index) against `scaled_dot_product_attention` over a contiguous cache, for SmolLM2's head shape.
 
 # %%
-speed = ch05.decode_attention_times(S["contexts"], S["batches"], S["reps"])
+speed = ch05.decode_attention_times(S["contexts"], S["batches"], S["reps"], S["repeats"])
 
 
 def line(r):
-    spread = f" (lowest {r['ratio_range'][0]:.2f}, highest {r['ratio_range'][1]:.2f} of {r['repeats']} runs)"
+    spread = (f" (lowest {r['ratio_range'][0]:.2f}, highest {r['ratio_range'][1]:.2f} of {r['repeats']} runs; "
+              f"{r['runs_within']} at most {ch05.SPEED_TARGET[1]})")
     return (f"pages {r['paged']['median'] * 1e3:7.3f} ms, contiguous {r['contiguous']['median'] * 1e3:7.3f} ms, "
             f"ratio {r['ratio']:.2f}" + (spread if r["repeats"] > 1 else ""))
 
 
 for (B, L), r in speed.items():
     print(f"batch {B}, context {L:>5}: {line(r)}")
-    if "cold" in r:
-        print(f"         caches flushed: {line(r['cold'])}")
+    for name, label in (("cold", "caches flushed"), ("one_thread", "one thread")):
+        if name in r:
+            print(f"{label:>24}: {line(r[name])}")
 ch05.plot_speed(speed);
 
 # %% [markdown]

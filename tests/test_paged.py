@@ -41,6 +41,21 @@ def test_ragged_batch_decodes_like_each_sequence_alone():
     assert ch05.ragged_batch(load("smollm2"), lengths=(5, 16, 17, 33), new_tokens=5)["identical"]
 
 
+
+def test_speed_measurement_runs_every_case_at_the_target_and_restores_threads():
+    threads = torch.get_num_threads()
+    L = ch05.SPEED_TARGET[0]
+    r = ch05.decode_attention_times((256, L), (1,), reps=1, repeats=3)
+    assert list(r) == [(1, 256), (1, L)] and torch.get_num_threads() == threads
+    for case in [r[(1, L)]] + [r[(1, L)][name] for name in ch05.TARGET_CASES]:
+        assert case["repeats"] == 3 and 0 <= case["runs_within"] <= 3
+        low, high = case["ratio_range"]
+        assert low <= case["ratio"] <= high
+        # the two paths compute the same attention: fp32 sums over 4,096 positions in different orders
+        assert case["max_diff"] < 1e-4
+    assert r[(1, L)]["one_thread"]["paged"]["threads"] == 1
+    assert r[(1, L)]["paged"]["threads"] == threads and "cold" not in r[(1, 256)]
+
 def test_ragged_batch_logits_match_recomputation(tiny):
     cache = PagedCache(tiny.config, 128, page_size=4, batch_size=3)
     seqs = [ids(n, seed=n) for n in (5, 8, 13)]
