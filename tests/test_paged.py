@@ -41,7 +41,6 @@ def test_ragged_batch_decodes_like_each_sequence_alone():
     assert ch05.ragged_batch(load("smollm2"), lengths=(5, 16, 17, 33), new_tokens=5)["identical"]
 
 
-
 def test_speed_measurement_runs_every_case_at_the_target_and_restores_threads():
     threads = torch.get_num_threads()
     L = ch05.SPEED_TARGET[0]
@@ -55,6 +54,7 @@ def test_speed_measurement_runs_every_case_at_the_target_and_restores_threads():
         assert case["max_diff"] < 1e-4
     assert r[(1, L)]["one_thread"]["paged"]["threads"] == 1
     assert r[(1, L)]["paged"]["threads"] == threads and "cold" not in r[(1, 256)]
+
 
 def test_ragged_batch_logits_match_recomputation(tiny):
     cache = PagedCache(tiny.config, 128, page_size=4, batch_size=3)
