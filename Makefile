@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test results lab book notebooks lint clean
+.PHONY: setup test results lab book book-check notebooks lint clean
 
 setup: $(READY)
 	@$(PY) -m lab.prepare
@@ -28,20 +28,29 @@ notebooks: setup
 	  $(VENV)/bin/jupytext --quiet --to ipynb --set-kernel python3 -o build/notebooks/$$(basename $$nb .py).ipynb $$nb \
 	  || exit 1; done
 
-# Quick mode: shorter sweeps, results written to a temporary file, never to results/results.json.
+# Quick mode, whatever the shell exports: shorter sweeps, a temporary results file, never results/results.json.
 test: lint notebooks
-	LAB_QUICK=1 $(VENV)/bin/pytest
-	LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
 
+# Full mode, the only target that writes results/results.json and results/figures/ (LAB_FULL=1). Then the
+# time of every notebook, run as a reader runs it (quick mode, a temporary results file), into "notebooks".
 results: setup
-	$(PY) -m lab.experiments
-	$(PY) -m lab.experiments.gpu
+	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments
+	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.gpu
+	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
 	$(PY) -m lab.readme
 	$(MAKE) book
 
+# build/book/index.html, a page per chapter and print.html, from the committed results (any mode).
 book: setup
 	$(PY) -m lab.book
 
+# The book in headless Chromium (installed from Debian's `chromium` if missing): build/book/screens/*.png.
+book-check: setup
+	$(PY) -m lab.book --screens
+
+# Quick mode (the default): a notebook opened here writes to a temporary results file.
 lab: setup
 	$(PIP) -e '.[lab]'
 	cd notebooks && ../$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \

@@ -1,74 +1,160 @@
 """
 The manuscript renderer: book/chNN_name.md -> build/book/chNN_name.html, every number filled in from
-results.json.
+results.json, plus index.html (the contents) and print.html (the whole book on one page, for printing).
 
-    python -m lab.book                       # render with the results of the current mode
+    python -m lab.book                       # render from the committed results/results.json
     python -m lab.book --results PATH --out build/book
-    python -m lab.book --check               # list problems (missing notebook, key or figure), render nothing
+    python -m lab.book --check               # list problems (missing notebook, key, figure, listing), render nothing
+    python -m lab.book --screens             # render, then a PNG of every chapter in headless Chromium
+                                             # (build/book/screens/; installs Debian's chromium if missing)
 
-The manuscript never types a measured number. It writes a reference to a key of results.json:
+The book shows the full measurements, so it renders from the committed results by default, whatever the
+mode; `--results` renders another file (e.g. a quick run's /tmp/lab-quick/results.json).
+
+References. The manuscript never types a measured number. It writes a reference to a key of results.json:
 
     Without a cache the model computes {{ch01.positions.uncached}} ...     -> "1,040 positions"
     one decode step takes {{ch01.step_ms.smollm2.T512:.1f}} ...            -> "3.1 ms"
+    the loop ran {{ch01.loop.steps|number}} steps ...                      -> "48 steps" (no unit)
+    a perplexity of {{ch01.perplexity.heldout:.1f|number}} ...             -> "a perplexity of 46.8"
+    the tokens are {{ch02.agreement.tokens_identical|bool:identical/different}} -> "identical"
 
-The part after ":" is a Python format spec applied to the number; the unit is appended either way
-(see lab.results.format_value). References are filled in everywhere, code blocks included.
+The part after ":" is a Python format spec applied to the number; the unit is appended unless `|number`
+follows. A boolean must be rendered as a word with `|bool:WORD_IF_TRUE/WORD_IF_FALSE`; a bare boolean is
+an error, so "true"/"false" never reach the prose (see lab.results.format_value). References are filled
+in everywhere, code blocks included.
 
-Figures are ordinary markdown images pointing at ../results/figures/NAME.png. They are taken from the
-figures/ folder beside the results file in use (so a quick-mode book shows quick-mode figures), copied into
-the output folder, and the links rewritten. A missing figure is an error, as is a reference that does not
-resolve: the book is rendered whole or not at all.
+Listings. A line `::: code PATH NAME` inserts the source of NAME in the repository file PATH: a top-level
+function or class, a method (`Class.method`), or a region marked in the source by a line `# region NAME`
+and a line `# endregion` (the marker lines are not shown, the region is dedented). Without NAME the whole
+file is listed. A listing longer than 60 lines, or with a line wider than 100 characters (what the
+column shows without scrolling), is an error: list a method or a region instead.
+
+Math. $...$ (inline) and $$...$$ (display) are TeX, converted to MathML when the book is rendered (no
+script, no network); a $ inside code is left alone, and \\$ is a dollar sign.
+
+Figures are ordinary markdown images pointing at ../results/figures/NAME.png, each a paragraph of its own.
+The alt text is the caption: the image becomes a figure numbered within its chapter ("Figure 3.2. ...");
+an empty alt text is an error. Figures are taken from the figures/ folder beside the results file in use,
+copied into the output folder, and the links rewritten. A missing figure is an error, as is a reference
+that does not resolve: the book is rendered whole or not at all.
+
+Every page is self-contained: the CSS (Pygments' highlighting included) is embedded, nothing is loaded
+from the network, and no path of the machine it was rendered on appears in it.
 """
 
 import argparse
+import ast
 import html
+import os
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
+import textwrap
+import time
+import xml.etree.ElementTree as etree
 from pathlib import Path
 
 import markdown
+from latex2mathml.converter import convert as latex_to_mathml
+from markdown.extensions import Extension
+from markdown.extensions.toc import slugify
+from markdown.inlinepatterns import InlineProcessor
+from markdown.treeprocessors import Treeprocessor
+from pygments.formatters import HtmlFormatter
 
-from lab.results import REPO_ROOT, ResultsError, format_value, lookup, read, results_path
+from lab.results import COMMITTED, REPO_ROOT, ResultsError, format_value, lookup, read
 
-# {{ section.path.to.value }} or {{ section.path.to.value:.1f }}
-REF = re.compile(r"\{\{\s*(?P<key>[^\s{}:]+)\s*(?::(?P<spec>[^{}]*?))?\s*\}\}")
+# {{ key }}, {{ key:spec }}, {{ key|number }}, {{ key:.1f|number }}, {{ key|bool:identical/different }}
+REF = re.compile(r"\{\{\s*(?P<key>[^\s{}:|]+)\s*(?::(?P<spec>[^{}|]*?))?\s*(?:\|\s*(?P<how>[^{}]*?))?\s*\}\}")
 # ![alt](target) or ![alt](target "title")
 IMAGE = re.compile(r"!\[(?P<alt>[^\]]*)\]\((?P<target>[^)\s]+)(?P<title>\s+\"[^\"]*\")?\)")
 FIGURE_LINK = "../results/figures/"  # how chapters link to the figures of results/
-# ::: code lab/models/llama.py block   -> the source of that function or class, as a listing
-CODE = re.compile(r"^::: code (?P<path>\S+)(?: +(?P<name>\w+))?[ \t]*$", re.MULTILINE)
+# ::: code lab/models/llama.py block   -> the source of that function, class, Class.method or region
+CODE = re.compile(r"^::: code (?P<path>\S+)(?: +(?P<name>[\w.-]+))?[ \t]*$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^:::.*$", re.MULTILINE)  # any ::: line; those CODE does not match are errors
+REGION = re.compile(r"^\s*#\s*region\s+(?P<name>\S+)\s*$")
+ENDREGION = re.compile(r"^\s*#\s*endregion\b")
 
-CSS = """
-body { max-width: 46rem; margin: 2rem auto; padding: 0 1rem; line-height: 1.55;
-       font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #222; }
-h1, h2, h3 { line-height: 1.25; }
-code, pre { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; font-size: 0.9em; }
-pre { background: #f6f6f4; padding: 0.8rem; overflow-x: auto; border-radius: 4px; }
-table { border-collapse: collapse; margin: 1rem 0; }
-th, td { border: 1px solid #ccc; padding: 0.3rem 0.6rem; text-align: left; }
-img { max-width: 100%; }
-nav { font-size: 0.9em; margin-bottom: 1.5rem; }
+MAX_LISTING_LINES = 60
+MAX_LISTING_WIDTH = 100  # characters; the column below shows this many in a <pre> without scrolling
+COLUMN_REM = 52  # the text column; lab/experiments/plots.py sizes figures for it
+COLUMN_PX = COLUMN_REM * 16  # at the browser's default font size
+
+CSS = f"""
+body {{ max-width: {COLUMN_REM}rem; margin: 2rem auto; padding: 0 1rem; line-height: 1.55;
+       font-family: system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; color: #222; }}
+h1, h2, h3 {{ line-height: 1.25; }}
+h1 {{ margin-top: 0.5rem; }}
+a {{ color: #1a5b9c; }}
+code, pre {{ font-family: ui-monospace, "SFMono-Regular", Menlo, "DejaVu Sans Mono", monospace; }}
+code {{ font-size: 0.88em; background: #f3f3f0; padding: 0 0.2em; border-radius: 3px; }}
+pre {{ font-size: 0.8rem; line-height: 1.4; background: #f6f6f4; padding: 0.6rem 0.7rem; overflow-x: auto;
+      border-radius: 4px; border: 1px solid #e6e6e2; }}
+pre code {{ font-size: 1em; background: none; padding: 0; }}
+table {{ border-collapse: collapse; margin: 1rem 0; font-size: 0.92em; }}
+th, td {{ border: 1px solid #d4d4d0; padding: 0.3rem 0.6rem; text-align: left; vertical-align: top; }}
+th {{ background: #ecebe6; font-weight: 600; }}
+tbody tr:nth-child(even) {{ background: #fafaf8; }}
+td.num, th.num {{ text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }}
+figure {{ margin: 1.5rem 0; }}
+img {{ max-width: 100%; height: auto; }}
+figcaption {{ font-size: 0.9em; color: #444; margin-top: 0.4rem; }}
+math[display="block"] {{ margin: 1rem 0; overflow-x: auto; }}
+nav.chapters {{ font-size: 0.9em; display: flex; justify-content: space-between; gap: 1rem;
+               border-bottom: 1px solid #ddd; padding-bottom: 0.5rem; margin-bottom: 1rem; }}
+nav.chapters.bottom {{ border-bottom: none; border-top: 1px solid #ddd; padding-top: 0.5rem; margin-top: 2rem; }}
+div.toc {{ font-size: 0.92em; background: #f8f8f6; border-left: 3px solid #ccc; padding: 0.3rem 1rem;
+          margin-bottom: 1.5rem; }}
+div.toc ul {{ margin: 0.2rem 0; padding-left: 1.2rem; }}
+@media print {{
+  body {{ max-width: none; margin: 0; font-size: 10.5pt; }}
+  nav.chapters, div.toc {{ display: none; }}
+  section.chapter {{ break-before: page; }}
+  pre {{ white-space: pre-wrap; font-size: 8pt; }}
+  figure, pre, table {{ break-inside: avoid; }}
+  a {{ color: inherit; text-decoration: none; }}
+}}
 """
+PYGMENTS_CSS = HtmlFormatter(style="default").get_style_defs(".codehilite")
 
-
-# TeX in $...$ and $$...$$ is typeset by MathJax when the reader is online, and stays readable TeX when not.
-MATHJAX = ("<script>window.MathJax = {tex: {inlineMath: [['$', '$']]}};</script>\n"
-           '<script async src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"></script>\n')
+# private-use characters around a reference's text when a page is rendered for the prose checks
+MARK_OPEN, MARK_MID, MARK_CLOSE = "\ue000", "\ue001", "\ue002"
 
 
 class BookError(ValueError):
     """The manuscript cannot be rendered: a missing figure, a bad format spec, or several problems."""
 
 
+# -----------------------------------------------------------------------------
+# references
+
+
+def _spec(m) -> str:
+    """The format spec of a REF match as lab.results.format_value reads it: "FORMAT" or "FORMAT|how"."""
+    spec = (m["spec"] or "").strip()
+    return f"{spec}|{m['how'].strip()}" if m["how"] is not None else spec
+
+
 def references(text) -> list[tuple[str, str]]:
-    """Every reference in text as (key, format spec), in order; spec is "" when none was given."""
-    return [(m["key"], (m["spec"] or "").strip()) for m in REF.finditer(text)]
+    """Every reference in text as (key, spec), in order; spec is "" when none was given, and carries
+    `|number` or `|bool:A/B` when the reference has one (".1f|number")."""
+    return [(m["key"], _spec(m)) for m in REF.finditer(text)]
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool) or (isinstance(v, list) and any(isinstance(x, bool) for x in v))
 
 
 def _fill(key, spec, doc, source) -> str:
     """One reference as prose; ResultsKeyError when the key does not resolve."""
     leaf = lookup(doc, key, source)
+    how = spec.partition("|")[2].strip()
+    if _is_bool(leaf["value"]) and not how.startswith("bool:"):
+        raise BookError(f"{{{{{key}}}}} is a boolean ({leaf['value']!r}); write it as a word: "
+                        f"{{{{{key}|bool:WORD_IF_TRUE/WORD_IF_FALSE}}}}, e.g. |bool:identical/different")
     try:
         return format_value(leaf, spec)
     except (ValueError, TypeError) as e:
@@ -76,34 +162,229 @@ def _fill(key, spec, doc, source) -> str:
                         f"value {leaf['value']!r}: {e}") from None
 
 
-def render_text(text, doc, source="results") -> str:
-    """text with every {{key}} / {{key:spec}} replaced by its formatted value from doc."""
-    return REF.sub(lambda m: _fill(m["key"], (m["spec"] or "").strip(), doc, source), text)
+def render_text(text, doc, source="results", marks=None) -> str:
+    """text with every reference replaced by its formatted value from doc.
+
+    marks: a list to collect (key, spec, leaf) of every reference; each rendered reference is then wrapped
+    in private-use characters (MARK_OPEN index MARK_MID text MARK_CLOSE), for the prose checks.
+    """
+    def fill(m):
+        spec = _spec(m)
+        out = _fill(m["key"], spec, doc, source)
+        if marks is None:
+            return out
+        marks.append((m["key"], spec, lookup(doc, m["key"], source)))
+        return f"{MARK_OPEN}{len(marks) - 1}{MARK_MID}{out}{MARK_CLOSE}"
+
+    return REF.sub(fill, text)
 
 
-def code_listing(path, name=None) -> str:
-    """The source of function or class `name` in the repo file `path` (the whole file when name is None).
+# -----------------------------------------------------------------------------
+# listings
+
+
+def _find_def(body, parts):
+    """The def or class at dotted path `parts` (["PagedCache", "update"]) in an ast body, or None."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == parts[0]:
+            return node if len(parts) == 1 else _find_def(node.body, parts[1:])
+    return None
+
+
+def _region(lines, name, path) -> list[str] | None:
+    """The lines between `# region NAME` and its `# endregion`; None if there is no such region."""
+    starts = [i for i, line in enumerate(lines) if (m := REGION.match(line)) and m["name"] == name]
+    if not starts:
+        return None
+    if len(starts) > 1:
+        raise BookError(f"code listing: region {name!r} is marked {len(starts)} times in {path}")
+    depth = 0
+    for j in range(starts[0] + 1, len(lines)):
+        if REGION.match(lines[j]):
+            depth += 1
+        elif ENDREGION.match(lines[j]):
+            if depth == 0:
+                return lines[starts[0] + 1: j]
+            depth -= 1
+    raise BookError(f"code listing: region {name!r} in {path} has no `# endregion` line")
+
+
+def code_listing(path, name=None, root=REPO_ROOT) -> str:
+    """The source of `name` in the file `path` (relative to root): a top-level function or class, a method
+    (`Class.method`), or a region marked `# region NAME` ... `# endregion`; the whole file when name is None.
+    Region marker lines are never shown, and the listing is dedented.
 
     Listings in the manuscript are taken from `lab` at render time, so book and code cannot drift apart.
+    Limits (listing_problems) are checked by check() and render(), not here.
     """
-    import ast
-
-    file = REPO_ROOT / path
+    file = Path(root) / path
     if not file.is_file():
         raise BookError(f"code listing: no file {path}")
     source = file.read_text()
+    lines = source.splitlines()
     if name is None:
-        return source.rstrip()
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and node.name == name:
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            return "\n".join(source.splitlines()[first - 1: node.end_lineno])
-    raise BookError(f"code listing: no top-level function or class {name!r} in {path}")
+        body = lines
+    elif (node := _find_def(ast.parse(source).body, name.split("."))) is not None:
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        body = lines[first - 1: node.end_lineno]
+    else:
+        body = _region(lines, name, path)
+        if body is None:
+            raise BookError(f"code listing: no top-level function or class, Class.method, or "
+                            f"`# region {name}` named {name!r} in {path}")
+    body = [line for line in body if not REGION.match(line) and not ENDREGION.match(line)]  # markers: not shown
+    return textwrap.dedent("\n".join(body)).strip("\n")
 
 
-def fill_code(text) -> str:
-    """Replace every `::: code PATH [NAME]` line with a fenced listing of that code."""
-    return CODE.sub(lambda m: f"```python\n# {m['path']}\n{code_listing(m['path'], m['name'])}\n```", text)
+def listing_problems(code, path, name=None) -> list[str]:
+    """What makes a listing unreadable in the book: too long, or a line wider than the column."""
+    what = f"code listing {path}" + (f" {name}" if name else "")
+    lines = code.expandtabs(4).splitlines()
+    problems = []
+    if len(lines) > MAX_LISTING_LINES:
+        problems.append(f"{what} has {len(lines)} lines, more than {MAX_LISTING_LINES}; list a method "
+                        f"(Class.method) or a `# region NAME` of it instead")
+    wide = [(i, len(line)) for i, line in enumerate(lines, 1) if len(line) > MAX_LISTING_WIDTH]
+    if wide:
+        shown = ", ".join(f"line {i} has {n}" for i, n in wide[:3])
+        problems.append(f"{what} has {len(wide)} line(s) wider than {MAX_LISTING_WIDTH} characters ({shown}); "
+                        f"wrap them in the source")
+    return problems
+
+
+def fill_code(text, root=REPO_ROOT) -> str:
+    """Replace every `::: code PATH [NAME]` line with a fenced listing of that code; BookError if a listing
+    breaks the limits."""
+    def listing(m):
+        code = code_listing(m["path"], m["name"], root)
+        problems = listing_problems(code, m["path"], m["name"])
+        if problems:
+            raise BookError("; ".join(problems))
+        return f"```python\n# {m['path']}\n{code}\n```"
+
+    return CODE.sub(listing, text)
+
+
+# -----------------------------------------------------------------------------
+# markdown: math, figures, tables
+
+
+class _Math(InlineProcessor):
+    """$$...$$ and $...$ -> MathML. Runs after code spans (which it therefore never sees), before escapes."""
+
+    def handleMatch(self, m, data):
+        tex, display = (m["display"], "block") if m["display"] is not None else (m["inline"], "inline")
+        try:
+            mathml = latex_to_mathml(tex.strip(), display=display)
+        except Exception as e:  # latex2mathml raises a variety of errors on TeX it cannot parse
+            raise BookError(f"math ${tex}$ cannot be converted to MathML: {type(e).__name__} {e}") from None
+        unknown = re.findall(r"<m[ion][^>]*>(\\[A-Za-z]+)<", mathml)  # a command it does not know stays text
+        if unknown:
+            raise BookError(f"math ${tex}$ cannot be converted to MathML: unknown TeX {', '.join(unknown)}")
+        return self.md.htmlStash.store(mathml), m.start(0), m.end(0)
+
+
+# $$...$$ first; an inline $...$ neither starts nor ends with a space and is not followed by a digit
+# (so "$5 and $6" stays text); \$ is a dollar sign.
+MATH = (r"(?<!\\)\$\$(?P<display>.+?)(?<!\\)\$\$"
+        r"|(?<![\\$])\$(?P<inline>[^\s$](?:[^$]*?[^\s\\$])?)\$(?![\d$])")
+
+NUMERIC = re.compile(r"^[−+\-±~≈<>≤≥]?\s?\d[\d,.]*(?:e[+-]?\d+)?\s*(?:[×%]|[^\s\d]{1,12})?$")
+
+
+class _Figures(Treeprocessor):
+    """Every image -> <figure><img><figcaption>Figure N.k. alt</figcaption></figure>; numeric columns."""
+
+    def __init__(self, md, chapter_no):
+        super().__init__(md)
+        self.chapter_no = chapter_no
+
+    def run(self, root):
+        parents = {child: parent for parent in root.iter() for child in parent}
+        k = 0
+        for img in list(root.iter("img")):
+            parent = parents.get(img)
+            alt = (img.get("alt") or "").strip()
+            if not alt:
+                raise BookError(f"figure {img.get('src')}: the alt text is empty; it is the figure's caption")
+            alone = (parent is not None and parent.tag == "p" and len(parent) == 1
+                     and not (parent.text or "").strip() and not (img.tail or "").strip())
+            if not alone:
+                raise BookError(f"figure {img.get('src')}: an image must be a paragraph of its own "
+                                f"(a blank line before and after it)")
+            k += 1
+            parent.tag = "figure"
+            img.tail = None
+            parent.append(_caption(f"Figure {self.chapter_no}.{k}. ", alt))
+        for table in root.iter("table"):
+            self._numeric_columns(table)
+
+    @staticmethod
+    def _numeric_columns(table):
+        """Right-align (class "num") the columns whose every body cell is a number, with its unit."""
+        rows = [list(tr) for tr in table.iter("tr")]
+        body = [r for r in rows if r and all(c.tag == "td" for c in r)]
+        if not body:
+            return
+        width = max(len(r) for r in rows)
+        for col in range(width):
+            cells = [r[col] for r in body if col < len(r)]
+            texts = ["".join(c.itertext()).strip() for c in cells]
+            texts = [t for t in texts if t not in ("", "—", "–", "-", "n/a")]  # a dash: no value here
+            if texts and all(NUMERIC.match(t) for t in texts):
+                for r in rows:
+                    if col < len(r) and "style" not in r[col].attrib:
+                        r[col].set("class", "num")
+
+
+def _caption(prefix, alt):
+    """<figcaption>prefix + alt</figcaption>, alt's inline markdown (*emphasis*, `code`) rendered."""
+    caption = etree.Element("figcaption")
+    inner = re.sub(r"^<p>|</p>$", "", markdown.markdown(alt).strip())
+    try:
+        parsed = etree.fromstring(f"<figcaption>{inner}</figcaption>")
+    except etree.ParseError:  # an entity XML does not know: keep the text as written
+        caption.text = prefix + alt
+        return caption
+    caption.text = prefix + (parsed.text or "")
+    caption.extend(list(parsed))
+    return caption
+
+
+class _BookExtension(Extension):
+    def __init__(self, chapter_no, **kwargs):
+        self.chapter_no = chapter_no
+        super().__init__(**kwargs)
+
+    def extendMarkdown(self, md):
+        md.ESCAPED_CHARS.append("$")
+        md.inlinePatterns.register(_Math(MATH, md), "math", 185)  # after backtick (190), before escape (180)
+        md.treeprocessors.register(_Figures(md, self.chapter_no), "figures", 15)  # after inline (20)
+
+
+def _chapter_no(chapter: Path, default: int) -> int:
+    m = re.match(r"ch(\d+)", chapter.stem)
+    return int(m[1]) if m else default
+
+
+def to_html(text, chapter_no=1, id_prefix="") -> tuple[str, str]:
+    """Markdown (references and listings already filled) -> (body HTML, table of contents HTML).
+
+    id_prefix keeps heading ids unique when several chapters share a page (print.html).
+    """
+    def slug(value, separator):
+        return f"{id_prefix}{slugify(value, separator)}"
+
+    md = markdown.Markdown(
+        extensions=["tables", "fenced_code", "codehilite", "toc", _BookExtension(chapter_no)],
+        extension_configs={"codehilite": {"guess_lang": False},
+                           "toc": {"toc_depth": "2-3", "slugify": slug}})
+    body = md.convert(text)
+    return body, md.toc
+
+
+# -----------------------------------------------------------------------------
+# chapters, problems
 
 
 def chapters(book_dir) -> list[Path]:
@@ -113,7 +394,7 @@ def chapters(book_dir) -> list[Path]:
 
 def _figure_source(target, chapter: Path, results: Path) -> Path | None:
     """The file an image link points at; None for a link off the machine (http:, data:)."""
-    if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("//"):
         return None
     if target.startswith(FIGURE_LINK):
         return results.parent / "figures" / target[len(FIGURE_LINK):]
@@ -124,33 +405,52 @@ def _line(text, pos) -> int:
     return text.count("\n", 0, pos) + 1
 
 
-def _chapter_problems(chapter: Path, text, doc, results: Path) -> list[str]:
-    """Unresolved references and missing figures of one chapter, each with its line."""
+def _chapter_problems(chapter: Path, text, doc, results: Path, root=REPO_ROOT) -> list[str]:
+    """Unresolved references, bad listings, missing figures and unconvertible markdown of one chapter,
+    each with its line."""
     where = f"{chapter.parent.name}/{chapter.name}"
     problems = []
     for m in REF.finditer(text):
         try:
-            _fill(m["key"], (m["spec"] or "").strip(), doc, str(results))
+            _fill(m["key"], _spec(m), doc, str(results))
         except (ResultsError, BookError) as e:
             problems.append(f"{where}:{_line(text, m.start())}: {e}")
+    for m in DIRECTIVE.finditer(text):
+        if not CODE.match(m[0]):
+            problems.append(f"{where}:{_line(text, m.start())}: not a listing directive: {m[0]!r} "
+                            f"(write `::: code PATH [NAME]`)")
     for m in CODE.finditer(text):
         try:
-            code_listing(m["path"], m["name"])
+            code = code_listing(m["path"], m["name"], root)
         except BookError as e:
             problems.append(f"{where}:{_line(text, m.start())}: {e}")
+            continue
+        problems += [f"{where}:{_line(text, m.start())}: {p}" for p in listing_problems(code, m["path"], m["name"])]
     for m in IMAGE.finditer(text):
+        line = _line(text, m.start())
+        if not m["alt"].strip():
+            problems.append(f"{where}:{line}: figure {m['target']} has no alt text; it is the figure's caption")
         source = _figure_source(m["target"], chapter, results)
-        if source is not None and not source.is_file():
-            problems.append(f"{where}:{_line(text, m.start())}: figure {m['target']} not found "
+        if source is None:
+            problems.append(f"{where}:{line}: figure {m['target']} is not a local file; the book must work offline")
+        elif not source.is_file():
+            problems.append(f"{where}:{line}: figure {m['target']} not found "
                             f"(looked for {source}); run the chapter's experiment or `make results`")
+    problems.sort(key=lambda p: int(re.match(r"[^:]*:(\d+):", p)[1]))  # in the order of the chapter
+    if not problems:  # what only the conversion finds: TeX that does not convert, an image inside a sentence
+        try:
+            to_html(fill_code(render_text(text, doc, str(results)), root), _chapter_no(chapter, 0))
+        except BookError as e:
+            problems.append(f"{where}: {e}")
     return problems
 
 
-def check(book_dir, notebooks_dir, results_path) -> list[str]:
+def check(book_dir, notebooks_dir, results_path, root=REPO_ROOT) -> list[str]:
     """Problems that would break the book, as readable lines; an empty list when there are none.
 
     A chapter book/chNN_name.md without notebooks/chNN_name.py, a reference that does not resolve in
-    results_path, an image link to a missing file.
+    results_path (or a bare boolean), a listing that is missing, too long or too wide, an image link to a
+    missing file or without alt text, TeX that does not convert.
     """
     results_path = Path(results_path)
     problems = []
@@ -162,10 +462,15 @@ def check(book_dir, notebooks_dir, results_path) -> list[str]:
     for chapter in chapters(book_dir):
         notebook = Path(notebooks_dir) / f"{chapter.stem}.py"
         if not notebook.is_file():
-            problems.append(f"{Path(book_dir).name}/{chapter.name}: no notebook {notebook} for this chapter")
+            problems.append(f"{Path(book_dir).name}/{chapter.name}: no notebook "
+                            f"{Path(notebooks_dir).name}/{notebook.name} for this chapter")
         if doc is not None:
-            problems += _chapter_problems(chapter, chapter.read_text(), doc, results_path)
+            problems += _chapter_problems(chapter, chapter.read_text(), doc, results_path, root)
     return problems
+
+
+# -----------------------------------------------------------------------------
+# pages
 
 
 def _title(text, default) -> str:
@@ -175,78 +480,254 @@ def _title(text, default) -> str:
 
 def _page(title, body) -> str:
     return (f'<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n{MATHJAX}</head>\n<body>\n"
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f"<title>{html.escape(title)}</title>\n<style>{CSS}\n{PYGMENTS_CSS}</style>\n</head>\n<body>\n"
             f"{body}\n</body>\n</html>\n")
 
 
-def render(book_dir, out_dir, results_path) -> list[Path]:
-    """Render every book/ch*.md to out_dir/chNN_name.html plus index.html; return the files written."""
+def _nav(prev, nxt, where) -> str:
+    """Previous / contents / next links; prev and nxt are (file name, title) or None."""
+    left = f'<a href="{prev[0]}">← {html.escape(prev[1])}</a>' if prev else "<span></span>"
+    right = f'<a href="{nxt[0]}">{html.escape(nxt[1])} →</a>' if nxt else "<span></span>"
+    return f'<nav class="chapters {where}">{left}<a href="index.html">Contents</a>{right}</nav>'
+
+
+def _after_h1(body, insert) -> str:
+    """insert placed right after the page's first </h1> (at the top when there is none)."""
+    i = body.find("</h1>")
+    return f"{insert}\n{body}" if i < 0 else f"{body[:i + 5]}\n{insert}{body[i + 5:]}"
+
+
+def _shown(path: Path, book_dir: Path) -> str:
+    """A results path as the index shows it: relative to the repository, never a path of this machine."""
+    path = Path(path).resolve()
+    for base in (Path(book_dir).resolve().parent, REPO_ROOT):
+        if path.is_relative_to(base):
+            return path.relative_to(base).as_posix()
+    return f"{path.name} (a file outside the repository)"
+
+
+def _measured(doc) -> str:
+    """The mode(s) and date(s) of the sections of doc, e.g. "full mode, measured 2026-11-29"."""
+    sections = doc["sections"].values()
+    if not sections:
+        return "no results yet"
+    modes = ", ".join(sorted({s["provenance"]["mode"] for s in sections}))
+    dates = sorted({s["provenance"]["date"][:10] for s in sections})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return f"{modes} mode, measured {when}"
+
+
+def _prepare(chapter, text, doc, results_path, out_dir, root, marks=None) -> str:
+    """A chapter's markdown with references, listings and figure links filled in (figures copied to out_dir)."""
+    text = fill_code(render_text(text, doc, str(results_path), marks), root)
+
+    def copy_figure(m):
+        source = _figure_source(m["target"], chapter, results_path)
+        if source is None:
+            return m[0]
+        if out_dir is not None:
+            (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, out_dir / "figures" / source.name)
+        return f"![{m['alt']}](figures/{source.name}{m['title'] or ''})"
+
+    return IMAGE.sub(copy_figure, text)
+
+
+def chapter_html(chapter, doc, results_path, marks=None, root=REPO_ROOT) -> str:
+    """The body HTML of one chapter as render() writes it (nothing is written); with marks, every reference
+    is wrapped in MARK_* characters and listed in marks (see render_text), for the prose checks."""
+    chapter = Path(chapter)
+    text = _prepare(chapter, chapter.read_text(), doc, Path(results_path), None, root, marks)
+    return to_html(text, _chapter_no(chapter, 0))[0]
+
+
+def render(book_dir, out_dir, results_path, root=REPO_ROOT) -> list[Path]:
+    """Render every book/ch*.md to out_dir/chNN_name.html, plus index.html and print.html; return the files
+    written. Nothing is written unless the whole book renders."""
     book_dir, out_dir, results_path = Path(book_dir), Path(out_dir), Path(results_path)
     doc = read(results_path)
     texts = {chapter: chapter.read_text() for chapter in chapters(book_dir)}
     problems = [p for chapter, text in texts.items()
-                for p in _chapter_problems(chapter, text, doc, results_path)]
+                for p in _chapter_problems(chapter, text, doc, results_path, root)]
     if problems:
         raise BookError("cannot render the book:\n  " + "\n  ".join(problems))
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    written, contents = [], []
-    for chapter, text in texts.items():
-        text = fill_code(render_text(text, doc, str(results_path)))
+    pages = []  # (chapter, title, body, toc, print body)
+    for no, (chapter, text) in enumerate(texts.items(), 1):
+        text = _prepare(chapter, text, doc, results_path, out_dir, root)
+        number = _chapter_no(chapter, no)
+        body, toc = to_html(text, number)
+        print_body, _ = to_html(text, number, id_prefix=f"{chapter.stem}-")
+        pages.append((chapter, _title(text, chapter.stem), body, toc, print_body))
 
-        def copy_figure(m, chapter=chapter):
-            source = _figure_source(m["target"], chapter, results_path)
-            if source is None:
-                return m[0]
-            (out_dir / "figures").mkdir(exist_ok=True)
-            shutil.copy2(source, out_dir / "figures" / source.name)
-            return f"![{m['alt']}](figures/{source.name}{m['title'] or ''})"
-
-        text = IMAGE.sub(copy_figure, text)
-        title = _title(text, chapter.stem)
-        body = markdown.markdown(text, extensions=["tables", "fenced_code"])
+    written = []
+    links = [(f"{c.stem}.html", title) for c, title, *_ in pages]
+    for i, (chapter, title, body, toc, _) in enumerate(pages):
+        prev = links[i - 1] if i > 0 else None
+        nxt = links[i + 1] if i + 1 < len(links) else None
+        contents = f'<div class="toc"><strong>In this chapter</strong>\n{_strip_div(toc)}</div>' if toc else ""
         page = out_dir / f"{chapter.stem}.html"
-        page.write_text(_page(title, f'<nav><a href="index.html">Contents</a></nav>\n{body}'))
+        page.write_text(_page(title, f"{_nav(prev, nxt, 'top')}\n{_after_h1(body, contents)}\n"
+                                     f"{_nav(prev, nxt, 'bottom')}"))
         written.append(page)
-        contents.append(f'<li><a href="{page.name}">{html.escape(title)}</a></li>')
 
+    book_title = "Inference Lab: the KV cache"
+    source = f"Numbers from {html.escape(_shown(results_path, book_dir))} ({html.escape(_measured(doc))})."
+    items = "\n".join(f'<li><a href="{name}">{html.escape(title)}</a></li>' for name, title in links)
     index = out_dir / "index.html"
-    items = "\n".join(contents) or "<li>(no chapters yet)</li>"
-    source = html.escape(str(results_path))
-    index.write_text(_page("Inference Lab: the KV cache",
-                           f"<h1>Inference Lab: the KV cache</h1>\n"
-                           f"<p>Numbers from {source} (mode: {_modes(doc)}).</p>\n<ol>\n{items}\n</ol>"))
+    index.write_text(_page(book_title, f"<h1>{book_title}</h1>\n<p>{source}</p>\n"
+                                       f"<ol>\n{items or '<li>(no chapters yet)</li>'}\n</ol>\n"
+                                       f'<p>The whole book on one page, for printing: '
+                                       f'<a href="print.html">print.html</a>.</p>'))
     written.append(index)
+
+    toc = "\n".join(f'<li><a href="#{c.stem}">{html.escape(title)}</a></li>' for c, title, *_ in pages)
+    sections = "\n".join(f'<section class="chapter" id="{c.stem}">\n{print_body}\n</section>'
+                         for c, _, _, _, print_body in pages)
+    whole = out_dir / "print.html"
+    whole.write_text(_page(book_title, f"<h1>{book_title}</h1>\n<p>{source}</p>\n"
+                                       f'<div class="toc"><ol>\n{toc}\n</ol></div>\n{sections}'))
+    written.append(whole)
     for path in written:
-        print(f"wrote {path}")
+        print(f"wrote {_console(path)}")
     return written
 
 
-def _modes(doc) -> str:
-    """Which modes the sections of doc were measured in, e.g. "full" or "quick, full"."""
-    modes = sorted({s["provenance"]["mode"] for s in doc["sections"].values()})
-    return ", ".join(modes) or "no results yet"
+def _console(path) -> str:
+    """A path as the terminal shows it: relative to the current folder when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def _strip_div(toc) -> str:
+    """The <ul> of a toc extension's <div class="toc">...</div>."""
+    return re.sub(r'^\s*<div class="toc">\s*|\s*</div>\s*$', "", toc)
+
+
+# -----------------------------------------------------------------------------
+# screenshots in headless Chromium
+
+
+def chromium() -> str:
+    """The headless browser; installs Debian's `chromium` package when none is found and this is root."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if found := shutil.which(name):
+            return found
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")):
+        raise BookError("the browser check needs headless Chromium: install it "
+                        "(Debian/Ubuntu: `sudo apt-get install chromium`) and run again")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    print("installing chromium (apt-get) for the browser check ...", flush=True)
+    subprocess.run(["apt-get", "update"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "chromium"], check=True, env=env)
+    return shutil.which("chromium") or "chromium"
+
+
+def _browser(browser, *args, timeout=180) -> str:
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--mute-audio",
+           "--no-first-run", "--disable-dev-shm-usage", "--run-all-compositor-stages-before-draw",
+           "--virtual-time-budget=5000", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise BookError(f"{Path(browser).name} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    return done.stdout
+
+
+def _with_extra(page: Path, extra: str, tag: str) -> Path:
+    """A copy of page, beside it (so its figures resolve), with extra inserted before </body>."""
+    copy = page.with_name(f".{tag}-{page.name}")
+    copy.write_text(page.read_text().replace("</body>", f"{extra}\n</body>"))
+    return copy
+
+
+def page_height(browser, page: Path, width) -> int:
+    """The height in CSS pixels of page laid out at width, as the browser measures it."""
+    probe = _with_extra(page, "<script>window.addEventListener('load', () => { document.title = "
+                              "'HEIGHT=' + Math.ceil(document.documentElement.scrollHeight); });</script>",
+                        "measure")
+    try:
+        dom = _browser(browser, f"--window-size={width},1000", "--dump-dom", probe.as_uri())
+    finally:
+        probe.unlink(missing_ok=True)
+    m = re.search(r"HEIGHT=(\d+)", dom)
+    if not m:
+        raise BookError(f"could not measure the height of {page.name} in the browser")
+    return int(m[1])
+
+
+def screenshot(browser, page: Path, png: Path, width=1280, tile=4000) -> Path:
+    """A full-page PNG of page: the page is measured, shot in tiles of `tile` pixels, and the tiles stacked."""
+    from PIL import Image
+
+    height = page_height(browser, page, width)
+    tiles = []
+    with tempfile.TemporaryDirectory(prefix="book-screens-") as tmp:
+        for k, top in enumerate(range(0, height, tile)):
+            h = min(tile, height - top)
+            shifted = _with_extra(page, f"<style>html {{ overflow: hidden; }} "
+                                        f"body {{ transform: translateY(-{top}px); }}</style>", f"tile{k}")
+            shot = Path(tmp) / f"{k}.png"
+            try:
+                _browser(browser, f"--window-size={width},{h}", f"--screenshot={shot}", shifted.as_uri())
+            finally:
+                shifted.unlink(missing_ok=True)
+            tiles.append(Image.open(shot).convert("RGB").crop((0, 0, width, h)))
+        whole = Image.new("RGB", (width, height), "white")
+        for k, im in enumerate(tiles):
+            whole.paste(im, (0, k * tile))
+        png.parent.mkdir(parents=True, exist_ok=True)
+        whole.save(png, optimize=True)
+    return png
+
+
+def screens(pages, out_dir, width=1280) -> list[Path]:
+    """A full-page screenshot of each chapter page, out_dir/chNN_name.png."""
+    browser = chromium()
+    shots = []
+    for page in pages:
+        png = screenshot(browser, Path(page), Path(out_dir) / f"{Path(page).stem}.png", width)
+        print(f"screenshot {_console(png)} ({_size(png)})", flush=True)
+        shots.append(png)
+    return shots
+
+
+def _size(png) -> str:
+    from PIL import Image
+
+    with Image.open(png) as im:
+        return f"{im.width}×{im.height}"
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lab.book", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lab.book", description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--book", type=Path, default=REPO_ROOT / "book", help="manuscript folder")
     parser.add_argument("--notebooks", type=Path, default=REPO_ROOT / "notebooks", help="notebooks folder")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="results file (default: lab.results.results_path(), which follows LAB_QUICK)")
+    parser.add_argument("--results", type=Path, default=COMMITTED,
+                        help="results file (default: the committed results/results.json, whatever the mode)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "book", help="output folder")
     parser.add_argument("--check", action="store_true", help="only list problems; exit 1 if any")
+    parser.add_argument("--screens", action="store_true",
+                        help="render, then save a full-page PNG of every chapter to OUT/screens/ (headless Chromium)")
     args = parser.parse_args(argv)
-    results = args.results or results_path()
     if args.check:
-        problems = check(args.book, args.notebooks, results)
+        problems = check(args.book, args.notebooks, args.results)
         for p in problems:
             print(p, file=sys.stderr)
-        print(f"{len(problems)} problem(s) in {args.book}", file=sys.stderr if problems else sys.stdout)
+        print(f"{len(problems)} problem(s) in {args.book.name}/", file=sys.stderr if problems else sys.stdout)
         return 1 if problems else 0
     try:
-        render(args.book, args.out, results)
-    except (BookError, ResultsError) as e:
+        written = render(args.book, args.out, args.results)
+        if args.screens:
+            t0 = time.perf_counter()
+            chapters_written = [p for p in written if p.name.startswith("ch")]
+            screens(chapters_written, args.out / "screens")
+            print(f"{len(chapters_written)} screenshot(s) in {time.perf_counter() - t0:.0f} s")
+    except (BookError, ResultsError, subprocess.SubprocessError) as e:
         print(e, file=sys.stderr)
         return 1
     return 0

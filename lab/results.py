@@ -18,7 +18,11 @@ document goes to a temporary file in the same folder, is flushed to disk, then r
 A lock file serialises concurrent writers so that none loses another's section. A corrupt file is never
 overwritten: reading it, or writing a section into it, raises ResultsError saying how to recover.
 
-Quick mode (LAB_QUICK=1, used by tests and CI) writes to a temporary file, never to the committed one.
+Two modes. Quick mode is the default (a notebook opened by hand, `make lab`, `make test`): shorter sweeps,
+fewer trials, and a temporary results file, so running a chapter never touches the committed results. Full
+mode is chosen on purpose with LAB_FULL=1 (`make results` sets it): the full sweeps, written to
+results/results.json and results/figures/. LAB_QUICK=1 forces quick mode; setting both is an error.
+LAB_RESULTS=PATH overrides where results go, in either mode.
 """
 
 import contextlib
@@ -61,13 +65,26 @@ class ResultsKeyError(KeyError, ResultsError):
 # where results go
 
 
+def _flag(name) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 def quick() -> bool:
-    """True in quick mode (LAB_QUICK=1): shorter sweeps, fewer trials, a temporary results file."""
-    return os.environ.get("LAB_QUICK", "").strip().lower() in ("1", "true", "yes")
+    """True in quick mode, the default: shorter sweeps, fewer trials, a temporary results file.
+
+    Full mode needs LAB_FULL=1 (`make results` sets it). LAB_QUICK=1 forces quick mode; LAB_FULL=1 and
+    LAB_QUICK=1 together are a contradiction and raise ResultsError rather than guess.
+    """
+    full, forced_quick = _flag("LAB_FULL"), _flag("LAB_QUICK")
+    if full and forced_quick:
+        raise ResultsError("LAB_FULL=1 and LAB_QUICK=1 are both set; unset one of them "
+                           "(LAB_FULL=1 measures in full and writes results/results.json)")
+    return not full
 
 
 def results_path() -> Path:
-    """The results file: $LAB_RESULTS if set, a temporary file in quick mode, else the committed one."""
+    """The results file: $LAB_RESULTS if set, a temporary file in quick mode (the default), else the
+    committed results/results.json (full mode, LAB_FULL=1)."""
     if os.environ.get("LAB_RESULTS"):
         return Path(os.environ["LAB_RESULTS"])
     if quick():
@@ -336,13 +353,35 @@ def _number(v) -> str:
 
 
 def format_value(leaf, spec="") -> str:
-    """A leaf as it reads in prose: "1,040 positions", "24.1×", "95.2%", "not run (needs a GPU)"."""
+    """A leaf as it reads in prose: "1,040 positions", "24.1×", "95.2%", "not run (needs a GPU)".
+
+    spec: a Python format spec for the number (".1f", ",d", ".3g"; "" picks 3 significant digits), then
+    optionally one of
+        |number      the value without its unit: format_value(v, ".1f|number") -> "46.8"
+        |bool:A/B    a boolean as a word, A when true, B when false: "|bool:identical/different"
+    A "|" therefore cannot be a fill character of the format spec. A boolean without |bool: reads
+    "true" / "false" (lab.book refuses that in prose); |number and a format spec do not apply to booleans.
+    """
+    spec, _, how = spec.partition("|")
+    spec, how = spec.strip(), how.strip()
     v, unit = leaf["value"], leaf.get("unit")
     if v == NOT_RUN:
         return f"not run ({leaf.get('reason', 'no reason recorded')})"
+    values = v if isinstance(v, list) else [v]
+    if how.startswith("bool:"):
+        words = how[len("bool:"):].split("/")
+        if len(words) != 2 or not all(w.strip() for w in words):
+            raise ValueError(f"|{how}: give two words, the one for true first: |bool:identical/different")
+        if not all(isinstance(x, bool) for x in values):
+            raise ValueError(f"|bool: applies to a boolean, not to {v!r}")
+        return ", ".join(words[0].strip() if x else words[1].strip() for x in values)
+    if how not in ("", "number"):
+        raise ValueError(f"unknown |{how}; after the format spec write |number or |bool:WORD_IF_TRUE/WORD_IF_FALSE")
+    if any(isinstance(x, bool) for x in values) and (spec or how):
+        raise ValueError(f"{v!r} is a boolean; render it with |bool:WORD_IF_TRUE/WORD_IF_FALSE")
     one = (lambda x: format(x, spec)) if spec else _number
-    text = ", ".join(one(x) for x in v) if isinstance(v, list) else one(v)
-    if not unit:
+    text = ", ".join(one(x) for x in values)
+    if not unit or how == "number":
         return text
     if unit == "x":
         return f"{text}×"

@@ -1,9 +1,16 @@
-"""lab.book: references resolve against results.json, figures are copied, check() finds what would break."""
+"""lab.book: references resolve against results.json, listings select and stay readable, math and code render
+offline, figures are numbered, and the committed book renders to pages a reader can read (no network, no
+machine paths, no raw booleans, no unit followed by a noun). lab.experiments.plots keeps figures legible."""
+
+import html
+import json
+import re
+import shutil
 
 import pytest
 
 from lab import book
-from lab.results import COMMITTED, REPO_ROOT, ResultsKeyError, not_run, value, write_section
+from lab.results import COMMITTED, REPO_ROOT, ResultsKeyError, not_run, read, value, write_section
 
 PROVENANCE = {
     "date": "2025-01-01T00:00:00+00:00",
@@ -20,8 +27,43 @@ CHAPTER = """# The cost of recomputation
 Without a cache the model computes {{ch01.positions.uncached}}; with one, {{ ch01.positions.cached }}.
 One step takes {{ch01.step_ms.T512:.1f}}, a speedup of {{ch01.speedup}}. On a GPU: {{ch01.gpu}}.
 
-![speedup](../results/figures/speedup.png)
+![Step time against context length.](../results/figures/speedup.png)
 """
+
+SOURCE = '''"""A module to list."""
+
+import math
+
+
+def top(x):
+    return x + 1
+
+
+class Cache:
+    """A cache."""
+
+    def __init__(self):
+        self.k = []
+
+    @property
+    def size(self):
+        return len(self.k)
+
+    def update(self, k):
+        # region append
+        self.k.append(k)  # [B, H, T, D]
+        # region inner
+        n = len(self.k)
+        # endregion
+        return n
+        # endregion
+
+
+# region helpers
+def helper():
+    return math.pi
+# endregion
+'''
 
 
 @pytest.fixture
@@ -33,11 +75,16 @@ def lab_dir(tmp_path):
     (tmp_path / "book" / "ch01_recompute.md").write_text(CHAPTER)
     (tmp_path / "notebooks" / "ch01_recompute.py").write_text("# %%\n")
     (tmp_path / "results" / "figures" / "speedup.png").write_bytes(b"\x89PNG fake")
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "module.py").write_text(SOURCE)
     write_section("ch01", {
         "positions": {"uncached": value(1040, "positions"), "cached": value(64, "positions")},
         "step_ms": {"T512": value(3.14159, "ms")},
         "speedup": value(24.1, "x"),
         "gpu": not_run("needs a CUDA GPU"),
+        "steps": value(48, "steps"),
+        "identical": value(True, None),
+        "perplexity": value(46.8321, "perplexity"),
     }, PROVENANCE, path=tmp_path / "results" / "results.json")
     return tmp_path
 
@@ -46,15 +93,24 @@ def args(lab_dir):
     return lab_dir / "book", lab_dir / "notebooks", lab_dir / "results" / "results.json"
 
 
+def write_chapter(lab_dir, text, name="ch01_recompute"):
+    (lab_dir / "book" / f"{name}.md").write_text(text)
+
+
+# -----------------------------------------------------------------------------
+# references
+
+
 def test_references_parses_keys_and_specs():
-    text = "a {{ch01.x.y}} b {{  ch02.step_ms.smollm2.T512 : .1f }} c {{ch03.z:,d}} {not one} {{}}"
-    assert book.references(text) == [("ch01.x.y", ""), ("ch02.step_ms.smollm2.T512", ".1f"), ("ch03.z", ",d")]
+    text = ("a {{ch01.x.y}} b {{  ch02.step_ms.smollm2.T512 : .1f }} c {{ch03.z:,d}} {not one} {{}} "
+            "{{ch01.steps|number}} {{ch01.p:.1f|number}} {{ ch01.same | bool:identical/different }}")
+    assert book.references(text) == [("ch01.x.y", ""), ("ch02.step_ms.smollm2.T512", ".1f"), ("ch03.z", ",d"),
+                                     ("ch01.steps", "|number"), ("ch01.p", ".1f|number"),
+                                     ("ch01.same", "|bool:identical/different")]
     assert book.references("no references here") == []
 
 
 def test_render_text_substitutes(lab_dir):
-    from lab.results import read
-
     doc = read(args(lab_dir)[2])
     text = book.render_text(CHAPTER, doc)
     assert "computes 1,040 positions; with one, 64 positions." in text
@@ -62,6 +118,179 @@ def test_render_text_substitutes(lab_dir):
     assert "{{" not in text
     with pytest.raises(ResultsKeyError, match="ch01.positions.uncached"):
         book.render_text("{{ch01.positions.uncachd}}", doc)
+
+
+def test_render_text_number_and_bool(lab_dir):
+    doc = read(args(lab_dir)[2])
+    assert book.render_text("{{ch01.steps|number}} steps", doc) == "48 steps"
+    assert book.render_text("a perplexity of {{ch01.perplexity:.1f|number}}", doc) == "a perplexity of 46.8"
+    assert book.render_text("{{ch01.speedup:.0f|number}}-fold", doc) == "24-fold"
+    assert book.render_text("the tokens are {{ch01.identical|bool:identical/different}}", doc) == \
+        "the tokens are identical"
+    assert book.render_text("{{ch01.gpu|number}}", doc) == "not run (needs a CUDA GPU)"
+
+
+def test_a_bare_boolean_is_an_error(lab_dir):
+    doc = read(args(lab_dir)[2])
+    with pytest.raises(book.BookError, match=r"ch01\.identical.*boolean.*\|bool:"):
+        book.render_text("{{ch01.identical}}", doc)
+    with pytest.raises(book.BookError, match="boolean"):
+        book.render_text("{{ch01.identical|number}}", doc)
+    write_chapter(lab_dir, "It is {{ch01.identical}}.\n")
+    (problem,) = book.check(*args(lab_dir))
+    assert "ch01_recompute.md:1" in problem and "|bool:" in problem
+
+
+def test_a_bad_filter_is_reported(lab_dir):
+    write_chapter(lab_dir, "{{ch01.steps|words}} and {{ch01.identical|bool:yes}}\n")
+    problems = book.check(*args(lab_dir))
+    assert len(problems) == 2
+    assert "unknown |words" in problems[0] and "two words" in problems[1]
+
+
+def test_marks_wrap_each_reference(lab_dir):
+    doc = read(args(lab_dir)[2])
+    marks = []
+    text = book.render_text("{{ch01.steps}} and {{ch01.speedup:.0f|number}}", doc, marks=marks)
+    assert text == (f"{book.MARK_OPEN}0{book.MARK_MID}48 steps{book.MARK_CLOSE} and "
+                    f"{book.MARK_OPEN}1{book.MARK_MID}24{book.MARK_CLOSE}")
+    assert [(k, s, leaf["unit"]) for k, s, leaf in marks] == [("ch01.steps", "", "steps"),
+                                                             ("ch01.speedup", ".0f|number", "x")]
+
+
+# -----------------------------------------------------------------------------
+# listings
+
+
+def test_listing_of_a_function_a_class_and_the_whole_file(lab_dir):
+    assert book.code_listing("lab/module.py", "top", lab_dir) == "def top(x):\n    return x + 1"
+    cls = book.code_listing("lab/module.py", "Cache", lab_dir)
+    assert cls.startswith("class Cache:") and cls.endswith("        n = len(self.k)\n        return n")
+    assert "region" not in cls  # marker lines are never shown
+    whole = book.code_listing("lab/module.py", None, lab_dir)
+    assert whole.startswith('"""A module to list."""') and whole.endswith("return math.pi")
+    assert "region" not in whole
+
+
+def test_listing_of_a_method_is_dedented_with_its_decorator(lab_dir):
+    assert book.code_listing("lab/module.py", "Cache.size", lab_dir) == \
+        "@property\ndef size(self):\n    return len(self.k)"
+    assert book.code_listing("lab/module.py", "Cache.__init__", lab_dir) == "def __init__(self):\n    self.k = []"
+
+
+def test_listing_of_a_region_drops_the_markers_and_dedents(lab_dir):
+    assert book.code_listing("lab/module.py", "append", lab_dir) == \
+        "self.k.append(k)  # [B, H, T, D]\nn = len(self.k)\nreturn n"
+    assert book.code_listing("lab/module.py", "inner", lab_dir) == "n = len(self.k)"
+    assert book.code_listing("lab/module.py", "helpers", lab_dir) == "def helper():\n    return math.pi"
+
+
+@pytest.mark.parametrize("path, name, match", [
+    ("lab/missing.py", "top", "no file lab/missing.py"),
+    ("lab/module.py", "nothing", "no top-level function or class, Class.method, or `# region nothing`"),
+    ("lab/module.py", "Cache.nothing", "Cache.nothing"),
+    ("lab/module.py", "top.inner", "top.inner"),
+])
+def test_listing_that_does_not_resolve(lab_dir, path, name, match):
+    with pytest.raises(book.BookError, match=re.escape(match)):
+        book.code_listing(path, name, lab_dir)
+
+
+def test_listing_region_without_end_or_twice(lab_dir):
+    (lab_dir / "lab" / "bad.py").write_text("# region a\nx = 1\n# region b\ny = 2\n# endregion\n"
+                                            "# region b\n# endregion\n")
+    with pytest.raises(book.BookError, match="region 'a' in lab/bad.py has no `# endregion`"):
+        book.code_listing("lab/bad.py", "a", lab_dir)
+    with pytest.raises(book.BookError, match="region 'b' is marked 2 times"):
+        book.code_listing("lab/bad.py", "b", lab_dir)
+
+
+def test_long_and_wide_listings_are_reported_and_refused(lab_dir):
+    body = "\n".join(f"    x{i} = {i}" for i in range(book.MAX_LISTING_LINES))  # 60 lines + the def: 61
+    wide = "    y = '" + "w" * (book.MAX_LISTING_WIDTH - 9) + "'"                  # 101 characters
+    (lab_dir / "lab" / "big.py").write_text(f"def long():\n{body}\n\n\ndef wide():\n{wide}\n\n\n"
+                                            f"def fits():\n{wide[:-2]}'\n")
+    write_chapter(lab_dir, CHAPTER + "\n::: code lab/big.py long\n\n::: code lab/big.py wide\n\n"
+                                     "::: code lab/big.py fits\n")
+    problems = book.check(*args(lab_dir), root=lab_dir)
+    assert len(problems) == 2, problems
+    assert "ch01_recompute.md:8: code listing lab/big.py long has 61 lines, more than 60" in problems[0]
+    assert "ch01_recompute.md:10: code listing lab/big.py wide has 1 line(s) wider than 100" in problems[1]
+    with pytest.raises(book.BookError, match=r"lab/big\.py long has 61 lines[\s\S]*lab/big\.py wide"):
+        book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2], root=lab_dir)
+    assert not (lab_dir / "out").exists()
+
+
+def test_a_listing_renders_highlighted(lab_dir):
+    write_chapter(lab_dir, "# T\n\n::: code lab/module.py Cache.update\n")
+    book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2], root=lab_dir)
+    page = (lab_dir / "out" / "ch01_recompute.html").read_text()
+    assert '<div class="codehilite"><pre>' in page
+    assert '<span class="k">def</span>' in page and "# lab/module.py" in page
+    assert "region" not in page
+    assert ".codehilite .k {" in page  # Pygments' CSS is embedded
+
+
+def test_a_malformed_directive_is_reported(lab_dir):
+    write_chapter(lab_dir, CHAPTER + "\n::: code\n\n::: listing lab/module.py top\n")
+    problems = book.check(*args(lab_dir), root=lab_dir)
+    assert len(problems) == 2 and all("not a listing directive" in p for p in problems)
+
+
+# -----------------------------------------------------------------------------
+# math, figures, tables, pages
+
+
+def test_math_becomes_mathml_but_not_in_code():
+    body, _ = book.to_html("Inline $q_t \\cdot k_j$ and `$x$`, it costs \\$5 or $6.\n\n"
+                           "$$\\sum_{i \\le t} a_i = \\frac{n(n-1)}{2}$$\n\n"
+                           "```python\nprice = '$a$'\n```\n")
+    assert body.count("<math") == 2
+    assert '<math xmlns="http://www.w3.org/1998/Math/MathML" display="inline">' in body
+    assert 'display="block"' in body and "<mfrac>" in body
+    assert "<code>$x$</code>" in body and "$5 or $6" in body
+    assert "&#x27;$a$&#x27;" in body or "'$a$'" in body  # the code block is left alone
+    assert "\\sum" not in body and "\\cdot" not in body
+
+
+def test_math_that_does_not_convert_is_reported(lab_dir):
+    write_chapter(lab_dir, CHAPTER + "\n$\\left( x$\n")
+    (problem,) = book.check(*args(lab_dir))
+    assert "MathML" in problem and "ch01_recompute.md" in problem
+    write_chapter(lab_dir, CHAPTER + "\n$\\foo{x}$\n")
+    (problem,) = book.check(*args(lab_dir))
+    assert "unknown TeX \\foo" in problem
+
+
+def test_figures_are_numbered_with_their_caption(lab_dir):
+    shutil.copy(lab_dir / "results" / "figures" / "speedup.png", lab_dir / "results" / "figures" / "two.png")
+    write_chapter(lab_dir, "# Three\n\n![First figure.](../results/figures/speedup.png)\n\ntext\n\n"
+                           "![Second *figure*.](../results/figures/two.png)\n", "ch03_savings")
+    (lab_dir / "book" / "ch01_recompute.md").unlink()
+    book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2])
+    page = (lab_dir / "out" / "ch03_savings.html").read_text()
+    assert re.search(r'<figure>\s*<img alt="First figure." src="figures/speedup.png"\s*/?>\s*'
+                     r"<figcaption>Figure 3.1. First figure.</figcaption>\s*</figure>", page), page
+    assert "<figcaption>Figure 3.2. Second <em>figure</em>.</figcaption>" in page
+
+
+def test_a_figure_without_caption_or_inside_a_sentence_is_refused(lab_dir):
+    write_chapter(lab_dir, "# T\n\n![](../results/figures/speedup.png)\n")
+    (problem,) = book.check(*args(lab_dir))
+    assert "no alt text" in problem
+    write_chapter(lab_dir, "# T\n\nSee ![A figure.](../results/figures/speedup.png) here.\n")
+    (problem,) = book.check(*args(lab_dir))
+    assert "paragraph of its own" in problem
+    write_chapter(lab_dir, "# T\n\n![A remote figure.](https://example.org/x.png)\n")
+    (problem,) = book.check(*args(lab_dir))
+    assert "not a local file" in problem
+
+
+def test_numeric_table_columns_are_right_aligned():
+    body, _ = book.to_html("| model | step | note |\n|---|---|---|\n| gpt2 | 3.1 ms | fast |\n"
+                           "| smollm2 | 1,040 positions | slow |\n| gpt2-xl | — | n/a |\n")
+    assert '<th class="num">step</th>' in body and '<td class="num">3.1 ms</td>' in body
+    assert "<td>gpt2</td>" in body and "<td>fast</td>" in body
 
 
 def test_check_of_a_sound_book_is_empty(lab_dir):
@@ -76,8 +305,7 @@ def test_check_reports_a_chapter_without_notebook(lab_dir):
 
 
 def test_check_reports_an_unresolved_key_with_its_line(lab_dir):
-    chapter = lab_dir / "book" / "ch01_recompute.md"
-    chapter.write_text(CHAPTER + "\nAnd {{ch01.positions.uncahced}}.\n")
+    write_chapter(lab_dir, CHAPTER + "\nAnd {{ch01.positions.uncahced}}.\n")
     problems = book.check(*args(lab_dir))
     assert len(problems) == 1
     assert "ch01_recompute.md:8" in problems[0]
@@ -85,7 +313,7 @@ def test_check_reports_an_unresolved_key_with_its_line(lab_dir):
 
 
 def test_check_reports_a_bad_format_spec(lab_dir):
-    (lab_dir / "book" / "ch01_recompute.md").write_text("{{ch01.gpu:.1f}} {{ch01.speedup:d}}\n")
+    write_chapter(lab_dir, "{{ch01.gpu:.1f}} {{ch01.speedup:d}}\n")
     problems = book.check(*args(lab_dir))
     assert len(problems) == 1 and "'d'" in problems[0]
 
@@ -103,18 +331,45 @@ def test_check_reports_a_corrupt_results_file(lab_dir):
     assert any("not valid JSON" in p for p in problems)
 
 
-def test_render_writes_chapters_index_and_figures(lab_dir, capsys):
+def test_render_writes_chapters_index_print_and_figures(lab_dir, capsys):
     out = lab_dir / "build" / "book"
     written = book.render(lab_dir / "book", out, args(lab_dir)[2])
-    assert [p.name for p in written] == ["ch01_recompute.html", "index.html"]
+    assert [p.name for p in written] == ["ch01_recompute.html", "index.html", "print.html"]
     page = (out / "ch01_recompute.html").read_text()
-    assert "<h1>The cost of recomputation</h1>" in page
+    assert '<h1 id="the-cost-of-recomputation">The cost of recomputation</h1>' in page
     assert "1,040 positions" in page and "24.1×" in page and "{{" not in page
     assert 'src="figures/speedup.png"' in page
     assert (out / "figures" / "speedup.png").read_bytes() == b"\x89PNG fake"
     index = (out / "index.html").read_text()
     assert '<a href="ch01_recompute.html">The cost of recomputation</a>' in index
+    assert "Numbers from results/results.json (quick mode, measured 2025-01-01)." in index
+    assert str(lab_dir) not in index and str(lab_dir) not in page
     assert "wrote" in capsys.readouterr().out
+
+
+def test_chapters_link_to_each_other_and_list_their_sections(lab_dir):
+    write_chapter(lab_dir, CHAPTER + "\n## 1. First\n\ntext\n\n### A detail\n\n## 2. Second\n")
+    write_chapter(lab_dir, "# Building the cache\n\n## Why\n\ntext\n", "ch02_build")
+    write_chapter(lab_dir, "# Savings\n\ntext\n", "ch03_savings")
+    for name in ("ch02_build", "ch03_savings"):
+        (lab_dir / "notebooks" / f"{name}.py").write_text("# %%\n")
+    out = lab_dir / "out"
+    book.render(lab_dir / "book", out, args(lab_dir)[2])
+    first, second, third = ((out / f"{n}.html").read_text() for n in ("ch01_recompute", "ch02_build", "ch03_savings"))
+    assert first.count('<a href="ch02_build.html">Building the cache →</a>') == 2  # top and bottom
+    assert "← " not in first
+    assert second.count('<a href="ch01_recompute.html">← The cost of recomputation</a>') == 2
+    assert second.count('<a href="ch03_savings.html">Savings →</a>') == 2
+    assert second.count('<a href="index.html">Contents</a>') == 2
+    assert " →</a>" not in third
+    toc = re.search(r'<div class="toc">([\s\S]*?)</div>', first)[1]
+    assert '<a href="#1-first">1. First</a>' in toc and '<a href="#a-detail">A detail</a>' in toc
+    assert first.index("</h1>") < first.index('<div class="toc">')
+    printed = (out / "print.html").read_text()
+    assert printed.index('id="ch01_recompute"') < printed.index('id="ch02_build"') < printed.index('id="ch03_savings"')
+    assert 'id="ch01_recompute-1-first"' in printed  # heading ids stay unique on one page
+    assert "<figcaption>Figure 1.1. Step time against context length.</figcaption>" in printed
+    assert "@media print" in printed
 
 
 def test_render_refuses_a_book_with_a_missing_figure(lab_dir):
@@ -133,7 +388,242 @@ def test_main_check_exit_status(lab_dir):
     assert book.main(common) == 1
 
 
+def test_main_renders_the_committed_results_by_default(monkeypatch):
+    monkeypatch.setenv("LAB_QUICK", "1")  # the mode does not choose the book's numbers
+    seen = []
+    monkeypatch.setattr(book, "check", lambda b, n, results: seen.append(results) or [])
+    assert book.main(["--check"]) == 0
+    assert seen == [COMMITTED]
+
+
+# -----------------------------------------------------------------------------
+# figures: lab.experiments.plots
+
+
+def test_plots_column_is_the_books():
+    from lab.experiments import plots
+
+    assert plots.COLUMN_PX == book.COLUMN_PX
+    assert f"max-width: {book.COLUMN_REM}rem" in book.CSS
+    assert plots.COLUMN_IN * plots.DPI == pytest.approx(book.COLUMN_PX)
+
+
+def test_plots_refuse_small_text_at_the_shown_size(tmp_path):
+    from lab.experiments import plots
+
+    fig, ax = plots.plt.subplots(figsize=(12, 4))
+    ax.plot([1, 2], [3, 4], label="five points")
+    ax.legend(fontsize=5)
+    assert plots.shown_scale(fig) == pytest.approx(book.COLUMN_PX / (12 * plots.DPI))
+    with pytest.raises(plots.FigureLegibilityError, match=r"wide\.png: .*'five points' \(5 pt -> 2\.9 pt\)"):
+        plots.check_legible(fig, "wide.png")
+    # finish() narrows the figure to the column, but 5-pt text is still under 8 pt: nothing is saved
+    with pytest.raises(plots.FigureLegibilityError, match=r"small\.png: .*'five points' \(5 pt -> 5\.0 pt\)"):
+        plots.finish(fig, tmp_path / "small.png")
+    assert not (tmp_path / "small.png").exists()
+    plots.plt.close(fig)
+
+
+def test_plots_defaults_pass_and_a_wide_figure_is_narrowed(tmp_path):
+    from lab.experiments import plots
+
+    fig, (a, b) = plots.plt.subplots(1, 2, figsize=(10, 4))  # wider than the column: 0.69 of it shown
+    for ax in (a, b):
+        ax.plot([1, 2], [3, 4], label="cached")
+        ax.set_title("Step time")
+        ax.set_xlabel("context (tokens)")
+        ax.legend()
+    assert plots.too_small(fig)  # at 10 in, the default 9-pt ticks would read at 6.2 pt
+    plots.finish(fig, tmp_path / "ok.png")
+    assert fig.get_figwidth() == pytest.approx(plots.COLUMN_IN)
+    assert (tmp_path / "ok.png").stat().st_size > 0
+    fig, ax = plots.figure(ncols=2)
+    assert fig.get_size_inches() == pytest.approx((plots.COLUMN_IN, plots.PANEL_HEIGHT_IN))
+    ax[0].set_title("hidden", fontsize=4)
+    ax[0].set_axis_off()
+    ax[0].title.set_visible(False)
+    plots.finish(fig, tmp_path / "hidden.png")  # invisible text is not checked
+    plots.plt.close("all")
+
+
+# -----------------------------------------------------------------------------
+# the committed book, rendered
+
+
+CHAPTERS = [c.stem for c in book.chapters(REPO_ROOT / "book")]
+# a unit word followed by one of these reads wrong: "48 steps tokens", "512 tokens prefix", "5 calls misses"
+NOUNS = {"tokens", "positions", "steps", "calls", "misses", "hits", "prefix", "logits", "trials", "bytes",
+         "requests", "pages", "entries", "heads", "layers", "seconds"}
+NOT_UNITS = {"perplexity"}  # a quantity, not a unit: "is 46.8 perplexity" reads wrong; write "a perplexity of"
+MACHINE_PATHS = ("/root/", "/home/", "/tmp/", "/work/", "/Users/", str(REPO_ROOT))
+
+
+def _vocabulary() -> set:
+    """Every unit word of the committed results, singular and plural, and the nouns above."""
+    words = set(NOUNS)
+    for unit in _units(read(COMMITTED)):
+        for w in re.findall(r"[A-Za-z]+", unit):
+            w = w.lower()
+            words |= {w, w + "s", w[:-1] if w.endswith("s") else w}
+    return {w for w in words if w}
+
+
+def _units(doc) -> set:
+    units = set()
+
+    def walk(node):
+        for child in node.values():
+            if isinstance(child, dict) and "value" in child:
+                units.add(child.get("unit") or "")
+            elif isinstance(child, dict):
+                walk(child)
+
+    for section in doc["sections"].values():
+        walk(section["values"])
+    return units - {""}
+
+
+BLOCK_TAG = re.compile(r"</?(?:p|div|td|th|tr|li|ul|ol|h\d|pre|figure|figcaption|table|thead|tbody|br|"
+                       r"blockquote|nav|section)\b[^>]*>")
+
+
+def _text(page_html) -> str:
+    """The text a reader sees: math and tags dropped, a line break at every block boundary."""
+    text = re.sub(r"<math\b[\s\S]*?</math>", "\n", page_html)
+    text = BLOCK_TAG.sub("\n", text)
+    return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+
+def _prose(page_html) -> str:
+    """The text outside code: <pre> and <code> dropped too."""
+    return _text(re.sub(r"<(pre|code)\b[\s\S]*?</\1>", " ", page_html))
+
+
+@pytest.fixture(scope="module")
+def committed():
+    if not CHAPTERS:
+        pytest.skip("book/ has no chapters yet")
+    return read(COMMITTED)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory, committed):
+    """Each committed chapter rendered alone (its page, index.html and print.html) from the committed results,
+    so that a problem in one chapter fails that chapter's tests only."""
+    pages = {}
+    for name in CHAPTERS:
+        book_dir = tmp_path_factory.mktemp(name) / "book"
+        book_dir.mkdir()
+        shutil.copy(REPO_ROOT / "book" / f"{name}.md", book_dir)
+        try:
+            pages[name] = book.render(book_dir, book_dir.parent / "out", COMMITTED)
+        except book.BookError as e:
+            pages[name] = e
+    return pages
+
+
+def pages_of(rendered, name):
+    if isinstance(rendered[name], Exception):
+        pytest.fail(f"book/{name}.md does not render: {rendered[name]}")
+    return {p.name: p.read_text() for p in rendered[name]}
+
+
 def test_committed_book_references_resolve():
-    if not book.chapters(REPO_ROOT / "book"):
+    if not CHAPTERS:
         pytest.skip("book/ has no chapters yet")
     assert book.check(REPO_ROOT / "book", REPO_ROOT / "notebooks", COMMITTED) == []
+
+
+def test_committed_book_renders_whole(tmp_path, committed):
+    written = book.render(REPO_ROOT / "book", tmp_path, COMMITTED)
+    assert [p.name for p in written] == [f"{n}.html" for n in CHAPTERS] + ["index.html", "print.html"]
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_pages_load_nothing_from_the_network(rendered, name):
+    for file, page in pages_of(rendered, name).items():
+        external = re.findall(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//[^>]*>",
+                              page, re.IGNORECASE)
+        assert external == [], f"{file} loads from the network: {external}"
+        assert "<script" not in page, f"{file} has a script; the book needs none"
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_pages_have_no_unresolved_reference_or_directive(rendered, name):
+    for file, page in pages_of(rendered, name).items():
+        assert not book.REF.search(page), f"{file}: unresolved reference {book.REF.search(page)[0]}"
+        prose = _prose(page)
+        assert "{{" not in prose and "}}" not in prose, f"{file}: stray braces in the prose"
+        directives = re.findall(r"^\s*:::.*$", _text(page), re.MULTILINE)
+        assert directives == [], f"{file}: unresolved directive(s) {directives}"
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_pages_show_no_path_of_this_machine(rendered, name):
+    for file, page in pages_of(rendered, name).items():
+        found = [p for p in MACHINE_PATHS if p in page]
+        assert found == [], f"{file} shows a path of the machine it was rendered on: {found}"
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_figures_are_numbered_with_a_caption(rendered, name):
+    page = pages_of(rendered, name)[f"{name}.html"]
+    figures = re.findall(r"<figure>([\s\S]*?)</figure>", page)
+    assert page.count("<img") == sum(f.count("<img") for f in figures), "an image outside a <figure>"
+    number = int(name[2:4])
+    for k, figure in enumerate(figures, 1):
+        caption = re.search(r"<figcaption>([\s\S]*?)</figcaption>", figure)
+        assert caption, f"figure {k} of {name} has no caption"
+        assert re.match(rf"Figure {number}\.{k}\. \S", caption[1]), caption[1]
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_prose_has_no_raw_boolean(committed, name):
+    body = book.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED)
+    raw = [m[0] for m in re.finditer(r".{0,40}\b(?:true|false)\b.{0,20}", _prose(body), re.IGNORECASE)]
+    assert raw == [], f"raw booleans in the prose of {name}: {raw}"
+
+
+def _rendered_references(name, committed):
+    """(key, spec, leaf, rendered text, the word right after it) for every reference of a chapter, read off
+    the chapter's rendered text."""
+    marks = []
+    body = book.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED, marks=marks)
+    found = re.finditer(rf"{book.MARK_OPEN}(\d+){book.MARK_MID}([^{book.MARK_CLOSE}]*){book.MARK_CLOSE}"
+                        rf"(?:[ \t]+([A-Za-z]+))?", _text(body))
+    return [(*marks[int(m[1])], m[2], m[3]) for m in found]
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_prose_has_no_unit_followed_by_a_noun(committed, name):
+    vocabulary = _vocabulary()
+    wrong = []
+    for key, spec, leaf, text, word in _rendered_references(name, committed):
+        how = spec.partition("|")[2].strip()
+        if not leaf.get("unit") or how or leaf["value"] == "NOT_RUN":
+            continue  # no unit was rendered
+        if word and word.lower() in vocabulary:
+            wrong.append(f"{{{{{key}}}}} reads {text!r} then {word!r}: write {{{{{key}|number}}}} {word}")
+        if leaf["unit"] in NOT_UNITS:
+            wrong.append(f"{{{{{key}}}}} reads {text!r}: {leaf['unit']} is not a unit; write "
+                         f"'a {leaf['unit']} of {{{{{key}|number}}}}'")
+    assert wrong == [], f"{name}:\n  " + "\n  ".join(wrong)
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_values_do_not_round_to_zero(committed, name):
+    wrong = []
+    for key, spec, leaf, text, _ in _rendered_references(name, committed):
+        values = leaf["value"] if isinstance(leaf["value"], list) else [leaf["value"]]
+        numbers = re.findall(r"-?[\d.,]+(?:e[+-]?\d+)?", text)
+        if (any(isinstance(v, float) and v != 0 for v in values) and numbers
+                and all(re.fullmatch(r"-?[0.,]+", n) for n in numbers)):
+            wrong.append(f"{{{{{key}:{spec}}}}} = {leaf['value']!r} reads {text!r}")
+    assert wrong == [], f"{name}: non-zero values shown as zero (use a format spec such as .1e or .2g):\n  " \
+        + "\n  ".join(wrong)
+
+
+def test_committed_results_units_make_the_vocabulary():
+    vocabulary = _vocabulary()
+    assert {"tokens", "token", "positions", "position", "ms", "steps", "step"} <= vocabulary
+    assert json.loads(COMMITTED.read_text())  # the file the vocabulary was read from

@@ -86,3 +86,16 @@ def test_pins_rejects_ranges():
     with pytest.raises(AssertionError, match="exact pin"):
         pins(["torch>=2.0"])
     assert pins(["Jinja2==3.1.6", "tqdm==4.70.1"]) == {"jinja2": "3.1.6", "tqdm": "4.70.1"}
+
+
+def test_book_and_reader_packages_are_pinned():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    main = pins(project["dependencies"])
+    extras = project["optional-dependencies"]
+    # the book renders offline: math to MathML, code through Pygments; notebooks show DataFrames
+    assert {"latex2mathml", "pygments", "pandas", "markdown"} <= set(main)
+    # tqdm.auto draws widgets in Jupyter ("IProgress not found" without ipywidgets), in the lab and under nbval
+    lab, dev = pins(extras["lab"]), pins(extras["dev"])
+    assert "ipywidgets" in lab and lab["ipywidgets"] == dev["ipywidgets"]
+    assert "nbclient" in dev  # lab.experiments.notebooks times the notebooks with it
+    assert lab["jupytext"] == dev["jupytext"]

@@ -31,9 +31,9 @@ def prov():
 
 @pytest.fixture(autouse=True)
 def no_env(monkeypatch):
-    """Each test starts in full mode with no override, whatever the shell that ran pytest had set."""
-    monkeypatch.delenv("LAB_QUICK", raising=False)
-    monkeypatch.delenv("LAB_RESULTS", raising=False)
+    """Each test starts in the default mode (quick) with no override, whatever the shell that ran pytest set."""
+    for name in ("LAB_QUICK", "LAB_FULL", "LAB_RESULTS"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def ch01_values():
@@ -63,10 +63,12 @@ def test_provenance_has_the_required_keys(prov):
 
 
 def test_provenance_mode_follows_quick(monkeypatch):
+    assert results.provenance()["mode"] == "quick"  # the default
+    monkeypatch.setenv("LAB_FULL", "1")
+    assert results.provenance()["mode"] == "full"
+    monkeypatch.setenv("LAB_FULL", "0")
     monkeypatch.setenv("LAB_QUICK", "1")
     assert results.provenance()["mode"] == "quick"
-    monkeypatch.setenv("LAB_QUICK", "0")
-    assert results.provenance()["mode"] == "full"
 
 
 def test_round_trip(tmp_path, prov):
@@ -279,11 +281,25 @@ def test_read_of_a_missing_file_is_empty(tmp_path):
     assert read(tmp_path / "nothing.json") == {"schema_version": 1, "sections": {}}
 
 
+@pytest.mark.parametrize("env", [{}, {"LAB_QUICK": "1"}, {"LAB_FULL": "0"}, {"LAB_QUICK": "0"}])
+def test_quick_is_the_default_and_only_lab_full_selects_full(monkeypatch, env):
+    for name, v in env.items():
+        monkeypatch.setenv(name, v)
+    assert results.quick()
+    assert results.results_path() != COMMITTED
+
+
+def test_lab_full_and_lab_quick_together_are_refused(monkeypatch):
+    monkeypatch.setenv("LAB_FULL", "1")
+    monkeypatch.setenv("LAB_QUICK", "1")
+    with pytest.raises(ResultsError, match="LAB_FULL=1 and LAB_QUICK=1"):
+        results.quick()
+
+
 def test_quick_mode_never_writes_the_committed_file(tmp_path, monkeypatch, prov):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = COMMITTED.read_bytes() if COMMITTED.exists() else None
-    monkeypatch.setenv("LAB_QUICK", "1")
-    assert results.quick()
+    assert results.quick()  # the default: nothing set
     assert results.results_path() != COMMITTED
     assert results.results_path() == tmp_path / "lab-quick" / "results.json"
     assert results.figures_dir() == tmp_path / "lab-quick" / "figures" and results.figures_dir().is_dir()
@@ -293,12 +309,15 @@ def test_quick_mode_never_writes_the_committed_file(tmp_path, monkeypatch, prov)
 
 
 def test_results_path_in_full_mode_and_with_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_FULL", "1")
     assert not results.quick()
     assert results.results_path() == COMMITTED
     assert results.figures_dir() == results.FIGURES
     monkeypatch.setenv("LAB_RESULTS", str(tmp_path / "r.json"))
+    assert results.results_path() == tmp_path / "r.json"  # in full mode
+    monkeypatch.delenv("LAB_FULL")
     monkeypatch.setenv("LAB_QUICK", "yes")
-    assert results.results_path() == tmp_path / "r.json"
+    assert results.results_path() == tmp_path / "r.json"  # and in quick mode
 
 
 @pytest.mark.parametrize("leaf, spec, expected", [
@@ -315,9 +334,36 @@ def test_results_path_in_full_mode_and_with_override(tmp_path, monkeypatch):
     (value("float32", None), "", "float32"),
     (not_run("needs a CUDA GPU", "ms"), "", "not run (needs a CUDA GPU)"),
     (not_run("needs a CUDA GPU", "ms"), ".1f", "not run (needs a CUDA GPU)"),
+    # |number: the value alone, the format spec still applied
+    (value(48, "steps"), "|number", "48"),
+    (value(1040, "positions"), "|number", "1,040"),
+    (value(46.8321, "perplexity"), ".1f|number", "46.8"),
+    (value(21.24, "x"), ".1f|number", "21.2"),
+    (value(95.24, "%"), " .1f | number ", "95.2"),
+    (value([1.25, 2.5], "ms"), ".1f|number", "1.2, 2.5"),
+    (not_run("needs a CUDA GPU", "ms"), "|number", "not run (needs a CUDA GPU)"),
+    # |bool:A/B: a boolean as a word
+    (value(True, None), "|bool:identical/different", "identical"),
+    (value(False, None), "|bool:identical/different", "different"),
+    (value(False, None), "|bool: yes / no ", "no"),
+    (value([True, False], None), "|bool:on/off", "on, off"),
+    (value(True, None), "", "true"),  # lab.book refuses this in prose; the README table may show it
 ])
 def test_format_value(leaf, spec, expected):
     assert format_value(leaf, spec) == expected
+
+
+@pytest.mark.parametrize("leaf, spec, match", [
+    (value(True, None), "|bool:identical", "two words"),
+    (value(True, None), "|bool:/different", "two words"),
+    (value(3, "ms"), "|bool:yes/no", "applies to a boolean"),
+    (value(True, None), "|number", "boolean"),
+    (value(True, None), ".1f", "boolean"),
+    (value(3, "ms"), "|words", "unknown"),
+])
+def test_format_value_refuses(leaf, spec, match):
+    with pytest.raises(ValueError, match=match):
+        format_value(leaf, spec)
 
 
 def test_committed_results_file_fits_the_schema():
@@ -326,3 +372,35 @@ def test_committed_results_file_fits_the_schema():
     doc = read(COMMITTED)  # raises ResultsError unless the file is valid JSON that fits the schema
     assert {"ch01", "ch02", "ch03", "ch04", "ch05"} <= set(doc["sections"])
     assert all(s["provenance"]["mode"] == "full" for s in doc["sections"].values())
+
+
+def test_notebook_timings_are_recorded_in_quick_mode(tmp_path, monkeypatch):
+    """lab.experiments.notebooks runs a notebook in a fresh kernel, in quick mode with a temporary results
+    file, and records its wall time in the results file it was given (the committed one is never touched)."""
+    pytest.importorskip("nbclient")
+    from lab.experiments import notebooks
+
+    monkeypatch.setenv("LAB_FULL", "1")  # as under `make results`: the notebook must still run in quick mode
+    before = COMMITTED.read_bytes() if COMMITTED.exists() else None
+    (tmp_path / "ch99_tiny.py").write_text(
+        "# %% [markdown]\n# A tiny notebook.\n\n"
+        "# %%\nimport os\nfrom lab import results\n\n"
+        "# %%\nassert results.quick() and os.environ['LAB_QUICK'] == '1'\n"
+        f"assert str(results.results_path()) != {str(COMMITTED)!r}\n")
+    (tmp_path / "ch98_broken.py").write_text("# %%\nraise RuntimeError('a broken cell')\n")
+    path = tmp_path / "results.json"
+    write_section("ch01", ch01_values(), results.provenance(), path=path)
+    notebooks.time_notebooks([tmp_path / "ch99_tiny.py", tmp_path / "ch98_broken.py"], path=path, limit=300)
+    doc = read(path)
+    values = doc["sections"]["notebooks"]["values"]
+    assert values["limit"] == {**value(300, "s"), "note": values["limit"]["note"]}
+    tiny = values["seconds"]["ch99_tiny"]
+    assert tiny["unit"] == "s" and 0 < tiny["value"] < 300
+    assert values["within_limit"]["ch99_tiny"]["value"] is True
+    broken = values["seconds"]["ch98_broken"]
+    assert broken["value"] == "NOT_RUN" and "a broken cell" in broken["reason"]
+    assert values["all_within_limit"]["value"] is False
+    assert doc["sections"]["notebooks"]["provenance"]["mode"] == "full"
+    assert doc["sections"]["notebooks"]["provenance"]["notebook_mode"] == "quick"
+    assert "ch01" in doc["sections"]  # the other sections stay
+    assert (COMMITTED.read_bytes() if COMMITTED.exists() else None) == before

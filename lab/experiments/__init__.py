@@ -1,4 +1,8 @@
-"""One module per chapter: the measurements that fill results.json."""
+"""One module per chapter: the measurements that fill results.json (`python -m lab.experiments [chNN ...]`).
+
+Besides the chapters: gpu.py (every CUDA measurement), notebooks.py (each notebook's running time in quick
+mode), plots.py (figure size and legibility for the book's column).
+"""
 
 from importlib import import_module
 

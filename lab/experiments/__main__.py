@@ -1,4 +1,8 @@
-"""`python -m lab.experiments [ch01 ...]`: run chapters' experiments in full (or quick with LAB_QUICK=1)."""
+"""`python -m lab.experiments [ch01 ...]`: run chapters' experiments.
+
+Quick mode by default (short sweeps, a temporary results file); LAB_FULL=1 (as `make results` sets it)
+runs the full sweeps and writes results/results.json and results/figures/.
+"""
 
 import sys
 import time
