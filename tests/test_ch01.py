@@ -7,7 +7,7 @@ import torch
 
 from lab import results
 from lab.experiments import ch01_recompute as ch01
-from lab.models import load
+from lab.models import forward, load
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-mqa"])
@@ -25,8 +25,28 @@ def test_causal_mask_on_smollm2_is_exact():
     assert r["earlier_max"] <= 1e-6 and r["last"] > 1.0
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-mqa"])
+def test_forward_with_causal_attention_is_the_library_forward(name):
+    # The same operations in the same order as lab.models.forward: bit-identical, tolerance zero.
+    model = load(name)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ours = ch01.forward_with_attention(ids, model, ch01.causal)
+        assert torch.equal(ours, forward(ids, model.weights, model.config))
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_without_the_mask_earlier_positions_move(name):
+    r = ch01.bidirectional_shift(load(name), n_tokens=24)
+    # With the mask they move by at most 1e-6 (test above); without it every earlier position sees the
+    # changed token, so even the smallest change is far above float32 rounding.
+    assert min(r["per_position"][:-1]) > 1e-5
+    assert r["earlier_max"] >= r["earlier_median"] > 1e-5 and r["earlier"] == 23
+
+
 def test_bytes_table_matches_published_per_position_sizes():
-    # Independent oracle: shared/FACTS.md's table (16-bit, per position): 36, 22.5, 112, 144, 800 KiB.
+    # Independent oracle: 2 x layers x kv_heads x head_dim x 2 bytes worked out by hand from each model's
+    # config.json (research/ch01/sources.md): 36, 22.5, 112, 144 and 800 KiB per position.
     kib = {r["model"]: r["bytes"] / 1024 for r in ch01.bytes_table()}
     assert kib == {"GPT-2 small": 36, "SmolLM2-135M": 22.5, "Qwen3-0.6B": 112, "Qwen3-4B": 144, "Llama-2-13B": 800}
     saving = {r["model"]: r["saving"] for r in ch01.bytes_table()}
@@ -51,6 +71,7 @@ def test_record_writes_a_valid_section(tmp_path, monkeypatch):
     tiny = load("tiny-llama")
     m = dict(settings={}, manifests={"tiny-llama": tiny.manifest}, load=ch01.load_seconds("tiny-mqa", reps=1),
              parity=ch01.parity(["tiny-gpt2"], n_tokens=16), causal=ch01.causal_mask(tiny, 16),
+             bidirectional=ch01.bidirectional_shift(tiny, 16),
              loop=ch01.naive_loop(tiny, 17, 4), times={"tiny-llama": ch01.step_times(tiny, [8, 16], 2, 0, False)},
              prefill_decode={"tiny-llama": ch01.prefill_decode(tiny, [5], 3)}, bytes=ch01.bytes_table(),
              perplexity=ch01.perplexities(tiny, 1, 32))
@@ -58,6 +79,8 @@ def test_record_writes_a_valid_section(tmp_path, monkeypatch):
     doc = results.read(tmp_path / "results.json")
     assert doc["sections"]["ch01"]["values"]["loop"]["positions_uncached"]["value"] == 17 * 4 + 6
     assert results.get("ch01.step_ms.tiny-llama.T16")["unit"] == "ms"
+    assert results.get("ch01.causal.earlier_identical")["value"] is True
+    assert results.get("ch01.bidirectional.earlier_median")["value"] > 0
     for fig in doc["sections"]["ch01"]["figures"].values():
         assert (tmp_path / "figures").exists() and fig["path"].endswith(".png")
     assert json.loads((tmp_path / "results.json").read_text()) == doc

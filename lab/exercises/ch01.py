@@ -1,22 +1,83 @@
-"""Chapter 1 exercises: count the positions, size the cache, and see what the causal mask buys."""
+"""Chapter 1 exercises: count the positions, size the cache, see what the causal mask buys, and time a step.
+
+Each check runs the reader's function against an independent oracle and enforces the exercise's rule:
+exercises 1 and 2 ask for arithmetic, so the reader's function runs while every torch function and the
+library's own formula raise; exercise 3 asks for attention written by hand, so it runs while PyTorch's
+`scaled_dot_product_attention` raises; exercise 4 asks for a measurement, so the time it reports must fit
+inside the time the call took.
+"""
+
+import contextlib
+import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from ..engine import RecomputeBackend, generate
+from ..cache import sizing
+from ..engine import RecomputeBackend, generate, positions_uncached
 from ..models import load
+from . import compare_with_book
+
+
+def _forbidden(*args, **kwargs):  # swapped into a library function while a reader's answer runs
+    raise AssertionError("forbidden shortcut: this exercise asks you to compute it yourself, "
+                         "not to call the library's own function")
+
+
+@contextlib.contextmanager
+def _functions_raise(*fns):
+    """While inside, each plain Python function in fns raises, however the reader imported it."""
+    saved = [f.__code__ for f in fns]
+    try:
+        for f in fns:
+            f.__code__ = _forbidden.__code__
+        yield
+    finally:
+        for f, code in zip(fns, saved, strict=True):
+            f.__code__ = code
+
+
+class _NoTorch(TorchFunctionMode):
+    """Every torch function raises (tensor creation, a model's forward, any operation on a tensor)."""
+
+    def __init__(self, why):
+        super().__init__()
+        self.why = why
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        raise AssertionError(f"{self.why}: your function called torch ({getattr(func, '__name__', func)})")
+
+
+class _NoSDPA(TorchFunctionMode):
+    """scaled_dot_product_attention raises, however it was imported; every other torch function runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            raise AssertionError("scaled_dot_product_attention is switched off in this check: "
+                                 "write softmax(q k^T / sqrt(d)) v yourself")
+        return func(*args, **(kwargs or {}))
+
+
+def _arith_only(fn, args, why, library):
+    with _functions_raise(*library), _NoTorch(why):
+        return fn(*args)
 
 
 def check_positions_without_cache(fn):
     """fn(prompt_len, new_tokens) -> positions a cache-less greedy loop pushes through the model.
 
+    Rule: count from the structure of the loop, with arithmetic. fn runs while every torch function
+    (so any model, any backend) and the library's `positions_uncached` raise.
     Oracle: the RecomputeBackend's own count on a tiny model, for several prompt and output lengths.
     """
     model = load("tiny-mqa")
     for P, n in [(1, 1), (17, 32), (5, 9), (100, 3), (3, 40)]:
         backend = RecomputeBackend(model)
         generate(backend, [7] * P, n)
-        got = fn(P, n)
+        got = _arith_only(fn, (P, n), "exercise 1 asks for arithmetic, not a model run",
+                          [positions_uncached])
         assert got == backend.positions, (
             f"prompt {P}, {n} new tokens: you said {got}, the backend counted {backend.positions}. "
             "Hint: step s (from 0) runs the prompt plus the s tokens generated so far.")
@@ -27,12 +88,15 @@ def check_positions_without_cache(fn):
 def check_bytes_per_position(fn):
     """fn(n_layers, n_kv_heads, head_dim, dtype) -> bytes one position occupies in the KV cache.
 
+    Rule: arithmetic from the shapes (`dtype.itemsize` gives the bytes of one element). fn runs while
+    every torch function (so allocating tensors) and `lab.cache.sizing` raise.
     Oracle: allocate the keys and values of one position for every layer and add up their bytes.
     """
     for L, H, D, dtype in [(12, 12, 64, torch.float16), (30, 3, 64, torch.bfloat16), (28, 8, 128, torch.float32),
                            (2, 1, 8, torch.int8)]:
         held = sum(t.nbytes for _ in range(L) for t in (torch.empty(1, H, 1, D, dtype=dtype),) * 2)
-        got = fn(L, H, D, dtype)
+        got = _arith_only(fn, (L, H, D, dtype), "exercise 2 asks for arithmetic, not allocated tensors",
+                          [sizing.bytes_per_position, sizing.cache_bytes])
         assert got == held, (f"{L} layers, {H} kv heads, head_dim {D}, {dtype}: you said {got}, the tensors "
                              f"hold {held} bytes. Hint: keys and values, every layer, every kv head.")
     print("correct: 2 x layers x kv_heads x head_dim x bytes per element")
@@ -42,16 +106,31 @@ def check_bytes_per_position(fn):
 def check_bidirectional_attention(attend):
     """attend(i, q, k, v) -> attention WITHOUT a causal mask, q, k, v `[B, H, T, D]`.
 
-    Oracle: scaled_dot_product_attention with is_causal=False. Then the check shows what it breaks:
-    with it, changing the last token moves the logits of every earlier position, so no earlier
-    position's keys and values could be reused: a cache needs the causal mask.
+    Rule: write softmax(q k^T / sqrt(d)) v yourself. attend runs while
+    `torch.nn.functional.scaled_dot_product_attention` raises (patched, and trapped however imported).
+    Oracle: PyTorch's scaled_dot_product_attention with is_causal=False, run by the check itself.
+    Then the check shows what the answer breaks: with it, changing the last token moves the logits of
+    every earlier position, so no earlier position's keys and values could be reused.
     """
     from ..models import gpt2
+
+    def guarded(i, q, k, v):
+        patches = [mock.patch.object(F, "scaled_dot_product_attention", side_effect=AssertionError(
+            "scaled_dot_product_attention is switched off in this check: write softmax(q k^T / sqrt(d)) v"))]
+        if hasattr(torch._C._nn, "scaled_dot_product_attention"):
+            patches.append(mock.patch.object(torch._C._nn, "scaled_dot_product_attention",
+                                             side_effect=AssertionError("scaled_dot_product_attention is "
+                                                                        "switched off in this check")))
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            stack.enter_context(_NoSDPA())
+            return attend(i, q, k, v)
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 9, 16, generator=g) for _ in range(3))
     want = F.scaled_dot_product_attention(q, k, v)
-    got = attend(0, q, k, v)
+    got = guarded(0, q, k, v)
     assert got.shape == want.shape, f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     assert torch.allclose(got, want, atol=1e-5), "not softmax(q k^T / sqrt(d)) v over all positions"
 
@@ -63,7 +142,7 @@ def check_bidirectional_attention(attend):
     def run(x):
         h = gpt2.embed(x, model.weights, torch.arange(x.shape[1]))
         for i in range(model.config.n_layers):
-            h = gpt2.block(h, model.weights, i, model.config, attend)
+            h = gpt2.block(h, model.weights, i, model.config, guarded)
         return gpt2.head(h, model.weights, model.config)[0]
 
     with torch.inference_mode():
@@ -71,3 +150,20 @@ def check_bidirectional_attention(attend):
     assert moved > 1e-4, "without the mask the earlier positions should move"
     print(f"correct: without the causal mask, earlier logits move by up to {moved:.3g} when the last token changes")
     return True
+
+
+def check_step_time(fn, name="smollm2", T=256):
+    """fn(model, T) -> milliseconds of one uncached decode step at context T, measured on this machine.
+
+    Open-ended: time it as you like (lab.bench.time_call excludes warm-up and reports the median).
+    Rule: it is a measurement, so the time you report must fit inside the time your function took.
+    Then your number is set beside the book's (`ch01.step_ms.<name>.T<T>` in results/results.json).
+    """
+    model = load(name)
+    t0 = time.perf_counter()
+    ms = fn(model, T)
+    took_ms = (time.perf_counter() - t0) * 1e3
+    assert isinstance(ms, (int, float)) and ms > 0, f"expected a positive number of milliseconds, got {ms!r}"
+    assert ms <= took_ms, (f"you report {ms:.3g} ms for one step, but your function took only {took_ms:.3g} ms "
+                           "in all: measure the step, do not type or look up a number")
+    return compare_with_book(f"ch01.step_ms.{name}.T{T}", ms)

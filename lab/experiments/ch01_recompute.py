@@ -18,16 +18,19 @@ from ..results import figures_dir, provenance, quick, value, write_section
 from .plots import finish
 
 SECTION = "ch01"
+MODEL_LABELS = {"smollm2": "SmolLM2-135M", "gpt2-random": "GPT-2 small shape (random weights)"}
 
 
 def settings(quick_mode: bool) -> dict:
     """Sweep sizes: the full run for results.json, a short one for tests and the quick notebook."""
     if quick_mode:
         return dict(contexts={"gpt2-random": [16, 64, 256], "smollm2": [16, 64, 256]}, reps=3, warmup=1,
-                    parity_tokens=64, new_tokens=32, prefill_prompts=[17, 128], ppl_passages=2, ppl_tokens=128)
+                    parity_tokens=64, new_tokens=32, decode_tokens=8, prefill_prompts=[17, 128], ppl_passages=2,
+                    ppl_tokens=128)
     T = [16, 32, 64, 128, 256, 512, 960]
     return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, reps=7, warmup=2,
-                parity_tokens=256, new_tokens=32, prefill_prompts=[17, 128, 512], ppl_passages=16, ppl_tokens=256)
+                parity_tokens=256, new_tokens=32, decode_tokens=32, prefill_prompts=[17, 128, 512], ppl_passages=16,
+                ppl_tokens=256)
 
 
 def heldout_prompt(model, n_tokens: int, seed: int = 0) -> list:
@@ -52,6 +55,56 @@ def causal_mask(model, n_tokens: int = 64, seed: int = 0) -> dict:
                 last=per_position[-1].item(), tokens=n_tokens)
 
 
+def forward_with_attention(ids, model, attend):
+    """The uncached forward with another attention: `attend(i, q, k, v)` replaces causal attention.
+
+    With `attend=causal` this is exactly `lab.models.forward` (a test checks it); with `bidirectional`
+    every position sees every other one, as in an encoder.
+    """
+    from ..models import gpt2, llama
+
+    w, cfg, T = model.weights, model.config, ids.shape[1]
+    if cfg.arch == "gpt2":
+        x = gpt2.embed(ids, w, torch.arange(T))
+        for i in range(cfg.n_layers):
+            x = gpt2.block(x, w, i, cfg, attend)
+        return gpt2.head(x, w, cfg)
+    x = llama.embed(ids, w)                                                       # [B, T, D]
+    rope_cs = llama.rope_tables(torch.arange(T), cfg.head_dim, cfg.rope_theta, x.dtype)
+    for i in range(cfg.n_layers):
+        x = llama.block(x, w, i, cfg, attend, rope_cs)
+    return llama.head(x, w, cfg)                                                  # [B, T, V]
+
+
+def causal(i, q, k, v):  # q [B, Hq, T, D], k, v [B, Hkv, T, D]: query t sees keys 0 .. t
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def bidirectional(i, q, k, v):  # no mask: query t sees every key, later ones included
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+@torch.inference_mode()
+def bidirectional_shift(model, n_tokens: int = 64, seed: int = 0) -> dict:
+    """The causal-mask experiment with the mask removed: how far do earlier positions' logits move?
+
+    Same prompt and same changed last token as `causal_mask`. Returns the per-position max |delta logit|,
+    its maximum and median over the earlier positions, the change at the last position, how many earlier
+    positions' top token (argmax) changed, and the largest |logit| as a scale.
+    """
+    ids = torch.tensor([heldout_prompt(model, n_tokens, seed)])        # [1, T]
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1000) % model.config.vocab_size
+    a = forward_with_attention(ids, model, bidirectional)[0]           # [T, V]
+    b = forward_with_attention(changed, model, bidirectional)[0]
+    per_position = (a - b).abs().amax(-1)                               # [T]
+    earlier = per_position[:-1]
+    top_changed = (a[:-1].argmax(-1) != b[:-1].argmax(-1)).sum().item()
+    return dict(per_position=per_position.tolist(), earlier_max=earlier.max().item(),
+                earlier_median=earlier.median().item(), last=per_position[-1].item(),
+                top_changed=int(top_changed), earlier=n_tokens - 1, scale=a.abs().max().item(), tokens=n_tokens)
+
+
 def naive_loop(model, prompt_len: int = 17, new_tokens: int = 32, seed: int = 0) -> dict:
     """Greedy generation without a cache; counts the positions the model processes."""
     prompt = heldout_prompt(model, prompt_len, seed)
@@ -72,10 +125,10 @@ def step_times(model, contexts, reps=7, warmup=2, progress=True) -> dict:
     return out
 
 
-def prefill_decode(model, prompt_lens, new_tokens=32) -> dict:
+def prefill_decode(model, prompt_lens, new_tokens=32, progress=True) -> dict:
     """Time to first token and time per output token of the uncached loop, per prompt length."""
     out = {}
-    for P in prompt_lens:
+    for P in tqdm(prompt_lens, desc=f"prefill and decode {model.name}", disable=not progress):
         generate(RecomputeBackend(model), heldout_prompt(model, P), 2)  # warm-up
         r = naive_loop(model, P, new_tokens)
         out[P] = dict(ttft=r["ttft"], tpot=r["tpot"])
@@ -96,12 +149,12 @@ def bytes_table(dtype_bytes: int = 2, context: int = 4096) -> list:
 
 
 @torch.inference_mode()
-def parity(names, n_tokens=256, seed=0) -> dict:
+def parity(names, n_tokens=256, seed=0, progress=True) -> dict:
     """Max and median |our logits - transformers' logits| on the same weights and ids."""
     from ..models.hf import to_transformers
 
     out = {}
-    for name in names:
+    for name in tqdm(names, desc="parity with transformers", disable=not progress):
         model = load(name)
         hf = to_transformers(model)
         if name == "smollm2":  # real text for the real model
@@ -129,43 +182,60 @@ def perplexities(model, n_passages=16, n_tokens=256) -> dict:
 def plot_step_times(times: dict, path=None):
     """Step time against context length, one line per model, log-log."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for name, by_T in times.items():
         Ts = sorted(by_T)
-        ax.errorbar(Ts, [by_T[T]["median"] * 1e3 for T in Ts], marker="o", capsize=3, label=name,
+        ax.errorbar(Ts, [by_T[T]["median"] * 1e3 for T in Ts], marker="o", capsize=3,
+                    label=MODEL_LABELS.get(name, name),
                     yerr=[[(by_T[T]["median"] - by_T[T]["min"]) * 1e3 for T in Ts],
                           [(by_T[T]["max"] - by_T[T]["median"]) * 1e3 for T in Ts]])
     ax.set(xscale="log", yscale="log", xlabel="context length T (positions recomputed)",
-           ylabel="one uncached step, ms (median, min-max)", title="Cost of one decode step without a cache")
+           ylabel="one uncached step, ms (median, min-max)",
+           title="Time of one decode step without a cache, against context length")
+    ax.set_xticks(sorted(set().union(*times.values())))
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers (16, 256, 1000), not powers of ten
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return finish(fig, path)
 
 
-def plot_causal(result: dict, path=None):
+def plot_causal(result: dict, without_mask: dict | None = None, path=None):
+    """Per-position logit change when the last token changes: with the causal mask, and without it."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3))
-    y = result["per_position"]
-    ax.bar(range(len(y)), y, color=["tab:blue"] * (len(y) - 1) + ["tab:red"])
-    ax.set(xlabel="position", ylabel="max |Δ logit|",
-           title="Changing the last token moves only the last position's logits")
+    panels = [("with the causal mask", result)] + ([("without the mask", without_mask)] if without_mask else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels) / 1.4, 3), squeeze=False)
+    for ax, (label, r) in zip(axes[0], panels, strict=True):
+        y = r["per_position"]
+        ax.bar(range(len(y)), y, color=["tab:blue"] * (len(y) - 1) + ["tab:red"])
+        moved = max(y[:-1])
+        ax.set(xlabel="position (red: the changed last token)", ylabel="max |Δ logit| at that position",
+               title=f"{label}: earlier positions\n" + (f"move by up to {moved:.3g}" if moved else "do not move"))
     return finish(fig, path)
 
 
 def plot_bytes(rows: list, path=None):
+    """KiB per cached position, as published and if every query head had its own K/V; values labelled."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     names = [r["model"] for r in rows]
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["mha_bytes"] / 1024 for r in rows], 0.4,
-           label="if every query head had its own K/V")
-    ax.bar([i + 0.2 for i in x], [r["bytes"] / 1024 for r in rows], 0.4, label="as published (GQA where used)")
+    mha = ax.bar([i - 0.2 for i in x], [r["mha_bytes"] / 1024 for r in rows], 0.4,
+                 label="if every query head had its own K/V", color="tab:gray")
+    pub = ax.bar([i + 0.2 for i in x], [r["bytes"] / 1024 for r in rows], 0.4,
+                 label="as published (GQA where used)", color="tab:blue")
+    for bars in (mha, pub):
+        ax.bar_label(bars, fmt="%.4g", fontsize=8, padding=2)
     ax.set_xticks(list(x), names, rotation=15)
-    ax.set(yscale="log", ylabel="KiB per cached position (16-bit)", title="Bytes per cached position")
-    ax.legend(fontsize=8)
+    ax.set(ylabel="KiB per cached position (16-bit)",
+           title="KV cache bytes per position, by model (linear axis)")
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8, loc="upper left")
     return finish(fig, path)
 
 
@@ -187,28 +257,42 @@ def measure(quick_mode=None) -> dict:
         load=load_seconds("smollm2"),
         parity=parity(["tiny-gpt2", "tiny-llama", "gpt2-random", "smollm2"], s["parity_tokens"]),
         causal=causal_mask(smol),
+        bidirectional=bidirectional_shift(smol),
         loop=naive_loop(smol, 17, s["new_tokens"]),
         times={m.name: step_times(m, s["contexts"][m.name], s["reps"], s["warmup"]) for m in (gpt2, smol)},
-        prefill_decode={m.name: prefill_decode(m, s["prefill_prompts"], s["new_tokens"]) for m in (gpt2, smol)},
+        prefill_decode={m.name: prefill_decode(m, s["prefill_prompts"], s["decode_tokens"]) for m in (gpt2, smol)},
         bytes=bytes_table(),
         perplexity=perplexities(smol, s["ppl_passages"], s["ppl_tokens"]),
     )
 
 
-def record(m: dict):
-    """Write the measurements and figures of `measure()` to results.json (a temporary file in quick mode)."""
-    figs = figures_dir()
-    plot_step_times(m["times"], figs / "ch01_step_time.png")
-    plot_causal(m["causal"], figs / "ch01_causal_mask.png")
-    plot_bytes(m["bytes"], figs / "ch01_bytes_per_position.png")
+def record(m: dict, drawn: dict | None = None):
+    """Write the measurements and figures of `measure()` to results.json (a temporary file in quick mode).
+
+    drawn: figures a notebook already drew ({"step_time": fig, ...}); they are saved, not drawn again.
+    """
+    import matplotlib.pyplot as plt
+
+    figs, drawn = figures_dir(), drawn or {}
+    plotters = {"step_time": lambda: plot_step_times(m["times"]),
+                "causal_mask": lambda: plot_causal(m["causal"], m.get("bidirectional")),
+                "bytes_per_position": lambda: plot_bytes(m["bytes"])}
+    for name, draw in plotters.items():
+        fig = drawn.get(name) or draw()
+        finish(fig, figs / f"ch01_{name}.png")
+        if name not in drawn:
+            plt.close(fig)  # drawn only to be saved: do not show it again in a notebook
     loop, causal, ppl = m["loop"], m["causal"], m["perplexity"]
     values = {
         "load_seconds": value(m["load"]["median"], "s", max=m["load"]["max"], n=m["load"]["n"],
                               note="load('smollm2') from the converted folder, manifest included"),
         "parity": {n: {"max_abs": value(r["max"], "logit"), "median_abs": value(r["median"], "logit"),
+                       "identical": value(r["max"] == 0, None, note="every logit bit-identical"),
                        "logit_scale": value(r["scale"], "logit", note="largest |logit| of the reference")}
                    for n, r in m["parity"].items()},
         "causal": {"earlier_max": value(causal["earlier_max"], "logit"), "last": value(causal["last"], "logit"),
+                   "earlier_identical": value(causal["earlier_max"] == 0, None,
+                                              note="every earlier position's logits bit-identical"),
                    "tokens": value(causal["tokens"], "tokens")},
         "loop": {"prompt_tokens": value(len(loop["prompt"]), "tokens"),
                  "new_tokens": value(len(loop["tokens"]), "tokens"),
@@ -216,7 +300,8 @@ def record(m: dict):
                  "positions_uncached": value(loop["positions"], "positions", note="counted by the backend"),
                  "formula_uncached": value(loop["formula_uncached"], "positions"),
                  "formula_cached": value(loop["formula_cached"], "positions"),
-                 "ratio": value(loop["positions"] / loop["formula_cached"], "x")},
+                 "ratio": value(loop["positions"] / loop["formula_cached"], "x"),
+                 "count_matches_formula": value(loop["positions"] == loop["formula_uncached"], None)},
         "step_ms": {name: {f"T{T}": value(t["median"] * 1e3, "ms", min=t["min"] * 1e3, max=t["max"] * 1e3,
                                           iqr=t["iqr"] * 1e3, n=t["n"], threads=t["threads"])
                            for T, t in by_T.items()} for name, by_T in m["times"].items()},
@@ -232,14 +317,30 @@ def record(m: dict):
         "perplexity": {"heldout": value(ppl["heldout"], "perplexity"), "shuffled": value(ppl["shuffled"], "perplexity"),
                        "passages": value(ppl["passages"], "passages"), "tokens": value(ppl["tokens"], "tokens")},
     }
+    if "bidirectional" in m:  # the same experiment with the mask removed
+        b = m["bidirectional"]
+        values["bidirectional"] = {
+            "earlier_max": value(b["earlier_max"], "logit", note="max over earlier positions of max |Δ logit|"),
+            "earlier_median": value(b["earlier_median"], "logit"),
+            "last": value(b["last"], "logit"), "logit_scale": value(b["scale"], "logit"),
+            "top_changed": value(b["top_changed"], "positions", note="earlier positions whose argmax changed"),
+            "earlier_positions": value(b["earlier"], "positions")}
+    ratios = [r["tpot"] / r["ttft"] for by_P in m["prefill_decode"].values() for r in by_P.values()]
+    values["prefill_decode"]["min_tpot_over_ttft"] = value(min(ratios), "x", note="over every model and prompt")
     for name, by_T in m["times"].items():  # how the cost grows: the longest context over the shortest
         Ts = sorted(by_T)
+        values["step_ms"][name]["longest_T"] = value(Ts[-1], "tokens", note="the longest context timed")
+        values["step_ms"][name]["longest_s"] = value(by_T[Ts[-1]]["median"], "s",
+                                                     note=f"one uncached step at T={Ts[-1]}, in seconds")
         values["step_ms"][name]["growth"] = value(by_T[Ts[-1]]["median"] / by_T[Ts[0]]["median"], "x",
                                                   note=f"T={Ts[-1]} over T={Ts[0]}")
-    figures = {"step_time": {"path": figs / "ch01_step_time.png", "caption": "One uncached step against context"},
-               "causal_mask": {"path": figs / "ch01_causal_mask.png", "caption": "Logit change per position"},
+    figures = {"step_time": {"path": figs / "ch01_step_time.png",
+                             "caption": "Time of one uncached decode step against context length"},
+               "causal_mask": {"path": figs / "ch01_causal_mask.png",
+                               "caption": "Logit change per position when the last token changes, "
+                                          "with and without the causal mask"},
                "bytes_per_position": {"path": figs / "ch01_bytes_per_position.png",
-                                      "caption": "KV bytes per position"}}
+                                      "caption": "KV cache bytes per position for published model shapes"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
 
