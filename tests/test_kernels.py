@@ -1,4 +1,5 @@
-"""Paged decode attention: the reference against dense attention, the Triton kernel against the reference.
+"""Paged decode attention: the readable reference and the CPU-tuned variant against dense attention, the
+Triton kernel against the reference (and dense attention).
 
 The oracle never sees a page: it runs F.scaled_dot_product_attention (in float64) on each sequence's
 keys and values as they were before being written into randomly permuted pages. Every slot of the pool
@@ -32,6 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 from lab.kernels import (  # noqa: E402
     decode_attention,
     paged_attention,
+    paged_attention_cpu,
     paged_attention_reference,
     triton_paged,
 )
@@ -40,6 +42,9 @@ HUGE = 1e30   # finite, so 0 * HUGE = 0: a masked slot contributes nothing, an u
 ATOL = 1e-5   # float32, see the module docstring
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not triton_paged.INTERPRETED else "cpu"
 needs_triton = pytest.mark.skipif(triton_paged.triton is None, reason="triton is not installed")
+# The two PyTorch versions: the readable oracle (gather + SDPA) and the CPU-tuned one a PagedCache uses.
+PYTORCH_VERSIONS = pytest.mark.parametrize("attend", [paged_attention_reference, paged_attention_cpu],
+                                           ids=["reference", "cpu"])
 
 
 def make_paged(lengths, page_size, q_heads, kv_heads, head_dim, dtype=torch.float32, seed=0, extra_pages=2):
@@ -109,43 +114,48 @@ REFERENCE_CASES = KERNEL_CASES + [
 ]
 
 
+@PYTORCH_VERSIONS
 @pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", REFERENCE_CASES)
-def test_reference_matches_dense_attention(page_size, lengths, q_heads, kv_heads, head_dim):
+def test_reference_matches_dense_attention(page_size, lengths, q_heads, kv_heads, head_dim, attend):
     q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged(lengths, page_size, q_heads, kv_heads, head_dim)
-    out = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
+    out = attend(q, k_pool, v_pool, block_tables, lens)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
 
 
-def test_reference_with_a_custom_scale():
+@PYTORCH_VERSIONS
+def test_reference_with_a_custom_scale(attend):
     q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([9, 20], 4, 6, 2, 16, seed=1)
-    out = paged_attention_reference(q, k_pool, v_pool, block_tables, lens, scale=0.3)
+    out = attend(q, k_pool, v_pool, block_tables, lens, scale=0.3)
     torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs, scale=0.3), atol=ATOL, rtol=0)
 
 
-def test_reference_bfloat16():
+@PYTORCH_VERSIONS
+def test_reference_bfloat16(attend):
     # The inputs are rounded to bfloat16 before the oracle sees them, so two roundings are left, each at
-    # most 2**-8 relative (8 significant bits): the output's, under 2e-2 for |out| < 5, and the
-    # probabilities' (the weighted sum of values runs in the pool's dtype), which moves the output by at
+    # most 2**-8 relative (8 significant bits): the output's, under 2e-2 for |out| < 5, and (CPU version
+    # only) the probabilities' (its weighted sum of values runs in the pool's dtype), which moves it by at
     # most 2**-8 * max|v|, under 2e-2 for these standard-normal values (|v| < 5). 4e-2 is their sum; a
     # wrong page or position moves the output by far more (HUGE).
     q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([1, 16, 17, 50], 16, 9, 3, 64, dtype=torch.bfloat16)
-    out = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
+    out = attend(q, k_pool, v_pool, block_tables, lens)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs), atol=4e-2, rtol=0)
 
 
-def test_reference_reads_pools_that_are_not_contiguous():
+@PYTORCH_VERSIONS
+def test_reference_reads_pools_that_are_not_contiguous(attend):
     # Pools sliced out of wider storage (head_dim stride 1, but rows 2 * D apart) give the same answer.
     q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([5, 19], 4, 6, 2, 16, seed=4)
     wide_k, wide_v = (torch.cat([p, torch.full_like(p, HUGE)], dim=-1) for p in (k_pool, v_pool))
     k_view, v_view = wide_k[..., :16], wide_v[..., :16]
     assert not k_view.is_contiguous() and not v_view.is_contiguous()
-    torch.testing.assert_close(paged_attention_reference(q, k_view, v_view, block_tables, lens).double(),
+    torch.testing.assert_close(attend(q, k_view, v_view, block_tables, lens).double(),
                                dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
 
 
-def test_padding_entries_of_block_tables_are_ignored():
+@PYTORCH_VERSIONS
+def test_padding_entries_of_block_tables_are_ignored(attend):
     # Zero padding points at page 0 (all HUGE); pointing the padding at real pages of other sequences
     # instead must not change a single bit, for the reference and for the kernel.
     q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([3, 10, 1], 4, 6, 2, 16, seed=2)
@@ -154,21 +164,22 @@ def test_padding_entries_of_block_tables_are_ignored():
     for b in range(len(lens)):
         repointed[b, used[b]:] = block_tables[0, 0]                   # a real page of sequence 0
     args = (q, k_pool, v_pool)
-    assert torch.equal(paged_attention_reference(*args, block_tables, lens),
-                       paged_attention_reference(*args, repointed, lens))
+    assert torch.equal(attend(*args, block_tables, lens),
+                       attend(*args, repointed, lens))
     if triton_paged.triton is not None:
         args = on(KERNEL_DEVICE, q, k_pool, v_pool)
         assert torch.equal(paged_attention(*args, *on(KERNEL_DEVICE, block_tables, lens)),
                            paged_attention(*args, *on(KERNEL_DEVICE, repointed, lens)))
 
 
-def test_reference_reads_block_tables_that_are_views():
+@PYTORCH_VERSIONS
+def test_reference_reads_block_tables_that_are_views(attend):
     # A column slice of a wider table (strides (W, 1)) is what a caller gets from a preallocated table.
     q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([5, 12], 3, 4, 2, 16, seed=3)
     wide = torch.zeros(2, 3 * block_tables.shape[1], dtype=torch.int32)
     wide[:, : block_tables.shape[1]] = block_tables
     view = wide[:, : block_tables.shape[1] + 1]
-    torch.testing.assert_close(paged_attention_reference(q, k_pool, v_pool, view, lens).double(),
+    torch.testing.assert_close(attend(q, k_pool, v_pool, view, lens).double(),
                                dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
 
 
@@ -229,10 +240,18 @@ def test_a_length_that_fills_the_block_table_is_accepted():
         torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
 
 
-def test_decode_attention_uses_the_reference_off_the_gpu():
+def test_decode_attention_uses_the_cpu_version_off_the_gpu():
     q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4, 9], 4, 6, 2, 16)
     assert torch.equal(decode_attention(q, k_pool, v_pool, block_tables, lens),
-                       paged_attention_reference(q, k_pool, v_pool, block_tables, lens))
+                       paged_attention_cpu(q, k_pool, v_pool, block_tables, lens))
+
+
+@pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", KERNEL_CASES)
+def test_cpu_version_matches_the_readable_reference(page_size, lengths, q_heads, kv_heads, head_dim):
+    # Both compute in float32 from the same inputs, in different orders: ATOL as above.
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged(lengths, page_size, q_heads, kv_heads, head_dim)
+    torch.testing.assert_close(paged_attention_cpu(q, k_pool, v_pool, block_tables, lens),
+                               paged_attention_reference(q, k_pool, v_pool, block_tables, lens), atol=ATOL, rtol=0)
 
 
 @needs_triton
@@ -292,6 +311,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("kernel", [
     paged_attention_reference,
+    paged_attention_cpu,
     pytest.param(paged_attention, marks=needs_triton),
 ])
 @pytest.mark.parametrize("mutate, error, message", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])

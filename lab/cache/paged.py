@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import checks
 from .base import CacheInputError, CacheStateError, KVCache
 from .block_manager import BlockManager, OutOfPagesError
 
@@ -28,24 +29,29 @@ def round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
+# region paged_cache_init
 class PagedCache(KVCache):
-    def __init__(self, config, max_tokens: int, page_size: int = 16, batch_size: int = 1, dtype=torch.float32,
-                 device="cpu", max_seq_tokens: int | None = None):
+    def __init__(self, config, max_tokens: int, page_size: int = 16, batch_size: int = 1,
+                 dtype=torch.float32, device="cpu", max_seq_tokens: int | None = None):
         super().__init__(config, batch_size, dtype, device)
-        for name, v in (("max_tokens", max_tokens), ("page_size", page_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CacheInputError(f"{name} must be an int of at least 1, got {v!r}")
+        checks.paged_sizes(max_tokens, page_size)
         self.page_size, self.num_pages = page_size, math.ceil(max_tokens / page_size)
         self.manager = BlockManager(self.num_pages, page_size)
-        shape = (self.n_layers, self.num_pages, page_size, self.n_kv_heads, self.head_dim)  # [L, N, page, H_kv, D]
+        L, H, D = self.n_layers, self.n_kv_heads, self.head_dim
+        shape = (L, self.num_pages, page_size, H, D)                # [L, N, page, H_kv, D]
         self.k_pool = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_pool = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.max_pages = round_up(math.ceil((max_seq_tokens or max_tokens) / page_size), 16)  # padded table width
-        self.block_tables = torch.zeros(batch_size, self.max_pages, dtype=torch.int32, device=self.device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.device)  # after the current step
-        self.seqs = list(range(batch_size))   # the block manager's sequence id of each batch row
-        self._ids = itertools.count(batch_size)  # fresh sequence ids, shared with forks and views
-        self.slot_mapping, self._step_T = None, 0  # [B * T] slots of the step in flight, and its T
+        longest = max_seq_tokens or max_tokens
+        self.max_pages = round_up(math.ceil(longest / page_size), 16)  # padded table width
+        self.block_tables = torch.zeros(batch_size, self.max_pages, dtype=torch.int32,
+                                        device=self.device)         # [B, max_pages]
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32,
+                                   device=self.device)              # [B], after this step
+        self.seqs = list(range(batch_size))     # the block manager's id of each batch row
+        self._ids = itertools.count(batch_size)  # fresh sequence ids, for forks and views
+        self.slot_mapping = None                 # [B * T] slots of the step in flight
+        self._step_T = 0                         # and its T
+    # endregion
 
     @classmethod
     def from_memory(cls, config, fraction: float, page_size=16, batch_size=1, dtype=torch.float32, device="cpu",
@@ -97,37 +103,29 @@ class PagedCache(KVCache):
         return torch.tensor(lengths, device=device)[:, None]                                    # [B, 1]
 
     # ---- one step: reserve, write, attend ----
+    # region paged_cache_step
     def _begin_step(self, T):
-        """Reserve T positions for every sequence (all or none), do copy-on-write, compute the slots."""
-        for s, n in zip(self.seqs, self.seq_lengths(), strict=True):
-            if math.ceil((n + T) / self.page_size) > self.max_pages:
-                raise CacheStateError(f"sequence {s} would need {math.ceil((n + T) / self.page_size)} pages, more "
-                                      f"than the padded block-table width {self.max_pages}")
-        need = sum(self.manager.pages_needed(s, T) for s in self.seqs)  # checked first: a failure changes nothing
-        if need > self.manager.num_free:                                # (may overstate by a shared page: safe)
-            raise OutOfPagesError(f"this step needs {need} free pages for {len(self.seqs)} sequences, the pool has "
-                                  f"{self.manager.num_free} of {self.num_pages} free")
+        """Reserve T positions for every sequence (all or none), copy on write, compute the slots."""
+        checks.paged_room(self, T)                    # checked first: a failure changes nothing
         done = []
         try:
             for s in self.seqs:
                 copies = self.manager.reserve(s, T)
                 done.append(s)
-                for src, dst in copies:          # a shared, partly filled page is copied before the first write
+                for src, dst in copies:               # a shared, partly filled page: copy it
                     self.k_pool[:, dst] = self.k_pool[:, src]
                     self.v_pool[:, dst] = self.v_pool[:, src]
         except OutOfPagesError:
-            for s in done:                       # undo the sequences already reserved: nothing changes
+            for s in done:                            # undo the rows already reserved
                 self.manager.crop(s, self.manager.length(s) - T)
             raise
-        slots, tables = [], []
-        for s in self.seqs:
-            n = self.manager.length(s)
+        slots = []
+        for row, s in enumerate(self.seqs):           # fixed-size buffers: same shapes every step
+            n, table = self.manager.length(s), self.manager.block_table(s)
             slots += self.manager.slots(s, n - T, T)
-            tables.append(self.manager.block_table(s))
-        for row, table in enumerate(tables):      # fixed-size buffers: same shapes every step
             self.block_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
             self.block_tables[row, len(table):] = 0
-            self.lengths[row] = self.manager.length(self.seqs[row])
+            self.lengths[row] = n
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)  # [B * T]
         self._step_T = T
 
@@ -135,58 +133,46 @@ class PagedCache(KVCache):
         if not any(self.pending):
             self._begin_step(k.shape[2])
         B, H, T, D = k.shape
-        self.k_pool[layer].view(-1, H, D)[self.slot_mapping] = k.transpose(1, 2).reshape(B * T, H, D)
-        self.v_pool[layer].view(-1, H, D)[self.slot_mapping] = v.transpose(1, 2).reshape(B * T, H, D)
-
-    def _check_step(self, layer, k, v):
-        self._check_kv(layer, k, v)
-        if self.pending[layer]:
-            raise CacheStateError(f"layer {layer} was already updated in this step; call advance() first")
-        if any(self.pending) and k.shape[2] != self._step_T:
-            raise CacheStateError(f"this step stores {self._step_T} positions per layer, layer {layer} got "
-                                  f"{k.shape[2]}")
+        k_rows = k.transpose(1, 2).reshape(B * T, H, D)              # [B * T, H_kv, D]
+        v_rows = v.transpose(1, 2).reshape(B * T, H, D)
+        self.k_pool[layer].view(-1, H, D)[self.slot_mapping] = k_rows  # pool as [slots, H_kv, D]
+        self.v_pool[layer].view(-1, H, D)[self.slot_mapping] = v_rows
 
     def gather(self, layer):
         """All positions of every sequence, `[B, H_kv, L, D]` (sequences of equal length only)."""
         L = int(self.lengths[0])
-        pages = self.block_tables[:, : math.ceil(L / self.page_size)].long()                  # [B, P]
-        k = self.k_pool[layer][pages].flatten(1, 2)[:, :L]                                      # [B, L, H_kv, D]
+        pages = self.block_tables[:, : math.ceil(L / self.page_size)].long()  # [B, P]
+        k = self.k_pool[layer][pages].flatten(1, 2)[:, :L]                      # [B, L, H_kv, D]
         v = self.v_pool[layer][pages].flatten(1, 2)[:, :L]
-        return k.transpose(1, 2), v.transpose(1, 2)                                             # [B, H_kv, L, D]
+        return k.transpose(1, 2), v.transpose(1, 2)                             # [B, H_kv, L, D]
+    # endregion
 
     def update(self, layer, k, v):
-        self._check_step(layer, k, v)
-        if len(set(self.seq_lengths())) != 1:
-            raise CacheStateError("update() returns every position, which needs sequences of equal length; "
-                                  "a batch of different lengths decodes through attend()")
+        checks.paged_step(self, layer, k, v)
+        checks.paged_equal_lengths(self)
         self._write(layer, k, v)
         self.pending[layer] = k.shape[2]
         return self.gather(layer)
 
     def attend(self, layer, q, k, v):
-        """Store k, v and attend: a decode step over pages (kernel or reference), or a prefill chunk."""
+        """Store k, v and attend: a decode step over pages, or a prefill chunk (gather and mask)."""
         from ..kernels import decode_attention
         from ..models.attention import offset_causal_mask
 
-        self._check_step(layer, k, v)
+        checks.paged_step(self, layer, k, v)
         T = k.shape[2]
-        if T == 1:                                                   # decode: one query per sequence
+        if T == 1:                                           # decode: one query per sequence
             self._write(layer, k, v)
             self.pending[layer] = 1
-            out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer], self.block_tables,
-                                   self.lengths)                     # [B, H_q, D]
-            return out[:, :, None]                                   # [B, H_q, 1, D]
-        keys, values = self.update(layer, k, v)                      # prefill chunk: gather and mask
-        start = keys.shape[2] - T
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=offset_causal_mask(start, T, q.device),
-                                              enable_gqa=True)
+            out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer],
+                                   self.block_tables, self.lengths)  # [B, H_q, D]
+            return out[:, :, None]                           # [B, H_q, 1, D]
+        keys, values = self.update(layer, k, v)              # prefill chunk: gather and mask
+        mask = offset_causal_mask(keys.shape[2] - T, T, q.device)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def advance(self, t: int):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise CacheStateError(f"advance() takes a whole number of positions, got {t!r}")
-        if any(p != t for p in self.pending):
-            raise CacheStateError(f"advance({t}) but the layers stored {self.pending} new positions: every layer "
-                                  f"must be updated once with the same {t} positions before advance")
+        checks.advance(self, t)
         self.pending, self.slot_mapping, self._step_T = [0] * self.n_layers, None, 0
 
     def _drop_pending(self):
@@ -197,11 +183,9 @@ class PagedCache(KVCache):
 
     def crop(self, n: int):
         """Keep the first n positions of every sequence; their pages past n go back to the pool."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise CacheStateError(f"crop() takes a whole number of positions, got {n!r}")
+        checks.count("crop", n)
         self._drop_pending()
-        if not 0 <= n <= min(self.seq_lengths()):
-            raise CacheStateError(f"crop({n}): the sequences hold {self.seq_lengths()} positions")
+        checks.paged_crop(self, n)
         for s in self.seqs:
             self.manager.crop(s, n)
 
@@ -229,12 +213,12 @@ class PagedCache(KVCache):
 
     def select(self, rows):
         """A cache over some of this batch's sequences, sharing pool and pages (e.g. to prefill one row)."""
-        self._check_between_steps("select")
+        checks.between_steps(self, "select")
         return self._view([self.seqs[r] for r in rows])
 
     def fork(self):
         """Child sequences sharing every page of their parents; a shared partial page is copied on first write."""
-        self._check_between_steps("fork")
+        checks.between_steps(self, "fork")
         new = [next(self._ids) for _ in self.seqs]
         for src, dst in zip(self.seqs, new, strict=True):
             self.manager.fork(src, dst)

@@ -2,12 +2,18 @@
 
 
 def speculative_step(cache, accepted, drafted):
-    cache.crop(cache.length - drafted + accepted)  # pages past the new end go back to the pool
+    # Rollback on pages is bookkeeping: shorten every sequence's block table. The keys in the pool are
+    # not touched; pages past the new end go back to the free list, and the next step overwrites the
+    # stale slots of the last page.
+    for seq in cache.seqs:
+        cache.manager.crop(seq, cache.manager.length(seq) - drafted + accepted)
 
 
-def best_block_size(total_lengths, candidates, bytes_per_position):
-    def waste(b):
-        pages = [-(-n // b) for n in total_lengths]
-        return sum((p * b - n) * bytes_per_position + 4 * p for p, n in zip(pages, total_lengths, strict=True))
+def best_block_size(lengths, candidates, page_cost, shared_prefix=0):
+    def cost(b):
+        shared = shared_prefix // b                       # full prefix pages: stored once, in every table
+        own = [-(-(shared_prefix + n - shared * b) // b) for n in lengths]   # private pages per request
+        waste = (shared + sum(own)) * b - shared_prefix - sum(lengths)
+        return waste + page_cost * sum(shared + p for p in own)
 
-    return min(candidates, key=lambda b: (waste(b), b))
+    return min(candidates, key=lambda b: (cost(b), b))

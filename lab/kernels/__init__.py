@@ -1,27 +1,30 @@
 """Paged decode attention: a readable PyTorch reference and a Triton kernel with the same signature.
 
     out = paged_attention(q, k_pool, v_pool, block_tables, lengths)   # Triton: CUDA, or TRITON_INTERPRET=1
-    out = paged_attention_reference(...)                              # plain PyTorch, any device
-    out = decode_attention(...)                                       # the kernel on a GPU, else the reference
+    out = paged_attention_reference(...)                              # gather + SDPA: the oracle
+    out = paged_attention_cpu(...)                                    # the same, tuned for a CPU
+    out = decode_attention(...)                                       # the kernel on a GPU, else the CPU one
 
 q [batch, q_heads, head_dim]; k_pool, v_pool [num_pages, page_size, kv_heads, head_dim]; block_tables
 int32 [batch, max_pages]; lengths int32 [batch]; out [batch, q_heads, head_dim] in q's dtype.
 """
 
 from . import triton_paged
-from .reference import check_paged_inputs, paged_attention_reference
+from .checks import check_paged_inputs
+from .reference import paged_attention_cpu, paged_attention_reference
 from .triton_paged import paged_attention
 
 
 def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None):
-    """The Triton kernel for CUDA tensors (when Triton is installed and compiling), the reference elsewhere.
+    """The Triton kernel for CUDA tensors (when Triton is installed and compiling), else `paged_attention_cpu`.
 
-    Under TRITON_INTERPRET=1 the kernel would run in NumPy, far slower than the reference, so the
-    reference serves then too; call `paged_attention` directly to run the kernel in the interpreter.
+    Under TRITON_INTERPRET=1 the kernel would run in NumPy, far slower than the PyTorch version, so that
+    serves then too; call `paged_attention` directly to run the kernel in the interpreter.
     """
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
         return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale)
-    return paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale)
+    return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale)
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "decode_attention", "check_paged_inputs"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_cpu", "decode_attention",
+           "check_paged_inputs"]

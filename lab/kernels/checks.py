@@ -1,1 +1,73 @@
-"""Argument checks shared by the paged-attention kernel and its references: shapes, dtypes, devices."""
+"""Argument checks shared by the paged-attention kernel and its references: shapes, dtypes, devices.
+
+Kept apart from the kernels so that a listed kernel shows the idea. Every check raises TypeError or
+ValueError naming the argument, before any work is done.
+"""
+
+import torch
+
+
+def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths) -> None:
+    """Raise TypeError or ValueError, naming the argument, for anything the kernels cannot serve.
+
+    Expected: q [batch, q_heads, head_dim], k_pool and v_pool [num_pages, page_size, kv_heads, head_dim]
+    of q's dtype, block_tables int32 [batch, max_pages], lengths int32 [batch] with
+    1 <= length <= max_pages * page_size, every block-table entry naming a page of the pool, all on one
+    device. Reads the extremes of `lengths` and `block_tables` on the host (a synchronisation on a GPU).
+    """
+    named = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "block_tables": block_tables, "lengths": lengths}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t, rank, layout in [("q", q, 3, "[batch, q_heads, head_dim]"),
+                                  ("k_pool", k_pool, 4, "[num_pages, page_size, kv_heads, head_dim]"),
+                                  ("v_pool", v_pool, 4, "[num_pages, page_size, kv_heads, head_dim]"),
+                                  ("block_tables", block_tables, 2, "[batch, max_pages]"),
+                                  ("lengths", lengths, 1, "[batch]")]:
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
+    devices = {name: t.device for name, t in named.items()}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"all inputs must be on one device, got {where}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {pool.dtype}")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool must have k_pool's shape {tuple(k_pool.shape)}, got {tuple(v_pool.shape)}")
+    batch, q_heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, pool_head_dim = k_pool.shape
+    if batch == 0:
+        raise ValueError("q has batch 0; a decode step needs at least one sequence")
+    if num_pages == 0 or page_size == 0 or kv_heads == 0:
+        raise ValueError(f"k_pool must have at least one page, position and kv head, got shape {tuple(k_pool.shape)}")
+    if pool_head_dim != head_dim:
+        raise ValueError(f"k_pool head_dim {pool_head_dim} (shape {tuple(k_pool.shape)}) must equal q's head_dim "
+                         f"{head_dim} (shape {tuple(q.shape)})")
+    if q_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(f"q_heads {q_heads} (q shape {tuple(q.shape)}) must be a positive multiple of kv_heads "
+                         f"{kv_heads} (k_pool shape {tuple(k_pool.shape)}) for grouped-query attention")
+    if block_tables.dtype != torch.int32:
+        raise TypeError(f"block_tables must be int32, got {block_tables.dtype}")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [batch={batch}, max_pages], got shape {tuple(block_tables.shape)}")
+    if lengths.dtype != torch.int32:
+        raise TypeError(f"lengths must be int32, got {lengths.dtype}")
+    if lengths.shape[0] != batch:
+        raise ValueError(f"lengths must be [batch={batch}], got shape {tuple(lengths.shape)}")
+    capacity = block_tables.shape[1] * page_size
+    shortest, longest = (int(x) for x in torch.aminmax(lengths))
+    if shortest < 1:
+        raise ValueError(f"every length must be at least 1 (a decode query sees itself), "
+                         f"got lengths {lengths.tolist()}")
+    if longest > capacity:
+        raise ValueError(f"a length of {longest} exceeds what block_tables can address: max_pages "
+                         f"{block_tables.shape[1]} * page_size {page_size} = {capacity}")
+    # Every entry, padding included, must name a page of the pool (the padding is 0 by contract): a
+    # bad id would make the Triton kernel read outside the pool instead of failing.
+    lowest, highest = (int(x) for x in torch.aminmax(block_tables))
+    if lowest < 0 or highest >= num_pages:
+        raise ValueError(f"block_tables holds page ids from {lowest} to {highest}, but the pool has {num_pages} "
+                         f"pages (ids 0 to {num_pages - 1}); pad block tables with 0")

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .reference import check_paged_inputs
+from .checks import check_paged_inputs
 
 # Triton 3.9 reads TRITON_INTERPRET when `@triton.jit` decorates a function, i.e. while this module is
 # imported (older releases read it when `triton` itself was imported, so it is set before that too).
@@ -67,7 +67,8 @@ if triton is not None:
         HEAD_DIM_PAD: tl.constexpr,
         PAGE_PAD: tl.constexpr,
     ):
-        seq = tl.program_id(0)
+        # region paged_decode_loop
+        seq = tl.program_id(0)                              # one program per (sequence, kv head)
         kv_head = tl.program_id(1)
         offs_g = tl.arange(0, GROUP_PAD)                    # query heads of this kv head (padded)
         offs_d = tl.arange(0, HEAD_DIM_PAD)                 # features (padded)
@@ -77,43 +78,47 @@ if triton is not None:
 
         # The group's queries, pre-scaled: query head kv_head * GROUP + g reads this kv head.
         q_heads = kv_head * GROUP + offs_g
-        q_ptrs = q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G, D]
-        q = q * scale
+        q_ptrs = (q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh
+                  + offs_d[None, :] * stride_qd)
+        q_mask = g_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * scale   # [G, D]
 
         length = tl.load(lengths_ptr + seq)
-        n_pages = tl.cdiv(length, PAGE_SIZE)               # block-table entries past this are padding
+        n_pages = tl.cdiv(length, PAGE_SIZE)               # table entries past this are padding
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                # running sum of exp(score - max)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(...) * value
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                # running sum of exp(s - max)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(..) * v
 
         for i in range(0, n_pages):
-            page = tl.load(block_tables_ptr + seq * stride_btb + i * stride_btp).to(tl.int64)  # int64: big pools
+            entry = block_tables_ptr + seq * stride_btb + i * stride_btp
+            page = tl.load(entry).to(tl.int64)              # int64: offsets in a big pool
             pos = i * PAGE_SIZE + offs_t                    # positions of this page in the sequence
-            t_mask = (offs_t < PAGE_SIZE) & (pos < length)  # real slots that hold this sequence's tokens
+            t_mask = (offs_t < PAGE_SIZE) & (pos < length)  # slots that hold this sequence's tokens
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k_ptrs = k_pool_ptr + page * stride_kp + offs_t[:, None] * stride_kt + kv_head * stride_kh \
-                + offs_d[None, :] * stride_kd
-            v_ptrs = v_pool_ptr + page * stride_vp + offs_t[:, None] * stride_vt + kv_head * stride_vh \
-                + offs_d[None, :] * stride_vd
+            k_ptrs = (k_pool_ptr + page * stride_kp + offs_t[:, None] * stride_kt
+                      + kv_head * stride_kh + offs_d[None, :] * stride_kd)
+            v_ptrs = (v_pool_ptr + page * stride_vp + offs_t[:, None] * stride_vt
+                      + kv_head * stride_vh + offs_d[None, :] * stride_vd)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)   # [PAGE, D]
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)   # [PAGE, D]
 
-            # "ieee": full float32 products; the default on recent GPUs is TF32 (about 1e-3 relative).
+            # "ieee": full float32 products (the default on recent GPUs is TF32, ~1e-3 relative).
             s = tl.dot(q, tl.trans(k), input_precision="ieee")            # [G, PAGE]
             s = tl.where(t_mask[None, :], s, float("-inf"))
-            # Online softmax: rescale what was summed so far to the new maximum. Every page visited holds
-            # at least one real position, so m_new is finite and exp(-inf - m_new) = 0 on the first page.
+            # Online softmax: rescale what was summed so far to the new maximum. Every page holds
+            # a real position, so m_new is finite and exp(-inf - m_new) = 0 on the first page.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))                    # [G]
             alpha = tl.exp(m_i - m_new)                                   # [G]
-            p = tl.exp(s - m_new[:, None])                                # [G, PAGE], 0 where masked
+            p = tl.exp(s - m_new[:, None])                                # [G, PAGE], 0 if masked
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # [G, D]
             m_i = m_new
 
         out = acc / l_i[:, None]                                          # [G, D]
-        out_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        out_ptrs = (out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh
+                    + offs_d[None, :] * stride_od)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        # endregion
 else:
     INTERPRETED = False
 
