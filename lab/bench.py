@@ -11,11 +11,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def summarize(times: list) -> dict:
-    """Median, min, max, interquartile range and count of a list of seconds, with the thread count."""
+def summarize(times: list, samples: bool = False) -> dict:
+    """Median, min, max, interquartile range and count of a list of seconds, with the thread count
+    (and the list itself as "samples" when asked, e.g. to pair the rounds of two functions)."""
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
-    return dict(median=statistics.median(times), min=min(times), max=max(times), iqr=q[2] - q[0],
-                n=len(times), threads=torch.get_num_threads())
+    out = dict(median=statistics.median(times), min=min(times), max=max(times), iqr=q[2] - q[0],
+               n=len(times), threads=torch.get_num_threads())
+    return out | {"samples": list(times)} if samples else out
 
 
 def time_call(fn, warmup: int = 2, reps: int = 7, min_seconds: float = 0.0, device="cpu") -> dict:
@@ -40,14 +42,18 @@ def time_steps(setup, step, warmup: int = 2, reps: int = 7, min_seconds: float =
     return summarize(times)
 
 
-def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, setup=None, device="cpu") -> dict:
+def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, setup=None, device="cpu", samples=False) -> dict:
     """Time several functions in rounds (each once per round, in turn), so that a slow spell of a shared
     machine hits all of them alike rather than one block of repetitions. setup(), if given, runs untimed
-    before every call (e.g. flush_caches). {name: summary} in fns' order."""
+    before every call, warm-up included (e.g. flush_caches, or cropping a cache back to its length).
+    {name: summary} in fns' order; with samples=True each summary keeps its list of seconds, round by
+    round, so that the i-th samples of two functions come from the same round."""
     times = {name: [] for name in fns}
     with torch.inference_mode():
         for _ in range(warmup):
             for fn in fns.values():
+                if setup is not None:
+                    setup()
                 fn()
         for _ in range(rounds):
             for name, fn in fns.items():
@@ -58,7 +64,7 @@ def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, setup=None, device=
                 fn()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
-    return {name: summarize(t) for name, t in times.items()}
+    return {name: summarize(t, samples) for name, t in times.items()}
 
 
 _FLUSH = {}

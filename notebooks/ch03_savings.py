@@ -14,103 +14,256 @@
 # %% [markdown]
 # # Chapter 3 — What the cache saves
 #
-# Chapter 2 showed the cache computes the same function. Here we measure what it buys and what it
-# costs: the time of one decode step against context length, with and without a cache; the engine end to
-# end; the lab's decode against the transformers library's own; and the memory each design really takes.
+# Chapter 2 showed that a cached forward computes the same function as recomputation. This chapter
+# measures what the cache buys and what it costs:
+#
+# - the time of one decode step against the context length T, with and without a cache;
+# - where the time of a cached step goes: how much of it is attention over the cache;
+# - the engine end to end, generating tokens;
+# - the lab's cached decode against the transformers library's own;
+# - the memory each cache design really takes.
+#
+# Everything runs on this machine's CPU. In quick mode (the default when you open the notebook) the
+# sweeps are short and the numbers go to a temporary results file; `make results` runs the full sweeps.
 
 # %%
 import platform
+import time
 
+import pandas as pd
 import torch
 import transformers
 
 from lab import results
+from lab.cache import StaticCache
 from lab.experiments import ch03_savings as ch03
 from lab.experiments import library, memory
-from lab.models import load
+from lab.models import forward, forward_cached, load
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
+      f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
 QUICK = results.quick()
 S = ch03.settings(QUICK)
-print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
+FIGS = results.figures_dir()
+print("quick mode (short sweeps; a temporary results file)" if QUICK else "full mode",
+      "-> results in", results.results_path())
 
 # %% [markdown]
-# ## One decode step, with and without a cache
+# ## Timing one step by hand
 #
-# Uncached: a forward over all T + 1 positions. Cached: one new position, attending over T cached keys
-# and values. Warm-up excluded, median of several runs; between runs the cache is cropped back to T
-# positions, untimed.
+# What is measured: one **decode step**, the work of producing the next token when T tokens came before.
+#
+# - *Without a cache* the model runs over all T + 1 positions again (only the last position's logits
+#   are needed).
+# - *With a cache* holding the T earlier positions' keys and values, it runs over the one new position.
+#
+# A timing needs three precautions. The first call of anything is slow (memory is allocated, kernels are
+# picked), so it is a warm-up and not counted. One call is noisy, so we repeat it and take the median.
+# And the cached step adds one position to the cache, so before each call the cache is cropped back to
+# T positions; cropping only sets a length, so it costs nothing worth timing.
+#
+# Here it is by hand, with `time.perf_counter`, for SmolLM2 at two contexts.
 
 # %%
 smol, gpt2 = load("smollm2"), load("gpt2-random")
-times = {m.name: ch03.step_times(m, S["contexts"][m.name], S["reps"], S["warmup"]) for m in (gpt2, smol)}
-for name, by_T in times.items():
-    sp = ch03.speedups(by_T)
-    print(name)
-    for T, row in by_T.items():
-        print(f"  T={T:>5}: uncached {row['uncached']['median'] * 1e3:8.1f} ms   "
-              f"concat {row['concat']['median'] * 1e3:6.1f} ms ({sp[T]['concat']:5.1f}x)   "
-              f"static {row['static']['median'] * 1e3:6.1f} ms ({sp[T]['static']:5.1f}x)")
-    print("  the cache pays from T =", ch03.pays_from(by_T))
-ch03.plot_step_times(times);
+cfg, w = smol.config, smol.weights
+
+
+def median_ms(fn, reps=5):
+    fn()                                                            # warm-up, not counted
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e3
+
+
+@torch.inference_mode()
+def one_step_ms(T):
+    """(uncached, cached) milliseconds of one SmolLM2 decode step after T tokens."""
+    ids = torch.randint(0, cfg.vocab_size, (1, T + 1))                # [1, T+1]
+    cache = StaticCache(cfg, T + 1)
+    forward_cached(ids[:, :T], w, cfg, cache)                          # prefill the T earlier positions
+    uncached = median_ms(lambda: forward(ids, w, cfg, last_only=True))
+    cached = median_ms(lambda: (cache.crop(T), forward_cached(ids[:, T:], w, cfg, cache)))
+    return uncached, cached
+
+
+for T in (16, 256):
+    uncached, cached = one_step_ms(T)
+    print(f"T={T:>4}: uncached {uncached:6.3g} ms, cached {cached:6.3g} ms, speedup {uncached / cached:5.3g}x")
+
 
 # %% [markdown]
+# The uncached step grows with T; the cached one barely moves. That is the chapter in two lines. The
+# rest makes the measurement trustworthy and asks where the remaining time goes.
+#
+# ## Why interleaved rounds
+#
+# The timings above run one variant's repetitions back to back, then the other's. On a shared machine a
+# slow spell (another process, a change of clock frequency) can land on one block and not the other,
+# and the ratio of two medians then measures the spell. `lab.bench.time_rounds` interleaves instead:
+# each **round** runs every variant once, in turn, so a slow spell hits all of them alike. A speedup is
+# taken per round (the uncached time over the cached time *of the same round*), and we report the median
+# over rounds with the lowest and highest round beside it, so a single lucky sample cannot make the
+# headline.
+#
+# `ch03.step_times` does this for three variants per context (uncached, a concatenating cache, a static
+# cache). The sweep starts at T = 1, a single cached position, so that the point where the cache starts
+# to pay is found rather than assumed.
+
+# %%
+times = {m.name: ch03.step_times(m, S["contexts"][m.name], S["rounds"], S["warmup"]) for m in (gpt2, smol)}
+rows = []
+for name, by_T in times.items():
+    sp = ch03.speedups(by_T)
+    for T, row in by_T.items():
+        ms = {f"{d} ms": row[d]["median"] * 1e3 for d in ("uncached", "concat", "static")}
+        rows.append({"model": name, "T": T, **ms,
+                     "speedup, static": sp[T]["static"]["median"],
+                     "lowest round": sp[T]["static"]["min"], "highest round": sp[T]["static"]["max"],
+                     "speedup, concat": sp[T]["concat"]["median"]})
+    print(f"{name}: the static cache is faster than recomputation from T = {ch03.pays_from(by_T)} on")
+ch03.plot_step_times(times, FIGS / "ch03_step_time.png")
+pd.DataFrame(rows).set_index(["model", "T"]).style.format("{:.3g}")
+
+# %% [markdown]
+# What the table shows: the speedup grows about in proportion to T, because the uncached step's work
+# grows with T and the cached step's does not (apart from attention, below). At T = 1 recomputation
+# processes two positions and the cached step one, and both read every weight once: the first rows say
+# whether a cache already pays for a single cached position. A speedup whose rounds fall on both sides
+# of 1 means "the same speed".
+#
+# ## Which cache design is faster?
+#
+# The concatenating cache copies every layer's keys and values into a new tensor at each step; the static
+# cache writes one position in place and hands attention a view of a larger buffer. Neither cost is
+# obviously larger, so we measure: the ratio concat / static per round, and a verdict only when three
+# rounds of four or more agree (the interquartile range of the ratio lies on one side of 1).
+
+# %%
+pd.DataFrame([{"model": name, "T": T, "concat / static": r["median"], "q1": r["q1"], "q3": r["q3"],
+               "faster": r["faster"]}
+              for name, by_T in times.items() for T, r in ch03.faster_design(by_T).items()]
+             ).set_index(["model", "T"]).style.format("{:.3g}", subset=["concat / static", "q1", "q3"])
+
+# %% [markdown]
+# ## Where the time of a cached step goes
+#
+# Counting FLOPs (exercise 2 below) gives attention a large part of a SmolLM2 cached step at 4,096
+# positions. The clock may disagree, so we measure it: fill a static cache with T positions of random
+# keys and values (the time does not depend on the values, and it spares a long prefill), then time the
+# same decode step twice per round — as it is, and with attention replaced by a no-op that returns the
+# query (a tensor of the same shape; the new key and value are still written). The share of attention is
+# 1 − without / with, per round.
+#
+# Beside it, two predictions: the share of the step's **FLOPs** (counted by PyTorch's FLOP counter) and
+# the share of the **bytes** it reads (the cached keys and values against every weight read once). A
+# decode step multiplies matrices by a single vector, which reads each weight once for one multiply-add;
+# if memory, not arithmetic, sets the pace, the time follows the bytes.
+
+# %%
+shares = {m.name: ch03.attention_share(m, S["share_contexts"][m.name], S["share_rounds"]) for m in (gpt2, smol)}
+predicted = {m.name: ch03.predicted_shares(m, S["share_contexts"][m.name]) for m in (gpt2, smol)}
+ch03.plot_attention_share(shares, predicted, FIGS / "ch03_attention_share.png")
+pd.DataFrame([{"model": name, "T": T, "measured %": r["share"]["median"] * 100,
+               "lowest round %": r["share"]["min"] * 100, "highest round %": r["share"]["max"] * 100,
+               "FLOPs predict %": predicted[name][T]["flops"] * 100,
+               "bytes predict %": predicted[name][T]["bytes"] * 100}
+              for name, by_T in shares.items() for T, r in by_T.items()]
+             ).set_index(["model", "T"]).style.format("{:.3g}")
+
+# %% [markdown]
+# SmolLM2's 9 query heads share 3 key-value heads, so each cached key serves three queries: attention does
+# three multiply-adds per 4 bytes read where a weight matrix does one. Its FLOP share therefore overstates
+# its byte share; GPT-2's shape has one key-value head per query head, and the two predictions nearly
+# coincide. Which prediction the measurement follows is recorded in results.json
+# (`ch03.attention_share_follows`).
+#
 # ## End to end: the engine, 32 greedy tokens from a 17-token prompt
+#
+# Three backends generate the same tokens: recomputation, and the two caches. The backends count the
+# positions they push through the model.
 
 # %%
 e2e = {m.name: ch03.end_to_end(m, 17, S["e2e_tokens"]) for m in (gpt2, smol)}
-for name, e in e2e.items():
-    for b in ("recompute", "concat", "static"):
-        print(f"{name:>12} {b:>9}: {e[b]['positions']:>5} positions, TTFT {e[b]['ttft'] * 1e3:6.1f} ms, "
-              f"TPOT {e[b]['tpot'] * 1e3:6.1f} ms, total {e[b]['total']:5.2f} s")
-    print(f"{'':>12} identical tokens: {e['tokens_identical']}")
+print({name: e["tokens_identical"] for name, e in e2e.items()}, "<- identical tokens from all three backends")
+pd.DataFrame([{"model": name, "backend": b, "positions": e[b]["positions"], "TTFT ms": e[b]["ttft"] * 1e3,
+               "TPOT ms": e[b]["tpot"] * 1e3, "total s": e[b]["total"]}
+              for name, e in e2e.items() for b in ("recompute", "concat", "static")]
+             ).set_index(["model", "backend"]).style.format("{:.3g}", subset=["TTFT ms", "TPOT ms", "total s"])
 
 # %% [markdown]
+# The whole generation gains far less than the step at 512: these contexts are short (17 to 49
+# positions), where one step's speedup is small (the first table), and the prefill is the same.
+#
 # ## Against the library
 #
 # The lab's cached decode against `transformers`' own `generate` with its dynamic and its static cache,
-# on the same weights, the same context and the same threads. The first check is that both produce the
-# same greedy tokens.
+# on the same weights, the same context and the same threads, timed in interleaved rounds. The first
+# check is that both produce the same greedy tokens. A ratio below 1 means the lab is faster; within a
+# few percent of 1 it means the same speed.
 
 # %%
 lib = library.compare(("gpt2-random", "smollm2"), S["library_context"], S["library_tokens"], S["library_reps"])
-for name, r in lib.items():
-    print(f"{name:>12} at context {r['context']}: lab concat {r['lab_concat'] * 1e3:.1f}, lab static "
-          f"{r['lab_static'] * 1e3:.1f}, library dynamic {r['library_dynamic'] * 1e3:.1f}, library static "
-          f"{r['library_static'] * 1e3:.1f} ms/token; ratios {r['ratio_concat']:.2f}, {r['ratio_static']:.2f}; "
-          f"same tokens {r['tokens_match']}")
+timed = ["lab concat ms", "library dynamic ms", "ratio concat", "lab static ms", "library static ms", "ratio static"]
+pd.DataFrame([{"model": name, "context": r["context"], "same tokens": r["tokens_match"],
+               **dict(zip(timed, (r["lab_concat"] * 1e3, r["library_dynamic"] * 1e3, r["ratio_concat"],
+                                  r["lab_static"] * 1e3, r["library_static"] * 1e3, r["ratio_static"]), strict=True))}
+              for name, r in lib.items()]).set_index("model").style.format("{:.3g}", subset=timed)
 
 # %% [markdown]
 # ## Memory, measured in a fresh process
 #
-# Each measurement runs in its own process: load, warm up, take the resident size as the baseline,
-# then decode to the target length and record the peak. The formula's bytes are the dashed line.
+# Each measurement runs in its own process: load, warm up, take the resident set size as the baseline,
+# then decode to the target length and record the peak. A fresh process matters because memory a previous
+# run freed is often not returned to the operating system. The formula's bytes are the dashed line.
 
 # %%
 mem = memory.sweep(S["memory_models"], ("concat", "static"), S["memory_batches"], S["memory_tokens"])
-for r in mem:
-    print(f"{r['model']:>12} {r['design']:>6} batch {r['batch_size']}: peak extra "
-          f"{r['peak_extra_bytes'] / 2**20:7.1f} MiB, cache by formula {r['cache_bytes'] / 2**20:7.1f} MiB")
-memory.plot(mem);
+memory.plot(mem, FIGS / "ch03_memory.png")
+pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batch_size"],
+               "peak extra MiB": r["peak_extra_bytes"] / 2**20, "formula MiB": r["cache_bytes"] / 2**20}
+              for r in mem]).set_index(["model", "design", "batch"]).style.format("{:.3g}")
 
 # %% [markdown]
 # ## Record
+#
+# The measurements above go into results.json (section `ch03`); the figures were saved when they were
+# drawn, so this cell does not draw them again.
 
 # %%
 m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times,
-         end_to_end=e2e, library=lib, memory=mem)
-ch03.record(m)
+         shares=shares, predicted=predicted, end_to_end=e2e, library=lib, memory=mem)
+ch03.record(m, draw=False)
 print("wrote section ch03 to", results.results_path())
 
 # %% [markdown]
+# ## What these numbers do and do not show
+#
+# They are this CPU's, on two threads, float32, batch 1 for the timings. In quick mode they come from few
+# rounds on short sweeps and can be noisy; the book's come from a full run on a quiet machine. On a GPU a
+# short step is bound by kernel launches, so the speedup at short contexts can be much smaller there. The
+# attention share is that of PyTorch's `scaled_dot_product_attention` on the CPU at batch 1; a fused GPU
+# kernel, a larger batch (which shares the weight reads among sequences but not the cache reads) or 16-bit
+# weights would each move it. Resident set size includes the activations of the step in flight and memory
+# the allocator keeps for reuse, and it is sampled between steps.
+#
 # ## Exercises
 #
-# 1. **Where does the time go?** Write `decode_flops(config, T)`: the multiply-adds of one cached decode
-#    step at context T (projections, attention over T keys, MLP, output head). The check compares with a
-#    count taken by PyTorch's FLOP counter on a real step.
-# 2. **When does attention dominate?** Write `attention_share(config, T)`: the fraction of a cached
-#    step's multiply-adds spent in attention over the cache; the check uses the same counter.
+# 1. **Where does the work go?** Write `decode_flops(config, T)`: the FLOPs (2 per multiply-add) of one
+#    cached decode step at context T (projections, attention over T + 1 keys, MLP, output head). The check
+#    compares with PyTorch's FLOP counter on a real step. Count from the shapes in `config`: your function
+#    runs while every torch function and the check's own counter raise.
+# 2. **When does attention dominate the FLOPs?** Write `attention_share(config, T)`: the fraction of those
+#    FLOPs spent in attention over the cache, by the same rule.
+# 3. **Open-ended: does the clock agree on your machine?** Write `measured_attention_share(model, T)`: the
+#    percentage of one cached SmolLM2 step's *time* spent in attention at T = 1,024. Fill a `StaticCache`
+#    with T positions of random keys and values (`cache.update(i, k, v)` for every layer, then
+#    `cache.advance(T)`); time the step as it is and with `cache.attend` set to a function that stores k, v
+#    and returns q (delete the attribute afterwards); use `lab.bench.time_rounds(..., setup=lambda:
+#    cache.crop(T))`. The check counts your attention calls and sets your number beside the book's.
 
 # %%
 from lab.exercises import ch03 as ex
@@ -124,11 +277,17 @@ def attention_share(config, T):
     raise NotImplementedError("your answer")
 
 
-for check, answer in ((ex.check_decode_flops, decode_flops), (ex.check_attention_share, attention_share)):
+def measured_attention_share(model, T):
+    raise NotImplementedError("your measurement")
+
+
+for check, answer in ((ex.check_decode_flops, decode_flops), (ex.check_attention_share, attention_share),
+                      (ex.check_measured_attention_share, measured_attention_share)):
     try:
         check(answer)
     except NotImplementedError:
         print(check.__name__, ": not attempted yet")
 
 # %% [markdown]
-# Reference solutions are in `lab/exercises/ch03_solutions.py`; the test suite runs every check on them.
+# Reference solutions are in `lab/exercises/ch03_solutions.py`; the test suite runs every check on them,
+# and on the shortcuts each check must refuse.

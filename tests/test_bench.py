@@ -33,3 +33,50 @@ def test_time_call_honours_min_seconds_and_summarize_reports_quantiles():
     assert r["n"] >= 2                                         # reps=1 alone would stop after one 2 ms call
     s = summarize([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s["median"] == 3.0 and s["min"] == 1.0 and s["max"] == 100.0 and s["n"] == 5
+
+
+def test_time_rounds_runs_setup_before_warmup_too_and_keeps_samples_in_round_order():
+    log = []
+    fns = {"a": lambda: log.append("a"), "b": lambda: time.sleep(0.01) or log.append("b")}
+    r = time_rounds(fns, warmup=1, rounds=3, setup=lambda: log.append("setup"), samples=True)
+    assert log == ["setup", "a", "setup", "b"] * 4               # a cache cropped before every call, warm-up too
+    assert len(r["a"]["samples"]) == len(r["b"]["samples"]) == 3
+    assert all(b >= 0.01 > a for a, b in zip(r["a"]["samples"], r["b"]["samples"], strict=True))  # paired by round
+    assert "samples" not in time_rounds(fns, warmup=0, rounds=1)["a"]  # only when asked
+
+
+def _rounds(**medians):  # a fake step_times row: each variant's samples, three rounds
+    return {name: {"samples": list(s), "median": sorted(s)[1]} for name, s in medians.items()}
+
+
+def test_chapter3_speedup_is_per_round_and_pays_from_finds_the_crossover():
+    from lab.experiments.ch03_savings import faster_design, pays_from, speedups
+
+    times = {1: _rounds(uncached=[1.0, 1.0, 1.0], concat=[1.1, 1.2, 1.1], static=[1.2, 1.1, 1.3]),  # slower
+             2: _rounds(uncached=[1.0, 1.0, 1.0], concat=[0.9, 0.8, 0.9], static=[0.5, 0.5, 0.5]),
+             4: _rounds(uncached=[2.0, 4.0, 2.0], concat=[1.0, 2.0, 1.0], static=[1.0, 1.0, 1.0])}
+    sp = speedups(times)
+    assert sp[4]["concat"]["median"] == 2.0 and sp[4]["static"]["max"] == 4.0   # paired round by round
+    assert pays_from(times, "static") == 2 and pays_from(times, "concat") == 2
+    times[4]["static"]["samples"] = [3.0, 3.0, 3.0]                                # slower again at the end
+    assert pays_from(times, "static") == "never"
+    verdict = {T: r["faster"] for T, r in faster_design(times).items()}
+    assert verdict == {1: "neither", 2: "static", 4: "concat"}
+
+
+def test_chapter3_step_without_attention_keeps_shapes_and_cache():
+    import torch
+
+    from lab.cache import StaticCache
+    from lab.experiments.ch03_savings import _skip_attention
+    from lab.models import forward_cached, load
+
+    model = load("tiny-llama")
+    cache = StaticCache(model.config, 8)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        forward_cached(ids, model.weights, model.config, cache)
+        cache.attend = _skip_attention(cache)
+        logits = forward_cached(ids[:, :1], model.weights, model.config, cache)
+        del cache.attend
+    assert logits.shape == (1, 1, model.config.vocab_size) and cache.length == 4  # the new position is stored

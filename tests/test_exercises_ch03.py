@@ -2,13 +2,81 @@
 
 import pytest
 
+from lab import results
+from lab.exercises import ch03
+from lab.exercises import ch03_solutions as sol3
 
-def test_ch03_flop_checks():
-    from lab.exercises import ch03
-    from lab.exercises import ch03_solutions as sol3
 
+def test_decode_flops_passes_the_reference_and_fails_a_wrong_count():
     assert ch03.check_decode_flops(sol3.decode_flops)
-    assert ch03.check_attention_share(sol3.attention_share)
     with pytest.raises(AssertionError, match="PyTorch counted"):  # treats every head as a kv head
         ch03.check_decode_flops(lambda c, T: sol3.decode_flops(
             type(c)(**{**c.to_dict(), "n_kv_heads": c.n_heads}), T))
+
+
+def _run_the_counter(config, T):  # the shortcut: build a model of that shape and let PyTorch count
+    from lab.models import random_model
+    return ch03.counted_step(random_model(config), T)[0]
+
+
+def _call_the_counter(config, T):  # the shortcut without torch in sight: the check's own counter
+    return ch03.counted_step(None, T)[0]
+
+
+@pytest.mark.parametrize("shortcut", [_run_the_counter, _call_the_counter])
+def test_decode_flops_refuses_counting_by_running(shortcut):
+    with pytest.raises(AssertionError, match="do not run the model|forbidden shortcut"):
+        ch03.check_decode_flops(shortcut)
+
+
+def _share_by_the_counter(config, T):  # the shortcut for exercise 2: let PyTorch count both parts
+    from lab.models import random_model
+    total, attention = ch03.counted_step(random_model(config), T)
+    return attention / total
+
+
+def _share_by_the_checks_counter(config, T):
+    total, attention = ch03.counted_step(None, T)
+    return attention / total
+
+
+def test_attention_share_passes_the_reference_and_fails_a_wrong_count():
+    assert ch03.check_attention_share(sol3.attention_share)
+    with pytest.raises(AssertionError, match="counted"):  # attention over T keys instead of T + 1
+        ch03.check_attention_share(lambda c, T: sol3.attention_share(c, T - 1))
+
+
+@pytest.mark.parametrize("shortcut", [_share_by_the_counter, _share_by_the_checks_counter])
+def test_attention_share_refuses_counting_by_running(shortcut):
+    with pytest.raises(AssertionError, match="do not run the model|forbidden shortcut"):
+        ch03.check_attention_share(shortcut)
+
+
+@pytest.fixture
+def book(tmp_path):
+    """A results file holding the book's value for the tiny model, as the committed file holds SmolLM2's."""
+    path = tmp_path / "results.json"
+    results.write_section("ch03", {"attention_share": {"tiny-llama": {"T64": results.value(20.0, "%")}}},
+                          results.provenance(mode="full"), path=path)
+    return path
+
+
+def test_measured_attention_share_passes_a_real_measurement(book, capsys):
+    ratio = ch03.check_measured_attention_share(sol3.measured_attention_share, "tiny-llama", 64, path=book)
+    assert ratio > 0 and "the book's: 20%" in capsys.readouterr().out
+
+
+def test_measured_attention_share_refuses_a_typed_number(book):
+    with pytest.raises(AssertionError, match="do not type or look up a number"):
+        ch03.check_measured_attention_share(lambda model, T: 20.0, "tiny-llama", 64, path=book)
+
+
+def test_measured_attention_share_refuses_the_books_own_measurement(book):
+    from lab.experiments import ch03_savings
+
+    def borrowed(model, T):
+        r = ch03_savings.attention_share(model, [T], rounds=3, progress=False)
+        return 100 * r[T]["share"]["median"]
+
+    with pytest.raises(AssertionError, match="forbidden shortcut"):
+        ch03.check_measured_attention_share(borrowed, "tiny-llama", 64, path=book)

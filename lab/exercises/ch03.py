@@ -1,10 +1,23 @@
-"""Chapter 3 exercises: count the work of one cached decode step, and how much of it is attention."""
+"""Chapter 3 exercises: count the work of one cached decode step, how much of it is attention, and measure
+how much of the step's time attention really takes.
+
+Exercises 1 and 2 ask for arithmetic from the model's shape, so the reader's function runs while every
+torch function raises (no running the model, no FLOP counter) and while this module's own counter,
+`counted_step`, raises. Exercise 3 asks for a measurement: the reader's function must run real decode
+steps with attention (the check counts the attention calls) and may not call the book's own measurement,
+`lab.experiments.ch03_savings.attention_share`; its answer is then set beside the book's.
+"""
+
+import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..cache import StaticCache
 from ..models import gpt2, llama, load
+from ..results import COMMITTED
+from . import compare_with_book
 
 
 def counted_step(model, T):
@@ -48,15 +61,68 @@ def counted_step(model, T):
     return outer.get_total_flops(), attention_flops
 
 
+# ---- what the checks switch off while a reader's function runs ---------------------------------------------
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("forbidden shortcut: this exercise asks you to work it out yourself, "
+                         "not to call the book's own counter or measurement")
+
+
+@contextlib.contextmanager
+def _functions_raise(*fns):
+    """While inside, each plain Python function in fns raises, however the reader imported it (a decorated
+    function is switched off in the function it wraps)."""
+    fns = [getattr(f, "__wrapped__", f) for f in fns]
+    saved = [f.__code__ for f in fns]
+    try:
+        for f in fns:
+            f.__code__ = _forbidden.__code__
+        yield
+    finally:
+        for f, code in zip(fns, saved, strict=True):
+            f.__code__ = code
+
+
+class _NoTorch(TorchFunctionMode):
+    """Every torch function raises: no tensors, no model, no FLOP counter, only arithmetic on the config."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        raise AssertionError("count from the config's shapes, do not run the model: your function called "
+                             f"torch ({getattr(func, '__name__', func)})")
+
+
+class _CountAttention(TorchFunctionMode):
+    """Counts calls of scaled_dot_product_attention (the lab's forward attends with it) and lets all run."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _arithmetic_only(fn, config, T):
+    with _functions_raise(counted_step), _NoTorch():
+        return fn(config, T)
+
+
+# ---- exercise 1 and 2: count ------------------------------------------------------------------------------
+
 CASES = [("tiny-llama", 16), ("tiny-gpt2", 100), ("tiny-mqa", 7), ("smollm2", 512)]
 
 
 def check_decode_flops(fn):
-    """fn(config, T) -> FLOPs (2 per multiply-add) of one cached decode step at context T, output head included."""
+    """fn(config, T) -> FLOPs (2 per multiply-add) of one cached decode step at context T, output head included.
+
+    Rule: count from the shapes in `config`; the check runs fn while torch and `counted_step` raise.
+    """
     for name, T in CASES:
         model = load(name)
         want, _ = counted_step(model, T)
-        got = fn(model.config, T)
+        got = _arithmetic_only(fn, model.config, T)
         assert got == want, (f"{name} at T={T}: you said {got:,}, PyTorch counted {want:,}. Hint: q and o "
                              "projections use all query heads, k and v only the kv heads; attention reads T+1 keys.")
     print("correct")
@@ -64,12 +130,42 @@ def check_decode_flops(fn):
 
 
 def check_attention_share(fn):
-    """fn(config, T) -> the fraction of a cached step's FLOPs spent in attention over the cache."""
+    """fn(config, T) -> the fraction of a cached step's FLOPs spent in attention over the cache.
+
+    Rule: as in exercise 1, from the shapes alone.
+    """
     for name, T in CASES + [("smollm2", 4096)]:
         model = load(name)
         total, attention = counted_step(model, T)
-        got = fn(model.config, T)
+        got = _arithmetic_only(fn, model.config, T)
         assert abs(got - attention / total) < 1e-9, (f"{name} at T={T}: you said {got:.4f}, "
                                                      f"counted {attention / total:.4f}")
-    print(f"correct: at T={T} attention is {attention / total:.0%} of SmolLM2's cached step")
+    print(f"correct: at T={T} attention is {attention / total:.0%} of SmolLM2's cached FLOPs")
     return True
+
+
+# ---- exercise 3: measure (open-ended) ----------------------------------------------------------------------
+
+def check_measured_attention_share(fn, name="smollm2", T=1024, path=COMMITTED):
+    """fn(model, T) -> the percentage of one cached decode step's time spent in attention, at context T,
+    measured on this machine.
+
+    Open-ended: fill a StaticCache with T positions, time the decode step with attention and without it
+    (give the cache an `attend` that stores k, v and returns q), in interleaved rounds with
+    lab.bench.time_rounds. Rules: it is a measurement, so your function must run real decode steps with
+    attention (the check counts them: at least three per layer); and it may not call the book's own
+    `lab.experiments.ch03_savings.attention_share`. Then your number is set beside the book's
+    (`ch03.attention_share.<name>.T<T>` in results/results.json); returns yours over the book's.
+    """
+    from ..experiments import ch03_savings
+
+    model = load(name)
+    with _functions_raise(ch03_savings.attention_share), _CountAttention() as seen:
+        share = fn(model, T)
+    assert isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 100, (
+        f"expected a percentage between 0 and 100, got {share!r}")
+    layers = model.config.n_layers
+    assert seen.calls >= 3 * layers, (
+        f"your function attended {seen.calls} times; three decode steps through {layers} layers attend "
+        f"{3 * layers} times: measure the step with attention, do not type or look up a number")
+    return compare_with_book(f"ch03.attention_share.{name}.T{T}", share, "%", path=path)

@@ -1,15 +1,23 @@
-"""Chapter 3, "What the cache saves": step time, end-to-end generation, the library, memory.
+"""Chapter 3, "What the cache saves": step time, where the step's time goes, end-to-end generation, the
+library, memory.
 
 CPU measurements run here; `python -m lab.experiments.gpu` runs the same sweeps on CUDA when a GPU is
 available (section ch03_gpu of results.json).
+
+Every timing comparison is made in interleaved rounds (`lab.bench.time_rounds`): each round runs every
+variant once, in turn, so a slow spell of a shared machine hits all of them alike. A ratio is taken per
+round (the i-th uncached step over the i-th cached step) and the median over rounds is reported, with the
+lowest and highest round and the interquartile range.
 """
+
+import statistics
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import data
-from ..bench import time_call, time_steps
-from ..cache import make_cache
+from ..bench import time_rounds
+from ..cache import StaticCache, cache_bytes, make_cache
 from ..engine import CachedBackend, RecomputeBackend, generate
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
@@ -19,48 +27,152 @@ SECTION = "ch03"
 
 
 def settings(quick_mode: bool) -> dict:
-    if quick_mode:
-        return dict(contexts={"gpt2-random": [16, 128, 512], "smollm2": [16, 128, 512]}, reps=3, warmup=1,
+    if quick_mode:  # every context the chapter's tables quote, few rounds; the figure's sweep is thinner
+        T = [1, 2, 4, 8, 64, 512]
+        return dict(contexts={"gpt2-random": T, "smollm2": T}, rounds=3, warmup=1,
+                    share_contexts={"gpt2-random": [64, 960], "smollm2": [64, 512, 4096]}, share_rounds=5,
                     library_context=128, library_tokens=8, library_reps=1, memory_tokens=128, memory_batches=(1, 8),
                     memory_models=("gpt2-random",), e2e_tokens=32)
-    T = [16, 32, 64, 128, 256, 512, 960]
-    return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, reps=7, warmup=2,
-                library_context=512, library_tokens=32, library_reps=5, memory_tokens=960, memory_batches=(1, 8),
-                memory_models=("gpt2-random", "smollm2"), e2e_tokens=32)
+    T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 960]  # 960: GPT-2's 1,024 positions, less the generated ones
+    return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, rounds=11, warmup=1,
+                share_contexts={"gpt2-random": [64, 256, 512, 960], "smollm2": [64, 256, 512, 1024, 2048, 4096]},
+                share_rounds=15, library_context=512, library_tokens=32, library_reps=5, memory_tokens=960,
+                memory_batches=(1, 8), memory_models=("gpt2-random", "smollm2"), e2e_tokens=32)
 
+
+def ratio_summary(num: list, den: list) -> dict:
+    """num[i] / den[i] for each round i: median, min, max, quartiles, interquartile range and count."""
+    r = [a / b for a, b in zip(num, den, strict=True)]
+    q1, _, q3 = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
+    return dict(median=statistics.median(r), min=min(r), max=max(r), q1=q1, q3=q3, iqr=q3 - q1, n=len(r))
+
+
+# ---- one decode step, with and without a cache ------------------------------------------------------------
 
 @torch.inference_mode()
-def step_times(model, contexts, reps=7, warmup=2, designs=("concat", "static"), progress=True) -> dict:
+def step_times(model, contexts, rounds=11, warmup=1, designs=("concat", "static"), progress=True) -> dict:
     """One decode step at context T: uncached (a forward over T + 1 positions) and through each cache
-    holding T positions (one new position). Returns {T: {"uncached": stats, design: stats}}."""
+    holding T positions (one new position), timed in interleaved rounds; before every call each cache is
+    cropped back to T positions, untimed. Returns {T: {"uncached": summary, design: summary}}, each summary
+    with its per-round samples."""
     cfg, w, device = model.config, model.weights, model.device
     out = {}
     for T in tqdm(contexts, desc=f"step time {model.name}", disable=not progress):
         g = torch.Generator().manual_seed(T)
-        ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g).to(device)
-        row = {"uncached": time_call(lambda ids=ids: forward(ids, w, cfg, last_only=True), warmup, reps,
-                                     device=device)}
-        for design in designs:
-            cache = make_cache(design, cfg, T + 1, device=device)
-            forward_cached(ids[:, :T], w, cfg, cache)                          # prefill, untimed
-            row[design] = time_steps(lambda cache=cache, T=T: cache.crop(T),    # back to T positions, untimed
-                                     lambda cache=cache, ids=ids: forward_cached(ids[:, -1:], w, cfg, cache),
-                                     warmup, reps, device=device)
-        out[T] = row
+        ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g).to(device)     # [1, T+1]
+        caches = {d: make_cache(d, cfg, T + 1, device=device) for d in designs}
+        for cache in caches.values():
+            forward_cached(ids[:, :T], w, cfg, cache)                                  # prefill, untimed
+        fns = {"uncached": lambda ids=ids: forward(ids, w, cfg, last_only=True)}
+        fns |= {d: lambda c=c, ids=ids: forward_cached(ids[:, -1:], w, cfg, c, last_only=True)
+                for d, c in caches.items()}
+
+        def back_to_T(T=T, caches=caches):
+            for c in caches.values():
+                c.crop(T)                                  # drop the position the last call added
+
+        out[T] = time_rounds(fns, warmup, rounds, setup=back_to_T, device=device, samples=True)
     return out
 
 
 def speedups(times: dict) -> dict:
-    """Uncached median over cached median, per context and design."""
-    return {T: {d: row["uncached"]["median"] / row[d]["median"] for d in row if d != "uncached"}
+    """Per context and design: the uncached step's time over the cached step's, round by round (summary)."""
+    return {T: {d: ratio_summary(row["uncached"]["samples"], row[d]["samples"]) for d in row if d != "uncached"}
             for T, row in times.items()}
 
 
 def pays_from(times: dict, design="static"):
-    """The shortest measured context at which the cached step is faster than recomputation (None: never)."""
-    faster = [T for T, s in sorted(speedups(times).items()) if s[design] > 1.0]
-    return faster[0] if faster else None
+    """The smallest measured context from which the cached step is faster than recomputation (median over
+    rounds) at that context and at every longer one measured; "never" when it is not faster at the longest."""
+    sp = speedups(times)
+    start = None
+    for T in sorted(sp, reverse=True):
+        if sp[T][design]["median"] <= 1.0:
+            break
+        start = T
+    return start if start is not None else "never"
 
+
+def faster_design(times: dict) -> dict:
+    """Per context: concat's step time over static's, round by round, and which design is faster:
+    "static" when concat took longer in three rounds of four or more (the first quartile of the ratio is above
+    1), "concat" when static did (the third quartile is below 1), "neither" when the rounds disagree."""
+    out = {}
+    for T, row in times.items():
+        r = ratio_summary(row["concat"]["samples"], row["static"]["samples"])
+        r["faster"] = "static" if r["q1"] > 1.0 else "concat" if r["q3"] < 1.0 else "neither"
+        out[T] = r
+    return out
+
+
+# ---- how much of a cached step is attention -----------------------------------------------------------------
+
+def _skip_attention(cache):
+    """An attend(i, q, k, v) that stores k, v like the real one but returns q (the attention output's shape,
+    `[B, H_q, 1, D]`) instead of attending: the step without the attention computation."""
+    def attend(i, q, k, v):
+        cache.update(i, k, v)
+        return q
+    return attend
+
+
+@torch.inference_mode()
+def attention_share(model, contexts, rounds=15, warmup=1, progress=True) -> dict:
+    """The fraction of one cached decode step's time spent in attention, per context T.
+
+    A StaticCache is filled with T positions of random keys and values (the time does not depend on the
+    values; a prefill of 4,096 positions would take minutes). Two variants of the same decode step run in
+    interleaved rounds: the real one, and one whose attention returns its query unchanged, a tensor of the
+    same shape (the cache is still written). Per round, share = 1 - without / with. Returns
+    {T: {"with": summary, "without": summary, "share": ratio-style summary of the shares}}."""
+    cfg, w, device = model.config, model.weights, model.device
+    out = {}
+    for T in tqdm(contexts, desc=f"attention share {model.name}", disable=not progress):
+        g = torch.Generator().manual_seed(T)
+        cache = StaticCache(cfg, T + 1, device=device)
+        shape = (1, cfg.n_kv_heads, T, cfg.head_dim)                                    # [1, H_kv, T, D]
+        for i in range(cfg.n_layers):
+            cache.update(i, torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device))
+        cache.advance(T)
+        ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=g).to(device)          # [1, 1]
+        skip = _skip_attention(cache)
+
+        def without(ids=ids, cache=cache, skip=skip):
+            cache.attend = skip                                   # forward_cached uses a cache's own attend
+            try:
+                forward_cached(ids, w, cfg, cache, last_only=True)
+            finally:
+                del cache.attend
+
+        fns = {"with": lambda ids=ids, cache=cache: forward_cached(ids, w, cfg, cache, last_only=True),
+               "without": without}
+        r = time_rounds(fns, warmup, rounds, setup=lambda T=T, cache=cache: cache.crop(T), device=device,
+                        samples=True)
+        share = ratio_summary([a - b for a, b in zip(r["with"]["samples"], r["without"]["samples"], strict=True)],
+                              r["with"]["samples"])
+        out[T] = dict(r, share=share)
+        del cache
+    return out
+
+
+def predicted_shares(model, contexts) -> dict:
+    """What attention's share would be if time followed FLOPs, or bytes read, per context T.
+
+    FLOPs: counted by PyTorch's FLOP counter on a real step (lab.exercises.ch03.counted_step). Bytes: the
+    keys and values of T + 1 positions, against every weight read once (the output head reads the whole
+    embedding; GPT-2's table of position embeddings, read one row at a time, is counted whole, about 1%)."""
+    from ..exercises.ch03 import counted_step
+
+    weight_bytes = sum(t.nbytes for t in model.weights.values())
+    out = {}
+    for T in contexts:
+        total, attention = counted_step(model, T)
+        kv = cache_bytes(model.config, T + 1, dtype=torch.float32)
+        out[T] = dict(flops=attention / total, bytes=kv / (kv + weight_bytes))
+    return out
+
+
+# ---- the engine, end to end ----------------------------------------------------------------------------------
 
 def end_to_end(model, prompt_len=17, new_tokens=32) -> dict:
     """The engine generating greedily through three backends: positions counted, time per token."""
@@ -80,26 +192,82 @@ def end_to_end(model, prompt_len=17, new_tokens=32) -> dict:
     return out
 
 
+# ---- figures ---------------------------------------------------------------------------------------------------
+
+STYLE = {"uncached": "-o", "concat": "--s", "static": ":^"}
+COLOR = {"gpt2-random": "tab:blue", "smollm2": "tab:orange"}
+LABEL = {"gpt2-random": "GPT-2 shape", "smollm2": "SmolLM2"}
+
+
+def _plain_ticks(ax, xticks=None):
+    """Log axes labelled 1, 10, 100 (not 10^1), without minor labels; x ticks at the contexts measured."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if xticks is not None:
+        ax.set_xticks(xticks)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+
+
+def _bars(summaries, scale=1.0):
+    """Medians and matplotlib's yerr (distances down to the min and up to the max) of ratio summaries."""
+    med = [r["median"] * scale for r in summaries]
+    return med, [[(r["median"] - r["min"]) * scale for r in summaries],
+                 [(r["max"] - r["median"]) * scale for r in summaries]]
+
+
 def plot_step_times(times_by_model: dict, path=None):
+    """Left: the median step time against context, per model and design. Right: the speedup of each cache
+    over recomputation, median over rounds, the bars spanning the lowest and highest round."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    lo, hi = min(min(t) for t in times_by_model.values()), max(max(t) for t in times_by_model.values())
     for name, times in times_by_model.items():
-        Ts = sorted(times)
-        for design, style in (("uncached", "-o"), ("concat", "--s"), ("static", ":^")):
-            axes[0].plot(Ts, [times[T][design]["median"] * 1e3 for T in Ts], style, label=f"{name} {design}")
-        for design, style in (("concat", "--s"), ("static", ":^")):
-            axes[1].plot(Ts, [speedups(times)[T][design] for T in Ts], style, label=f"{name} {design}")
-    axes[0].set(xscale="log", yscale="log", xlabel="context T", ylabel="one decode step, ms (median)",
-                title="Step time with and without a cache")
-    axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set(xscale="log", yscale="log", xlabel="context T", ylabel="uncached / cached",
-                title="Speedup of the cached step")
+        Ts, sp = sorted(times), speedups(times)
+        for design, style in STYLE.items():
+            axes[0].plot(Ts, [times[T][design]["median"] * 1e3 for T in Ts], style, color=COLOR.get(name),
+                         label=f"{LABEL.get(name, name)}, {design}", ms=4)
+        for design in ("concat", "static"):
+            med, err = _bars([sp[T][design] for T in Ts])
+            axes[1].errorbar(Ts, med, yerr=err, fmt=STYLE[design], color=COLOR.get(name), ms=4, capsize=2,
+                             label=f"{LABEL.get(name, name)}, {design} cache")
+    axes[0].set(xscale="log", yscale="log", xlabel="context T (positions cached)", ylabel="one decode step, ms")
+    axes[0].set_title("Time of one decode step (median)", fontsize=10)
+    axes[1].hlines(1.0, lo, hi, color="gray", lw=1, label="1×: no gain")   # over the contexts measured
+    axes[1].set(xscale="log", yscale="log", xlabel="context T (positions cached)", ylabel="uncached / cached")
+    axes[1].set_title("Speedup over recomputation", fontsize=10)
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
+        _plain_ticks(ax)
     return finish(fig, path)
 
+
+def plot_attention_share(shares: dict, predicted: dict, path=None):
+    """One panel per model: attention's measured share of a cached decode step against context (median
+    over rounds, bars from the lowest to the highest round), beside the shares FLOPs and bytes predict."""
+    import matplotlib.pyplot as plt
+
+    names = sorted(shares, key=lambda n: n != "smollm2")  # SmolLM2, the chapters' model, on the left
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        Ts = sorted(shares[name])
+        med, err = _bars([shares[name][T]["share"] for T in Ts], 100)
+        ax.errorbar(Ts, med, yerr=err, fmt="-o", color="black", capsize=3, label="measured (time)")
+        ax.plot(Ts, [predicted[name][T]["flops"] * 100 for T in Ts], "--", color="tab:red", label="FLOPs count")
+        ax.plot(Ts, [predicted[name][T]["bytes"] * 100 for T in Ts], ":", color="tab:green", label="bytes read")
+        low = min(0.0, min(m - e for m, e in zip(med, err[0], strict=True)) - 2)  # noise can push a share below 0
+        ax.set(xscale="log", xlabel="context T (positions cached)", ylabel="attention, % of the step", ylim=(low, 100))
+        ax.set_title(f"{LABEL.get(name, name)}: attention's share of a step", fontsize=10)
+        _plain_ticks(ax, Ts)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    return finish(fig, path)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
 
 def measure(quick_mode=None) -> dict:
     from . import library, memory
@@ -107,34 +275,89 @@ def measure(quick_mode=None) -> dict:
     s = settings(quick() if quick_mode is None else quick_mode)
     smol, gpt2 = load("smollm2"), load("gpt2-random")
     torch.manual_seed(0)
-    times = {m.name: step_times(m, s["contexts"][m.name], s["reps"], s["warmup"]) for m in (gpt2, smol)}
+    models = (gpt2, smol)
+    times = {m.name: step_times(m, s["contexts"][m.name], s["rounds"], s["warmup"]) for m in models}
+    shares = {m.name: attention_share(m, s["share_contexts"][m.name], s["share_rounds"]) for m in models}
+    predicted = {m.name: predicted_shares(m, s["share_contexts"][m.name]) for m in models}
     return dict(
         settings=s, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times,
-        end_to_end={m.name: end_to_end(m, 17, s["e2e_tokens"]) for m in (gpt2, smol)},
+        shares=shares, predicted=predicted,
+        end_to_end={m.name: end_to_end(m, 17, s["e2e_tokens"]) for m in models},
         library=library.compare(("gpt2-random", "smollm2"), s["library_context"], s["library_tokens"],
-                                 s["library_reps"]),
+                                s["library_reps"]),
         memory=memory.sweep(s["memory_models"], ("concat", "static"), s["memory_batches"], s["memory_tokens"]),
     )
 
 
-def record(m: dict) -> dict:
+def _sig3(x: float) -> float:
+    """x rounded to 3 significant figures (14,698 -> 14,700): a timing's spread is a few percent, so the
+    prose never quotes more."""
+    return float(f"{x:.3g}")
+
+
+def _ms(st) -> dict:
+    return value(_sig3(st["median"] * 1e3), "ms", min=st["min"] * 1e3, max=st["max"] * 1e3, iqr=st["iqr"] * 1e3,
+                 n=st["n"], threads=st["threads"])
+
+
+def _ratio(r, unit="x", scale=1.0, **kw) -> dict:
+    return value(r["median"] * scale, unit, min=r["min"] * scale, max=r["max"] * scale, iqr=r["iqr"] * scale,
+                 n=r["n"], **kw)
+
+
+def _range(r, unit="x", scale=1.0) -> dict:
+    return {"min": value(r["min"] * scale, unit), "max": value(r["max"] * scale, unit)}
+
+
+def record(m: dict, draw: bool = True) -> dict:
+    """Write section ch03. draw=False when the figures were already drawn and saved (the notebook)."""
     from . import memory
 
     figs = figures_dir()
-    plot_step_times(m["times"], figs / "ch03_step_time.png")
-    memory.plot(m["memory"], figs / "ch03_memory.png")
-    ms = lambda st, **kw: value(st["median"] * 1e3, "ms", min=st["min"] * 1e3, max=st["max"] * 1e3,
-                                iqr=st["iqr"] * 1e3, n=st["n"], threads=st["threads"], **kw)
-    values = {"step_ms": {}, "speedup": {}, "pays_from": {}, "end_to_end": {}, "library": {}, "memory": {}}
+    if draw:
+        plot_step_times(m["times"], figs / "ch03_step_time.png")
+        plot_attention_share(m["shares"], m["predicted"], figs / "ch03_attention_share.png")
+        memory.plot(m["memory"], figs / "ch03_memory.png")
+    values = {k: {} for k in ("contexts", "step_ms", "speedup", "speedup_range", "pays_from", "faster",
+                              "concat_over_static", "attention_share", "attention_share_range",
+                              "attention_flop_share", "attention_byte_share", "attention_step_ms",
+                              "attention_share_follows", "end_to_end", "library", "memory")}
+    values["rounds"] = value(m["settings"]["rounds"], None, note="interleaved rounds per context, after warm-up")
+    values["share_rounds"] = value(m["settings"]["share_rounds"], None, note="rounds of the attention share")
     for name, times in m["times"].items():
-        values["step_ms"][name] = {f"T{T}": {d: ms(st) for d, st in row.items()} for T, row in times.items()}
-        values["speedup"][name] = {f"T{T}": {d: value(x, "x") for d, x in sp.items()}
-                                   for T, sp in speedups(times).items()}
-        values["pays_from"][name] = {d: value(pays_from(times, d) or "never", "tokens") for d in ("concat", "static")}
+        sp, fd = speedups(times), faster_design(times)
+        values["contexts"][name] = value(sorted(times), "tokens")
+        values["step_ms"][name] = {f"T{T}": {d: _ms(st) for d, st in row.items()} for T, row in times.items()}
+        values["speedup"][name] = {f"T{T}": {d: _ratio(r, note="median over rounds of uncached / cached")
+                                             for d, r in row.items()} for T, row in sp.items()}
+        values["speedup_range"][name] = {f"T{T}": {d: _range(r) for d, r in row.items()} for T, row in sp.items()}
+        values["pays_from"][name] = {d: value(pays_from(times, d), "tokens") for d in ("concat", "static")}
+        values["faster"][name] = {f"T{T}": value(r["faster"], None, concat_over_static=r["median"])
+                                  for T, r in fd.items()}
+        values["concat_over_static"][name] = {f"T{T}": _ratio(r, note="concat step / static step, median over rounds")
+                                              for T, r in fd.items()}
+        for design in ("concat", "static"):
+            at = [T for T, r in sorted(fd.items()) if r["faster"] == design]
+            values["faster"][name][f"{design}_at"] = value(at or "none", "tokens" if at else None)
+    for name, shares in m["shares"].items():
+        pred = m["predicted"][name]
+        values["attention_share"][name] = {f"T{T}": _ratio(r["share"], "%", 100, note="median over rounds of "
+                                                           "1 - (step without attention) / (step with it)")
+                                           for T, r in shares.items()}
+        values["attention_share_range"][name] = {f"T{T}": _range(r["share"], "%", 100) for T, r in shares.items()}
+        values["attention_flop_share"][name] = {f"T{T}": value(p["flops"] * 100, "%") for T, p in pred.items()}
+        values["attention_byte_share"][name] = {f"T{T}": value(p["bytes"] * 100, "%") for T, p in pred.items()}
+        values["attention_step_ms"][name] = {f"T{T}": {"with": _ms(r["with"]), "without": _ms(r["without"])}
+                                             for T, r in shares.items()}
+        values["attention_share_follows"][name] = {
+            f"T{T}": value("bytes" if abs(r["share"]["median"] - pred[T]["bytes"])
+                           < abs(r["share"]["median"] - pred[T]["flops"]) else "FLOPs", None,
+                           note="which prediction the measured share is closer to")
+            for T, r in shares.items()}
     for name, e in m["end_to_end"].items():
         values["end_to_end"][name] = {
-            b: {"positions": value(e[b]["positions"], "positions"), "tpot_ms": value(e[b]["tpot"] * 1e3, "ms"),
-                "ttft_ms": value(e[b]["ttft"] * 1e3, "ms"), "total_s": value(e[b]["total"], "s")}
+            b: {"positions": value(e[b]["positions"], "positions"), "tpot_ms": value(_sig3(e[b]["tpot"] * 1e3), "ms"),
+                "ttft_ms": value(_sig3(e[b]["ttft"] * 1e3), "ms"), "total_s": value(_sig3(e[b]["total"]), "s")}
             for b in ("recompute", "concat", "static")}
         values["end_to_end"][name]["tokens_identical"] = value(e["tokens_identical"], None)
         values["end_to_end"][name]["speedup_static"] = value(e["recompute"]["total"] / e["static"]["total"], "x")
@@ -145,7 +368,10 @@ def record(m: dict) -> dict:
             "cache_mib": value(row["cache_bytes"] / 2**20, "MiB", note="the formula, for the final length"),
             "ratio": value(row["peak_extra_bytes"] / row["cache_bytes"], "x")}
     values["memory"]["tokens"] = value(m["settings"]["memory_tokens"], "tokens")
-    figures = {"step_time": {"path": figs / "ch03_step_time.png", "caption": "Step time and speedup"},
+    figures = {"step_time": {"path": figs / "ch03_step_time.png",
+                             "caption": "Step time against context, and the speedup of each cache"},
+               "attention_share": {"path": figs / "ch03_attention_share.png",
+                                   "caption": "Attention's share of a cached decode step against context"},
                "memory": {"path": figs / "ch03_memory.png", "caption": "Peak extra memory while decoding"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
@@ -155,7 +381,7 @@ def library_values(lib: dict) -> dict:
     """results.json entries for library.compare()'s output."""
     out = {}
     for name, r in lib.items():
-        out[name] = {k: value(r[k] * 1e3, "ms", note="per decode token, median")
+        out[name] = {k: value(_sig3(r[k] * 1e3), "ms", note="per decode token, median")
                      for k in ("lab_concat", "lab_static", "library_dynamic", "library_static")}
         out[name]["ratio_static"] = value(r["ratio_static"], "x", note="lab static / library static; < 1: lab faster")
         out[name]["ratio_concat"] = value(r["ratio_concat"], "x", note="lab concat / library dynamic")

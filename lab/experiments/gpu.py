@@ -37,7 +37,8 @@ def settings(dry_run: bool) -> dict:
                 section5=SECTION5)
 
 
-# Peak memory bandwidth by GPU name, from the vendor's product page (shared/FACTS.md); others: not known here.
+# Peak memory bandwidth by GPU name, from the vendor's product page (NVIDIA, "H200 Tensor Core GPU",
+# specifications: GPU memory bandwidth 4.8 TB/s; research/ch03/sources.md); others: not known here.
 PEAK_BYTES_PER_S = {"H200": 4.8e12}
 
 
@@ -125,8 +126,8 @@ def run(dry_run=False):
         values["step_ms"][name] = {f"T{T}": {d: value(st["median"] * 1e3, "ms", min=st["min"] * 1e3,
                                                       max=st["max"] * 1e3, n=st["n"])
                                              for d, st in row.items()} for T, row in times.items()}
-        values["speedup"][name] = {f"T{T}": {d: value(x, "x") for d, x in sp.items()}
-                                   for T, sp in ch03.speedups(times).items()}
+        values["speedup"][name] = {f"T{T}": {d: value(r["median"], "x", min=r["min"], max=r["max"], n=r["n"])
+                                             for d, r in sp.items()} for T, sp in ch03.speedups(times).items()}
         del model
     rows = memory.sweep(s["models"], ("concat", "static"), s["batches"], s["memory_tokens"], device=s["device"])
     for r in rows:
