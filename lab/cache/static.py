@@ -7,19 +7,18 @@ buffer, and nothing ever reads past `length`.
 
 import torch
 
-from .base import CacheInputError, KVCache
+from . import checks
+from .base import KVCache
 
 
 class StaticCache(KVCache):
-    def __init__(self, config, max_tokens: int, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+    def __init__(self, config, max_tokens: int, batch_size: int = 1, dtype=torch.float32,
+                 device="cpu"):
         super().__init__(config, batch_size, dtype, device)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise CacheInputError(f"max_tokens must be an int, got {max_tokens!r}")
-        if max_tokens < 1:
-            raise CacheInputError(f"max_tokens must be at least 1, got {max_tokens}")
+        checks.at_least_one("max_tokens", max_tokens)
         self.max_tokens = max_tokens
-        shape = (self.n_layers, batch_size, self.n_kv_heads, max_tokens, self.head_dim)  # [L, B, H_kv, T_max, D]
-        self.k_buf = torch.zeros(shape, dtype=dtype, device=self.device)
+        shape = (self.n_layers, batch_size, self.n_kv_heads, max_tokens, self.head_dim)
+        self.k_buf = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, B, H_kv, T_max, D]
         self.v_buf = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def capacity(self) -> int:
@@ -27,16 +26,16 @@ class StaticCache(KVCache):
 
     def _store(self, layer, k, v):
         start, end = self.length, self.length + k.shape[2]
-        self.k_buf[layer, :, :, start:end] = k                       # write in place: [B, H_kv, T, D]
+        self.k_buf[layer, :, :, start:end] = k                # write in place: [B, H_kv, T, D]
         self.v_buf[layer, :, :, start:end] = v
-        return self.k_buf[layer, :, :, :end], self.v_buf[layer, :, :, :end]  # views [B, H_kv, end, D]
+        return self.k_buf[layer, :, :, :end], self.v_buf[layer, :, :, :end]  # [B, H_kv, end, D]
 
     def _truncate(self, n):
-        pass  # positions past the length are never read; they are overwritten by the next update
+        pass  # positions past the length are never read; the next update overwrites them
 
     def fork(self):
-        """An independent copy: the buffers are written in place, so nothing can be shared safely."""
-        self._check_between_steps("fork")
+        """An independent copy: the buffers are written in place, so nothing can be shared."""
+        checks.between_steps(self, "fork")
         child = StaticCache.__new__(StaticCache)
         child.__dict__.update(self.__dict__)
         child.k_buf, child.v_buf = self.k_buf.clone(), self.v_buf.clone()

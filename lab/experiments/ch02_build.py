@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import data
+from ..bench import time_rounds
 from ..cache import ConcatCache, StaticCache, cache_bytes
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
@@ -19,9 +20,12 @@ DESIGNS = {"concat": lambda cfg, n, B=1: ConcatCache(cfg, batch_size=B),
 
 
 def settings(quick_mode: bool) -> dict:
+    fixed = dict(crop_keep=40, crop_drop=9, bytes_tokens=100, bytes_batch=2)
     if quick_mode:
-        return dict(steps={"smollm2": 16, "gpt2-random": 8}, prompt=17, chunk_tokens=150, fork_prefix=128)
-    return dict(steps={"smollm2": 48, "gpt2-random": 32}, prompt=17, chunk_tokens=150, fork_prefix=512)
+        return dict(steps={"smollm2": 10, "gpt2-random": 8}, prompt=17, chunk_tokens=64, fork_prefix=128,
+                    decode_context=256, decode_rounds=5, **fixed)
+    return dict(steps={"smollm2": 48, "gpt2-random": 32}, prompt=17, chunk_tokens=150, fork_prefix=512,
+                decode_context=512, decode_rounds=15, **fixed)
 
 
 @torch.inference_mode()
@@ -124,18 +128,47 @@ def bytes_check(model, design: str, tokens=100, batch=2) -> dict:
     return dict(nbytes=cache.nbytes(), formula=cache_bytes(cfg, tokens, batch), held=held)
 
 
+def decode_step_times(model, context=512, rounds=15) -> dict:
+    """Median and spread of one decode step after `context` cached positions, per design, timed in turns
+    (each cache is cropped back to `context` before every step, untimed)."""
+    cfg, w = model.config, model.weights
+    ids = torch.tensor([data.passages(model.tokenizer, context + 1, 1, seed=6)[0]])
+    caches = {d: DESIGNS[d](cfg, context + 1) for d in DESIGNS}
+    with torch.inference_mode():
+        for cache in caches.values():
+            forward_cached(ids[:, :context], w, cfg, cache)
+    token = ids[:, context:]                                                         # [1, 1]
+    steps = {d: (lambda c=c: forward_cached(token, w, cfg, c)) for d, c in caches.items()}
+    crop_all = lambda: [c.crop(context) for c in caches.values()]
+    return time_rounds(steps, rounds=rounds, setup=crop_all)
+
+
+def _series(runs: dict, oracle: str):
+    """(model, label, values) per curve; two designs whose curves are identical share one curve."""
+    out = []
+    for model in dict.fromkeys(m for m, _ in runs):
+        by_design = {d: r[oracle] for (m, d), r in runs.items() if m == model}
+        values = list(by_design.values())
+        if all(v == values[0] for v in values):
+            out.append((model, " = ".join(by_design), values[0]))
+        else:
+            out += [(model, d, v) for d, v in by_design.items()]
+    return out
+
+
 def plot_agreement(runs: dict, path=None):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for (model, design), r in runs.items():
-        ax.plot(r["vs_recompute"], label=f"{model} {design}: vs recomputation")
-        ax.plot(r["vs_library"], "--", label=f"{model} {design}: vs transformers' cache")
-    ax.set(yscale="symlog", ylim=(0, None), xlabel="decode step", ylabel="max |Δ logit|",
-           title="Cached logits against two oracles, every step")
-    ax.yaxis.set_major_locator(plt.matplotlib.ticker.SymmetricalLogLocator(base=10, linthresh=1e-7))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for oracle, style, name in (("vs_recompute", "-", "vs recomputation"),
+                                ("vs_library", "--", "vs transformers' cache")):
+        for model, designs, values in _series(runs, oracle):
+            ax.plot(values, style, marker="." if style == "-" else None, label=f"{model}, {designs}: {name}")
     ax.set_yscale("symlog", linthresh=1e-7)
-    ax.legend(fontsize=7)
+    ax.yaxis.set_major_locator(plt.matplotlib.ticker.SymmetricalLogLocator(base=10, linthresh=1e-7))
+    ax.set(ylim=(0, None), xlabel="decode step", ylabel="largest |difference| of a logit",
+           title="Cached logits minus each oracle's, at every decode step")
+    ax.legend(fontsize=8)
     return finish(fig, path)
 
 
@@ -147,15 +180,21 @@ def measure(quick_mode=None) -> dict:
     return dict(settings=s, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, runs=runs,
                 chunked={d: chunked_prefill(smol, d, s["chunk_tokens"]) for d in DESIGNS},
                 fork={d: fork_check(smol, d, s["fork_prefix"]) for d in DESIGNS},
-                crop={d: crop_check(smol, d) for d in DESIGNS},
-                bytes={d: bytes_check(smol, d) for d in DESIGNS})
+                crop={d: crop_check(smol, d, s["crop_keep"], s["crop_drop"]) for d in DESIGNS},
+                bytes={d: bytes_check(smol, d, s["bytes_tokens"], s["bytes_batch"]) for d in DESIGNS},
+                decode=decode_step_times(smol, s["decode_context"], s["decode_rounds"]))
 
 
-def record(m: dict) -> dict:
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch02. `drawn` holds figures a notebook already drew ({"agreement": fig}): they are
+    saved as they are, not drawn a second time."""
     import statistics
 
     figs = figures_dir()
-    plot_agreement(m["runs"], figs / "ch02_agreement.png")
+    if drawn and "agreement" in drawn:
+        drawn["agreement"].savefig(figs / "ch02_agreement.png", dpi=120)
+    else:
+        plot_agreement(m["runs"], figs / "ch02_agreement.png")
     agree = {}
     for (model, design), r in m["runs"].items():
         agree.setdefault(model, {})[design] = {
@@ -168,8 +207,9 @@ def record(m: dict) -> dict:
             "tokens_identical": value(r["tokens_identical"], None)}
     values = {
         "agreement": agree,
-        "chunked_prefill": {d: {f"chunk{c}": value(x, "logit") for c, x in by_c.items()}
-                            for d, by_c in m["chunked"].items()},
+        "chunked_prefill": {**{d: {f"chunk{c}": value(x, "logit") for c, x in by_c.items()}
+                               for d, by_c in m["chunked"].items()},
+                            "tokens": value(m["settings"]["chunk_tokens"], "tokens")},
         "fork": {d: {"parent_vs_recompute": value(r["parent_vs_recompute"], "logit"),
                      "child_vs_recompute": value(r["child_vs_recompute"], "logit"),
                      "parent_untouched": value(r["parent_untouched"], None),
@@ -177,9 +217,26 @@ def record(m: dict) -> dict:
                      "parent_mib": value(r["parent_bytes"] / 2**20, "MiB"),
                      "prefix": value(m["settings"]["fork_prefix"], "tokens")} for d, r in m["fork"].items()},
         "crop": {d: value(x, "logit") for d, x in m["crop"].items()},
+        "crop_positions": {"kept": value(m["settings"]["crop_keep"], "positions"),
+                           "dropped": value(m["settings"]["crop_drop"], "positions")},
         "bytes": {d: {k: value(v, "bytes") for k, v in r.items()} for d, r in m["bytes"].items()},
+        "bytes_positions": {"tokens": value(m["settings"]["bytes_tokens"], "positions"),
+                            "batch": value(m["settings"]["bytes_batch"], "sequences")},
     }
-    figures = {"agreement": {"path": figs / "ch02_agreement.png", "caption": "Per-step logit agreement"}}
+    if "decode" in m:
+        t = m["decode"]
+        values["decode_ms"] = {
+            **{d: value(r["median"] * 1e3, "ms", iqr=r["iqr"] * 1e3, n=r["n"], threads=r["threads"],
+                        note=f"median of {r['n']} decode steps in turns, SmolLM2") for d, r in t.items()},
+            "context": value(m["settings"]["decode_context"], "tokens"),
+            "rounds": value(t["static"]["n"], "steps"),
+            "static_over_concat": value(t["static"]["median"] / t["concat"]["median"], "x",
+                                        note="median static step / median concat step")}
+    identical = all(r["tokens_identical"] for r in m["runs"].values())
+    values["all_tokens_identical"] = value(identical, None)
+    figures = {"agreement": {"path": figs / "ch02_agreement.png",
+                             "caption": "Largest logit difference of the cached forward from each oracle, "
+                                        "per decode step"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
 

@@ -28,7 +28,7 @@ def gelu_new(x):  # the tanh approximation GPT-2 was trained with
 
 
 def block(x, w, i, config, attend):
-    """One transformer block. `attend(i, q, k, v)` does the attention of layer i on `[B, H, T, D]`."""
+    """One transformer block. `attend(i, q, k, v)` is the attention of layer i on `[B, H, T, D]`."""
     p, D, eps = f"transformer.h.{i}.", config.d_model, config.norm_eps
     h = F.layer_norm(x, (D,), w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
     q, k, v = (h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]).split(D, dim=-1)
@@ -64,17 +64,17 @@ def forward(ids, w, config, last_only=False):
 
 
 def forward_cached(ids, w, config, cache, last_only=False):
-    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, with one code path.
+    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
 
-    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits `[B, T, V]`.
-    The differences from `forward` are marked NEW.
+    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
+    `[B, T, V]`. The differences from `forward` are marked NEW.
     """
-    cache.check_model(config)                                             # NEW: a cache fits one model shape
+    cache.check_model(config)                             # NEW: a cache fits one model shape
     ids = check_ids(ids, config, offset=cache.max_length)
-    positions = cache.next_positions(ids.shape[1], ids.device)           # NEW: continue after the cache
-    x = embed(ids, w, positions)                                          # NEW: positions length .. length+T-1
-    attend = cached_attention(cache, positions)                           # NEW: keys and values via the cache
+    positions = cache.next_positions(ids.shape[1], ids.device)  # NEW: continue after the cache
+    x = embed(ids, w, positions)                          # NEW: positions length .. length+T-1
+    attend = cached_attention(cache, positions)           # NEW: keys and values via the cache
     for i in range(config.n_layers):
         x = block(x, w, i, config, attend)
-    cache.advance(ids.shape[1])                                           # NEW: commit the T positions
+    cache.advance(ids.shape[1])                           # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

@@ -42,8 +42,8 @@ def project(h, w, name):  # a linear layer, with its bias when the checkpoint ha
 
 
 def block(x, w, i, config, attend, rope_cs):
-    """One decoder layer. `attend(i, q, k, v)` is layer i's attention on q `[B, Hq, T, D]`, k, v `[B, Hkv, T, D]`;
-    rope_cs = (cos, sin), each `[T, D]`, from `rope_tables`."""
+    """One decoder layer. `attend(i, q, k, v)` is layer i's attention on q `[B, Hq, T, D]` and
+    k, v `[B, Hkv, T, D]`; rope_cs = (cos, sin), each `[T, D]`, from `rope_tables`."""
     p, eps = f"model.layers.{i}.", config.norm_eps
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
     q = split_heads(project(h, w, p + "self_attn.q_proj"), config.n_heads)     # [B, Hq, T, D]
@@ -68,7 +68,7 @@ def head(x, w, config):  # [B, T, D] -> [B, T, V]
     return F.linear(x, w.get("lm_head.weight", w["model.embed_tokens.weight"]))
 
 
-def causal_attention(i, q, k, v):  # grouped-query: each key/value head serves n_heads / n_kv_heads queries
+def causal_attention(i, q, k, v):  # grouped-query: a KV head serves n_heads / n_kv_heads queries
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
@@ -84,18 +84,18 @@ def forward(ids, w, config, last_only=False):
 
 
 def forward_cached(ids, w, config, cache, last_only=False):
-    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, with one code path.
+    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
 
-    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits `[B, T, V]`.
-    The differences from `forward` are marked NEW.
+    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
+    `[B, T, V]`. The differences from `forward` are marked NEW.
     """
-    cache.check_model(config)                                             # NEW: a cache fits one model shape
+    cache.check_model(config)                             # NEW: a cache fits one model shape
     ids = check_ids(ids, config, offset=cache.max_length)
-    positions = cache.next_positions(ids.shape[1], ids.device)           # NEW: RoPE at the true positions
-    attend = cached_attention(cache, positions)                           # NEW: keys and values via the cache
+    positions = cache.next_positions(ids.shape[1], ids.device)  # NEW: RoPE at the true positions
+    attend = cached_attention(cache, positions)           # NEW: keys and values via the cache
     x = embed(ids, w)
     rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
     for i in range(config.n_layers):
         x = block(x, w, i, config, attend, rope_cs)
-    cache.advance(ids.shape[1])                                           # NEW: commit the T positions
+    cache.advance(ids.shape[1])                           # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)
