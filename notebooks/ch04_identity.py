@@ -14,95 +14,291 @@
 # %% [markdown]
 # # Chapter 4 — State identity
 #
-# A KV cache is correct only for the exact computation that produced it: these weights, this tokenizer,
-# this precision, these positions, these token ids. This chapter breaks that rule seven ways, measures
-# what each break does to the scores, and builds a backend that checks the rule on every call.
+# A KV cache holds the keys and values of one exact computation: these weights, this precision, these
+# positions, these token ids. Reused for anything else, it still returns scores, because nothing in the
+# tensors says what produced them: a cache has the right shape whatever went into it. The scores are
+# then wrong, and sometimes only slightly wrong.
+#
+# This chapter writes down what a state is the state *of* as a key: a hash of everything the
+# computation depended on. We build a minimal key in a few lines, compare it with `lab`'s `prefix_key`,
+# put the key in front of every call of a cached backend, and then break the rule seven ways on purpose
+# to measure what each break does to the scores.
 
 # %%
 import platform
 
+import pandas as pd
 import torch
 import transformers
 
 from lab import results
-from lab.cache import StaticCache
-from lab.engine import identity_of, prefix_key
+from lab.cache import ConcatCache, StaticCache
+from lab.engine import identity_of, key_for, prefix_key
 from lab.experiments import ch04_identity as ch04
 from lab.models import load
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"threads {torch.get_num_threads()}")
+      f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
 QUICK = results.quick()
 S = ch04.settings(QUICK)
-print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
+print("quick mode (short runs; a temporary results file)" if QUICK else "full mode",
+      "-> results in", results.results_path())
 
 # %% [markdown]
-# ## What a state is the state of
+# ## A minimal prefix key
 #
-# `prefix_key` hashes the model manifest, the tokenizer (with its chat template), the compute and cache
-# dtypes, the cache kind, the position configuration, an optional tenant salt, and the exact token ids.
+# What does the state of a prompt depend on? Chapter 2's argument for the cache was that the stored keys
+# and values are exactly what a recomputation would produce. A recomputation would produce the same
+# numbers only with
+#
+# - the same **weights** — named by the model's *manifest*, the sha256 of its weight files and config;
+# - the same **tokenizer** — it decides which ids a text becomes;
+# - the same **precision** — a state computed in bfloat16 is not the state computed in float32;
+# - the same **token ids**, every one of them, in order.
+#
+# A key is a hash over those four. A few details make it correct rather than nearly correct: a separator
+# between fields (so that two different field lists never feed the hash the same bytes), the number of
+# ids (so that `[1, 2]` and `[1, 2, 0]` differ), and the ids as fixed-width integers.
+
+# %%
+import hashlib
+
+
+def minimal_key(manifest: str, tokenizer: str, dtype: str, ids: list[int]) -> str:
+    h = hashlib.sha256()
+    for field in (manifest, tokenizer, dtype):
+        h.update(field.encode() + b"\0")          # a separator between fields
+    h.update(len(ids).to_bytes(8, "little"))      # the length: [1, 2] and [1, 2, 0] differ
+    for i in ids:
+        h.update(i.to_bytes(4, "little"))         # each id as a fixed-width integer
+    return h.hexdigest()
+
+
+# %% [markdown]
+# Try it on SmolLM2. For the tokenizer we hash its `tokenizer.json` text (vocabulary, merges, rules): the
+# obvious thing to hash.
 
 # %%
 smol = load("smollm2")
-cache = StaticCache(smol.config, 64)
-identity = identity_of(smol, cache)
+tok = smol.tokenizer
+vocab_hash = hashlib.sha256(tok.tok.to_str().encode()).hexdigest()
+ids = tok.encode("To be, or not to be, that is the question")
+print(len(ids), "ids:", ids)
+print("minimal key:", minimal_key(smol.manifest, vocab_hash, "torch.float32", ids))
+
+# %% [markdown]
+# ## The same changes, against `lab`'s key
+#
+# `lab.engine.prefix_key` hashes more. Its fields are those of a `StateIdentity` — everything except the
+# ids — plus the ids:
+#
+# - the model manifest;
+# - the tokenizer's hash, **chat template included**;
+# - the compute dtype and the cache dtype, and the **cache kind** (`StaticCache`, `ConcatCache`, ...);
+# - the **position configuration**: the RoPE base and the trained context length;
+# - an optional **salt** that separates tenants;
+# - the exact token ids.
+#
+# Make one change at a time and ask both keys whether they noticed. The changes: another prompt, another
+# model of the same shape (one layer's MLP output scaled by 1.02, as a swapped adapter might do), another
+# precision, another tenant, another cache kind, another RoPE base set at run time, another chat template.
+
+# %%
+scaled = ch04.scaled_mlp_model(smol)   # same shapes, other weights: a manifest of its own
+edited = type(tok)(tok.tok, tok.chat_template.replace("You are a helpful AI assistant", "You are a pirate"),
+                   tok.special)        # the same vocabulary under another chat template
+base = dict(manifest=smol.manifest, ids=ids, tokenizer=tok.sha256, vocab=vocab_hash, dtype="torch.float32",
+            cache_kind="StaticCache", rope_theta=smol.config.rope_theta, salt=None)
+changes = {
+    "another prompt": dict(ids=tok.encode("To be, or not to see, that is the question")),
+    "another model (MLP × 1.02)": dict(manifest=scaled.manifest),
+    "bfloat16 instead of float32": dict(dtype="torch.bfloat16"),
+    "another tenant (salt)": dict(salt="tenant-b"),
+    "ConcatCache instead of StaticCache": dict(cache_kind="ConcatCache"),
+    "RoPE base × 10 at run time": dict(rope_theta=10 * smol.config.rope_theta),
+    "another chat template": dict(tokenizer=edited.sha256),   # the vocabulary, and so vocab_hash, unchanged
+}
+
+
+def both_keys(f):
+    mine = minimal_key(f["manifest"], f["vocab"], f["dtype"], f["ids"])
+    labs = prefix_key(f["manifest"], f["ids"], tokenizer=f["tokenizer"], compute_dtype=f["dtype"],
+                      cache_dtype=f["dtype"], cache_kind=f["cache_kind"], rope_theta=f["rope_theta"],
+                      max_positions=smol.config.max_positions, salt=f["salt"])
+    return mine, labs
+
+
+mine0, lab0 = both_keys(base)
+rows = []
+for change, fields in changes.items():
+    mine, labs = both_keys({**base, **fields})
+    rows.append({"change": change, "minimal key": "changes" if mine != mine0 else "SAME",
+                 "lab's prefix_key": "changes" if labs != lab0 else "SAME"})
+assert [r["minimal key"] for r in rows] == ["changes"] * 3 + ["SAME"] * 4     # what the text below says
+assert all(r["lab's prefix_key"] == "changes" for r in rows)
+pd.DataFrame(rows).set_index("change")
+
+# %% [markdown]
+# The minimal key notices the first three changes and misses the last four. What each field protects
+# against:
+#
+# - **ids**: a cache built for another prompt, a buffer not reset between requests, draft tokens left in
+#   the cache after a rejection — all three are "the wrong ids", and all three are measured below.
+# - **manifest**: a fine-tune, an adapter, a requantization. The shapes are the same, so a wrong state
+#   fits, and the difference it makes is small enough to go unnoticed (measured below).
+# - **dtypes**: a state written in bfloat16 and read by a float32 model is off by the rounding of every
+#   stored key and value.
+# - **tokenizer and chat template**: they decide which ids a text or a conversation becomes. With equal
+#   ids and equal weights the state is the same whatever produced the ids, so this field is a guard
+#   rather than a necessity: a changed template (another default system prompt, as here) invalidates
+#   every stored state at once instead of relying on the new ids to differ. The minimal key hashed the
+#   vocabulary only, and missed the template.
+# - **cache kind**: the layout the state is stored in; a state is handed only to code that reads that
+#   layout.
+# - **positions**: the RoPE base and the context length decide how each key is rotated. The manifest
+#   covers the config file; a server that overrides the RoPE base at run time (to extend the context)
+#   computes other keys for the same ids, and only a key that names the setting notices.
+# - **salt**: two tenants who send the same ids would compute the same state, so sharing it is
+#   numerically right — and still wrong, because a hit answers faster than a miss, and one tenant can
+#   then learn from timing whether another sent a prompt. vLLM added `cache_salt` to its block hash for
+#   this reason (research/ch04/sources.md).
+
+# %% [markdown]
+# ### Checked against `lab`
+#
+# A backend does not fill in the fields by hand: `identity_of(model, cache)` reads them from the model
+# and the cache it would compute into, and `key_for(identity, ids)` hashes them with the ids. That is the
+# same key as `prefix_key` with the same fields:
+
+# %%
+identity = identity_of(smol, StaticCache(smol.config, 64))
 print(identity)
-ids = smol.tokenizer.encode("To be, or not to be")
-print(prefix_key(identity.manifest, ids, tokenizer=identity.tokenizer, cache_kind=identity.cache_kind,
-                 rope_theta=identity.rope_theta, max_positions=identity.max_positions))
-print(prefix_key(identity.manifest, ids, tokenizer=identity.tokenizer, cache_kind=identity.cache_kind,
-                 rope_theta=identity.rope_theta, max_positions=identity.max_positions, salt="tenant-b"))
+assert key_for(identity, ids) == lab0
+assert key_for(identity_of(smol, ConcatCache(smol.config)), ids) != lab0     # another cache kind
+assert key_for(identity_of(smol, StaticCache(smol.config, 64), salt="tenant-b"), ids) != lab0
+print("key_for(identity_of(model, cache), ids) == prefix_key(...):", lab0[:16], "...")
 
 # %% [markdown]
 # ## The backend's rule, on every call
 #
-# Serve from the cache only when it holds exactly the state of `ids[:-k]`, k >= 1, under the same key.
-# Anything else is a miss: discard and recompute. Five requests of 32 greedy tokens:
+# The engine's contract is "ids in, scores out": `next_logits(ids)` gets the whole sequence so far. A
+# `CachedBackend` keeps one cache between calls, with the ids and identity of the state it holds. On
+# every call it computes the identity under which it would compute now and the key of the request's
+# prefix `ids[:-k]`:
+#
+# - equal keys for some k ≥ 1: run only the k new tokens (a **hit**);
+# - anything else — another model, tokenizer, dtype or salt; identical ids (k = 0: the state of
+#   `ids[:-0]` does not exist); a diverging prefix — discard the cache and recompute (a **miss**).
+#
+# A miss costs time, never correctness. A few requests of greedy tokens (`S["requests"]` of
+# `S["new_tokens"]`) through one backend, against a backend without a cache:
 
 # %%
 eng = ch04.engine_check(smol, S["requests"], S["new_tokens"], S["prompt"])
-print(eng)
+pd.Series({k: v for k, v in eng.items()}, name="engine check").to_frame()
+
+# %% [markdown]
+# One miss a request (its first call: the previous request's state belongs to other ids), a hit on every
+# other call, the same tokens as recomputation, and a fraction of the positions pushed through the model.
+
+# %% [markdown]
+# ## What the check costs
+#
+# The key is a sha256 over the identity and every id, computed on every call: its cost grows with the
+# context. Time `prefix_key` alone, and the backend's whole per-call check (the key of `ids[:-1]` to
+# decide, then the key of `ids` for the new state), at three lengths, and set them beside one cached
+# decode step of SmolLM2 at the same context. `lab.bench.time_call` excludes warm-up and reports the
+# median and the interquartile range.
+
+# %%
+kc = ch04.key_cost(smol, S["key_lengths"], S["key_reps"], S["step_reps"])
+pd.DataFrame({T: {"prefix_key (µs)": c["key"]["median"] * 1e6, "spread, IQR (µs)": c["key"]["iqr"] * 1e6,
+                  "backend check (µs)": c["check"]["median"] * 1e6,
+                  "decode step (ms)": c["step"]["median"] * 1e3,
+                  "check / step (%)": 100 * c["check"]["median"] / c["step"]["median"]}
+              for T, c in kc.items()}).T.rename_axis("ids in the key").round(3)
+
+# %% [markdown]
+# The check's cost grows with the number of ids it hashes; the decode step's cost, dominated at these
+# lengths by reading the weights, grows much less. The last column is the price of the check on every
+# call. A system that hashes once per page of 16 tokens and chains the hashes (chapter 6) pays for each
+# id once instead of on every call.
 
 # %% [markdown]
 # ## Seven ways to reuse a cache wrongly
 #
-# Each trial takes a 24-token prefix of held-out Shakespeare and the token that follows, builds a cache
-# the wrong way, and compares its next-token scores with a correct computation. Then it puts the same
-# situation to a `CachedBackend`.
+# Each trial takes a prefix of held-out Shakespeare and the token that follows, builds a cache the wrong
+# way, and compares the next-token scores it gives with a correct computation (`forward` without a cache
+# on the right sequence). Then it puts the same situation to a `CachedBackend`: the backend holds the
+# state the wrong reuse started from and is asked for the right request. Does it refuse, and are its
+# scores then right?
 
 # %%
-for name, what in ch04.HAZARDS.items():
-    print(f"{name:>22}: {what}")
-haz = ch04.hazards(smol, S["trials"], S["prefix"])
-print(f"\n{'hazard':>22} {'median|Δ|':>10} {'max|Δ|':>8} {'same top':>9} {'KL med':>8} {'refused':>8} {'correct':>8}")
-for name, r in haz.items():
-    print(f"{name:>22} {r['delta_median']:>10.3g} {r['delta_max']:>8.3g} {r['argmax_agree']:>5}/{r['trials']:<3} "
-          f"{r['kl_median']:>8.3g} {r['refused']:>5}/{r['trials']:<2} {r['backend_correct']:>5}/{r['trials']}")
-ch04.plot_hazards(haz);
+pd.DataFrame({"what goes wrong": ch04.HAZARDS,
+              "identity that changes": {k: v or "none" for k, v in ch04.IDENTITY_CHANGES.items()}})
 
 # %% [markdown]
-# Loud hazards move the top token; quiet ones move the scores a little and leave the top token alone,
-# so greedy output looks fine while every probability is subtly wrong. The stale offset changes no
-# identity: the backend never makes that call, because it takes positions from the cache's own length.
+# The trials show a progress bar; in quick mode there are fewer of them.
+
+# %%
+haz = ch04.hazards(smol, S["trials"], S["prefix"])
+table = pd.DataFrame({name: {"median |Δ logit|": r["delta_median"], "max |Δ logit|": r["delta_max"],
+                             "same top token": f"{r['argmax_agree']}/{r['trials']}",
+                             "KL, median (nats)": r["kl_median"],
+                             "refused": f"{r['refused']}/{r['trials']}",
+                             "backend correct": f"{r['backend_correct']}/{r['trials']}"}
+                      for name, r in haz.items()}).T
+table
+
+# %% [markdown]
+# |Δ logit| is the absolute difference of the scores over the whole vocabulary; KL is KL(correct ‖ wrong)
+# of the next-token distributions. The left panel shows how far the scores move (a log axis: the
+# hazards span several orders of magnitude); the right one, in how many trials the top token is still
+# the right one.
+
+# %%
+fig = ch04.plot_hazards(haz)
+
+# %% [markdown]
+# **Loud and quiet.** Another prompt, a wrong position and draft tokens left behind move the top token in
+# most trials: a test that compares generated text catches them. The adapter and the bfloat16 cache move
+# every score a little and leave the top token alone: greedy text looks right while every probability
+# is off, and sampling, beam search or anything that reads the probabilities inherits the error.
+#
+# Every hazard that changes the identity — the ids, the manifest, the dtypes — is refused by the
+# backend, and its scores are then the correct ones. The stale offset changes no identity: it is a wrong
+# call on the right state, and the backend never makes it, because it takes the position from the
+# cache's own length.
+#
+# A refusal costs a recomputation, no more:
 
 # %%
 cost = ch04.refusal_cost(smol, S["prefix"])
-print(f"a refused call {cost['refused'] * 1e3:.1f} ms, a plain recomputation {cost['recompute'] * 1e3:.1f} ms")
+print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {cost['recompute'] * 1e3:.3g} ms")
 
 # %% [markdown]
 # ## Record
+#
+# Everything measured above goes into section `ch04` of the results file; the figure drawn above is
+# saved, not drawn again.
 
 # %%
-ch04.record(dict(settings=S, manifest=smol.manifest, hazards=haz, refusal=cost, engine=eng))
+ch04.record(dict(settings=S, manifest=smol.manifest, hazards=haz, refusal=cost, engine=eng, key_cost=kc),
+            hazards_figure=fig)
 print("wrote section ch04 to", results.results_path())
 
 # %% [markdown]
-# ## Exercise
+# ## Exercises
+#
+# ### 1. A store of prefixes
 #
 # Keep several caches keyed by identity, reuse the longest stored prefix of each request, and choose an
-# eviction rule. `check_prefix_store` serves a stream of requests that share system prompts (some to a
-# fine-tuned variant of the model, some from another tenant) through your store, compares every answer
-# with recomputation and reports your hit rate.
+# eviction rule. `lookup(identity, ids)` returns a cache holding exactly the state of `ids[:n]`, with
+# `n < len(ids)`, stored under the same identity — or `(None, 0)`. `insert(identity, ids, cache)` keeps
+# the state of `ids`. `check_prefix_store` serves a stream of requests that share system prompts (some to
+# a fine-tuned variant of the model, some from another tenant) through your store, compares every answer
+# with recomputation and reports your hit rate. It fails a store that offers a state under another
+# identity, offers more than the common prefix, or keeps nothing.
 
 # %%
 from lab.exercises import ch04 as ex
@@ -126,3 +322,21 @@ except NotImplementedError:
 
 # %% [markdown]
 # A reference solution (least recently used) is in `lab/exercises/ch04_solutions.py`; the tests run it.
+#
+# ### 2. Open-ended: what does a key cost on your machine?
+#
+# Write `key_cost_us(T)`: build T token ids, time one prefix key over them — `prefix_key`, or your own
+# `minimal_key` from the top of this notebook — with `lab.bench.time_call(fn, warmup=5, reps=200)`, and
+# return the median in microseconds (`result["median"] * 1e6`). The check sets your number beside the
+# book's at 4,096 ids. Then ask: what share of a decode step on your machine is it, and what would a
+# per-page chained hash save?
+
+# %%
+def key_cost_us(T):
+    raise NotImplementedError("your answer: microseconds per key over T ids, measured with lab.bench.time_call")
+
+
+try:
+    ex.check_key_cost(key_cost_us, T=4096)
+except NotImplementedError:
+    print("not attempted yet")

@@ -83,7 +83,7 @@ class CachedBackend:
             return 0
         identity = identity_of(self.model, self.cache, salt)
         if identity != self.cached_identity:
-            return 0                                          # another model, tokenizer, dtype, salt ...
+            return 0                                    # another model, tokenizer, dtype, salt ...
         n = len(self.cached_ids)
         if n < len(ids) and key_for(identity, ids[:n]) == self.cached_key:
             return n                                          # exactly the state of ids[:-k], k >= 1

@@ -19,31 +19,32 @@ class IdentityError(ValueError):
 class StateIdentity:
     """Everything but the token ids that a cached state depends on."""
 
-    manifest: str           # sha256 of the weights and config
-    tokenizer: str          # sha256 of the tokenizer (vocabulary, merges, rules) and its chat template
-    compute_dtype: str      # the dtype the forward ran in
-    cache_dtype: str        # the dtype the keys and values are stored in
-    cache_kind: str         # e.g. "ConcatCache", "StaticCache"
-    rope_theta: float       # position configuration: RoPE base ...
-    max_positions: int      # ... and the trained context length
-    salt: str | None = None  # separates tenants: equal ids under another salt never share a state
+    manifest: str            # sha256 of the weights and config
+    tokenizer: str           # sha256 of the tokenizer (vocabulary, merges, rules) and chat template
+    compute_dtype: str       # the dtype the forward ran in
+    cache_dtype: str         # the dtype the keys and values are stored in
+    cache_kind: str          # e.g. "ConcatCache", "StaticCache"
+    rope_theta: float        # position configuration: RoPE base ...
+    max_positions: int       # ... and the trained context length
+    salt: str | None = None  # separates tenants: equal ids under another salt share no state
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
 
 def prefix_key(manifest: str, token_ids, *, tokenizer: str, compute_dtype="torch.float32",
-               cache_dtype="torch.float32", cache_kind="ConcatCache", rope_theta=10000.0, max_positions=2048,
-               salt=None) -> str:
-    """sha256 over the state's identity and its exact token ids. Changing any one input changes the key."""
+               cache_dtype="torch.float32", cache_kind="ConcatCache", rope_theta=10000.0,
+               max_positions=2048, salt=None) -> str:
+    """sha256 over a state's identity and its exact token ids: change any input, the key changes."""
     identity = StateIdentity(manifest, tokenizer, str(compute_dtype), str(cache_dtype), cache_kind,
                              float(rope_theta), int(max_positions), salt)
     return key_for(identity, token_ids)
 
 
 def key_for(identity: StateIdentity, token_ids) -> str:
-    ids = torch.as_tensor(list(token_ids) if not isinstance(token_ids, torch.Tensor) else token_ids,
-                          dtype=torch.int64)
+    if not isinstance(token_ids, torch.Tensor):
+        token_ids = list(token_ids)
+    ids = torch.as_tensor(token_ids, dtype=torch.int64)
     h = hashlib.sha256(identity.digest().encode())
     h.update(f"{ids.numel()}:".encode())
     h.update(ids.numpy().tobytes())
@@ -54,8 +55,8 @@ def identity_of(model, cache, salt=None) -> StateIdentity:
     """The identity a state computed now by `model` into `cache` would have."""
     manifest, tokenizer = model_identity(model)
     cfg = model.config
-    return StateIdentity(manifest, tokenizer, str(model.dtype), str(cache.dtype), type(cache).__name__,
-                         float(cfg.rope_theta), int(cfg.max_positions), salt)
+    return StateIdentity(manifest, tokenizer, str(model.dtype), str(cache.dtype),
+                         type(cache).__name__, float(cfg.rope_theta), int(cfg.max_positions), salt)
 
 
 def model_identity(model) -> tuple:

@@ -1,12 +1,16 @@
-"""Chapter 4 exercise: a store of cached prefixes, keyed by identity, with an eviction rule of your choice."""
+"""Chapter 4 exercises: a store of cached prefixes, keyed by identity, with an eviction rule of your choice;
+and (open-ended) the cost of a prefix key on your own machine, beside the book's."""
 
 import random
+import time
 
 import torch
 
 from ..cache import ConcatCache
 from ..engine import identity_of
 from ..models import forward, forward_cached, load
+from ..results import COMMITTED
+from . import compare_with_book
 
 SYSTEMS = ["You are terse.", "You are a pirate.", "You translate to French.", "You write haiku.",
            "You answer in JSON.", "You are a patient teacher of physics."]
@@ -34,7 +38,8 @@ def check_prefix_store(make_store, capacity=3):
     from ..experiments.ch04_identity import scaled_mlp_model
 
     base = load("tiny-llama")
-    models = {"base": base, "tuned": scaled_mlp_model(base, layer=1, factor=1.5), "tenant-b": base}
+    # layer 0: the keys and values of layer 1 depend on it (the last layer's MLP changes no cached state)
+    models = {"base": base, "tuned": scaled_mlp_model(base, layer=0, factor=1.5), "tenant-b": base}
     cfg = base.config
     store = make_store(capacity)
 
@@ -45,6 +50,17 @@ def check_prefix_store(make_store, capacity=3):
     store.insert(identity_of(base, cache, "tenant-a"), ids, cache)
     other, n = store.lookup(identity_of(base, ConcatCache(cfg), "tenant-c"), ids + [1])
     assert other is None and n == 0, "a state stored under one salt was offered to another tenant"
+
+    # the rule again, for ids alone: a stored state is offered only for ids that extend its own ids
+    store = make_store(capacity)
+    a, b = base.tokenizer.encode("<system>one</system>"), base.tokenizer.encode("<system>two</system>")
+    cache = ConcatCache(cfg)
+    forward_cached(torch.tensor([a]), base.weights, cfg, cache)
+    store.insert(identity_of(base, cache), a, cache)
+    got, n = store.lookup(identity_of(base, ConcatCache(cfg)), b + [1])
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert n <= common, (f"lookup offered {n} positions of a state whose ids share only {common} with the "
+                         "request: a stored state is reusable only up to the common prefix")
 
     store = make_store(capacity)
     hits, saved, total = 0, 0, 0
@@ -70,3 +86,21 @@ def check_prefix_store(make_store, capacity=3):
     print(f"correct: {hits} of {len(stream)} requests reused a prefix; {saved} of {total} positions "
           f"({saved / total:.0%}) were not recomputed (capacity {capacity})")
     return hits / len(stream)
+
+
+def check_key_cost(fn, T=4096, path=COMMITTED):
+    """fn(T) -> microseconds of one prefix key over T token ids, measured on this machine.
+
+    Open-ended: time lab.engine.prefix_key, or a key of your own (the minimal key of the chapter's first
+    cells), however you like (lab.bench.time_call excludes warm-up and reports the median).
+    Rule: it is a measurement, so the time you report must fit inside the time your function took.
+    Then your number is set beside the book's (`ch04.key_cost_us.T<T>` in results/results.json).
+    """
+    t0 = time.perf_counter()
+    us = fn(T)
+    took_us = (time.perf_counter() - t0) * 1e6
+    assert isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0, (
+        f"expected a positive number of microseconds, got {us!r}")
+    assert us <= took_us, (f"you report {us:.3g} µs for one key, but your function took only {took_us:.3g} µs "
+                           "in all: measure the key, do not type or look up a number")
+    return compare_with_book(f"ch04.key_cost_us.T{T}", us, path=path)

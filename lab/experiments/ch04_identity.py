@@ -11,9 +11,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import data
-from ..bench import time_rounds
+from ..bench import time_call, time_rounds, time_steps
 from ..cache import StaticCache
-from ..engine import CachedBackend, RecomputeBackend, generate
+from ..engine import CachedBackend, RecomputeBackend, generate, identity_of, key_for, prefix_key
 from ..metrics import kl_divergence
 from ..models import forward, forward_cached, llama, load
 from ..models.attention import cached_attention
@@ -43,7 +43,11 @@ IDENTITY_CHANGES = {"other_prompt": "token ids", "stale_offset": None, "static_n
 
 
 def settings(quick_mode: bool) -> dict:
-    return dict(trials=5 if quick_mode else 20, prefix=24, requests=5, new_tokens=32, prompt=17)
+    return dict(trials=5 if quick_mode else 20, prefix=24, prompt=17,
+                requests=3 if quick_mode else 5, new_tokens=16 if quick_mode else 32,
+                key_lengths=(16, 512, 4096),          # ids hashed per key: a short prompt to a long context
+                key_reps=50 if quick_mode else 400,   # key timings are microseconds: many repetitions
+                step_reps=3 if quick_mode else 9)     # a decode step is tens of milliseconds
 
 
 def static_for(model, n=128):
@@ -174,6 +178,45 @@ def refusal_cost(model, prefix_len=24, reps=5) -> dict:
     return dict(refused=r["refused"]["median"], recompute=r["recompute"]["median"])
 
 
+def key_cost(model, lengths=(16, 512, 4096), reps=400, step_reps=9) -> dict:
+    """What the identity check costs per call, beside one cached decode step at the same context.
+
+    For each length T: `prefix_key` over T ids (identity and ids, from scratch); the CachedBackend's own
+    check on a call that extends a state of T - 1 positions (`reusable_prefix`, then the key of the new
+    state, as `next_logits` does); and one decode step of the model through a StaticCache holding T - 1
+    positions. The check reads only the ids and the identity, never the tensors, so the backend's state
+    is set directly rather than prefilled; a step's time does not depend on the values in the cache.
+    """
+    ident = identity_of(model, StaticCache(model.config, 1))
+    out = {}
+    for T in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (T,), generator=torch.Generator().manual_seed(T)).tolist()
+        key = time_call(lambda ids=ids: prefix_key(ident.manifest, ids, tokenizer=ident.tokenizer,
+                                                   cache_kind=ident.cache_kind, rope_theta=ident.rope_theta,
+                                                   max_positions=ident.max_positions), warmup=5, reps=reps)
+        backend = CachedBackend(model, static_for(model, 1))
+        backend.cache = StaticCache(model.config, 1)       # the state of ids[:-1], as the bookkeeping sees it
+        backend.cached_ids, backend.cached_identity = ids[:-1], ident
+        backend.cached_key = key_for(ident, ids[:-1])
+
+        def check(backend=backend, ids=ids):                # what next_logits adds to a hit, besides the step
+            n = backend.reusable_prefix(ids, None)
+            key_for(identity_of(model, backend.cache, None), ids)
+            return n
+
+        assert check() == T - 1, "the check must find the state of ids[:-1]"
+        chk = time_call(check, warmup=5, reps=reps)
+        cache = StaticCache(model.config, T, dtype=model.dtype)
+        cache.length = T - 1
+        token = torch.tensor([[ids[-1]]])
+        step = time_steps(lambda cache=cache, T=T: cache.crop(T - 1),
+                          lambda cache=cache, token=token: forward_cached(token, model.weights, model.config,
+                                                                          cache, last_only=True),
+                          warmup=1, reps=step_reps)
+        out[T] = dict(key=key, check=chk, step=step)
+    return out
+
+
 def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
     """Several greedy requests through one CachedBackend: hits, misses, positions, same tokens as recompute."""
     prompts = data.passages(model.tokenizer, prompt, count=requests, seed=11)
@@ -188,18 +231,33 @@ def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
                 tokens_identical=same, recompute_positions=recompute.positions // requests)
 
 
-def plot_hazards(h: dict, path=None):
-    import matplotlib.pyplot as plt
+LABELS = {"other_prompt": "another prompt", "stale_offset": "stale offset", "static_not_reset": "not reset",
+          "rollback_not_cropped": "not cropped", "adapter_weights": "MLP × 1.02",
+          "bf16_cache": "bfloat16 cache", "system_prompt": "system prompt"}
 
-    names = list(h)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.barh(names, [h[n]["delta_median"] for n in names], color="tab:red", label="median |Δ logit|")
-    a.barh(names, [h[n]["delta_max"] for n in names], color="tab:red", alpha=0.3, label="max |Δ logit|")
-    a.set(xscale="log", xlabel="|Δ logit| against a correct computation", title="How far the scores move")
-    a.legend(fontsize=7)
-    b.barh(names, [h[n]["argmax_agree"] / h[n]["trials"] for n in names], color="tab:blue")
-    b.set(xlim=(0, 1), xlabel="fraction of trials with the same top token", title="Does the answer change?")
-    b.set_yticks([])
+
+def plot_hazards(h: dict, path=None):
+    """Left: how far the wrong scores are from the right ones (points on a log axis: median and maximum).
+    Right: the fraction of trials whose top token is still the right one (bars on a linear axis)."""
+    from . import plots
+
+    names = list(h)[::-1]                      # first hazard on top
+    y = range(len(names))
+    fig, (a, b) = plots.figure(ncols=2, sharey=True)
+    med, top = [h[n]["delta_median"] for n in names], [h[n]["delta_max"] for n in names]
+    a.hlines(y, med, top, color="tab:red", alpha=0.4, lw=2)
+    a.plot(med, y, "o", color="tab:red", label="median")
+    a.plot(top, y, "|", color="tab:red", ms=10, mew=2, label="maximum")
+    a.set(xscale="log", xlabel="|Δ logit| (log scale)", title="Logit error of the wrong reuse")
+    a.set_yticks(list(y), [LABELS.get(n, n) for n in names])
+    a.legend(loc="upper left")
+    frac = [h[n]["argmax_agree"] / h[n]["trials"] for n in names]
+    b.barh(list(y), frac, color="tab:blue")
+    for i, n in enumerate(names):                # the count beside the bar, or inside it when it is long
+        inside = frac[i] > 0.8
+        b.text(frac[i] - 0.02 if inside else frac[i] + 0.02, i, f"{h[n]['argmax_agree']}/{h[n]['trials']}",
+               va="center", ha="right" if inside else "left", color="white" if inside else "black")
+    b.set(xlim=(0, 1), xlabel="fraction of trials", title="Top token still right")
     return finish(fig, path)
 
 
@@ -208,12 +266,20 @@ def measure(quick_mode=None) -> dict:
     smol = load("smollm2")
     return dict(settings=s, manifest=smol.manifest, hazards=hazards(smol, s["trials"], s["prefix"]),
                 refusal=refusal_cost(smol, s["prefix"]),
+                key_cost=key_cost(smol, s["key_lengths"], s["key_reps"], s["step_reps"]),
                 engine=engine_check(smol, s["requests"], s["new_tokens"], s["prompt"]))
 
 
-def record(m: dict) -> dict:
+def record(m: dict, hazards_figure=None) -> dict:
+    """Write section ch04 and its figure. A notebook passes the figure it already drew, which is saved
+    as it is rather than drawn a second time."""
+    import matplotlib.pyplot as plt
+
     figs = figures_dir()
-    plot_hazards(m["hazards"], figs / "ch04_hazards.png")
+    if hazards_figure is None:
+        plt.close(plot_hazards(m["hazards"], figs / "ch04_hazards.png"))
+    else:
+        finish(hazards_figure, figs / "ch04_hazards.png")
     values = {"hazards": {}, "engine": {}, "refusal": {}}
     for name, r in m["hazards"].items():
         values["hazards"][name] = {
@@ -225,16 +291,41 @@ def record(m: dict) -> dict:
             "trials": value(r["trials"], "trials"), "what": value(HAZARDS[name], None),
             "identity_change": value(IDENTITY_CHANGES[name] or "none", None)}
     e = m["engine"]
-    values["engine"] = {"calls": value(e["calls"], "calls"), "hits": value(e["hits"], "calls"),
+    values["hazard_prefix"] = value(m["settings"]["prefix"], "tokens", note="held-out tokens before the next one")
+    values["engine"] = {"requests": value(m["settings"]["requests"], "requests"),
+                        "new_tokens": value(m["settings"]["new_tokens"], "tokens", note="greedy tokens a request"),
+                        "calls": value(e["calls"], "calls"), "hits": value(e["hits"], "calls"),
                         "misses": value(e["misses"], "calls"),
                         "positions_per_request": value(e["positions"], "positions"),
+                        "positions_per_request_median": value(statistics.median(e["positions"]), "positions"),
                         "recompute_positions_per_request": value(e["recompute_positions"], "positions"),
                         "tokens_identical": value(e["tokens_identical"], None)}
     r = m["refusal"]
     values["refusal"] = {"refused_ms": value(r["refused"] * 1e3, "ms"),
                          "recompute_ms": value(r["recompute"] * 1e3, "ms"),
                          "ratio": value(r["refused"] / r["recompute"], "x")}
-    figures = {"hazards": {"path": figs / "ch04_hazards.png", "caption": "Wrong reuse, hazard by hazard"}}
+    if "key_cost" in m:
+        values["key_cost_us"], values["check_us"], values["step_ms"], values["check_share"] = {}, {}, {}, {}
+        for T, c in m["key_cost"].items():
+            k, chk, st = c["key"], c["check"], c["step"]
+            values["key_cost_us"][f"T{T}"] = value(k["median"] * 1e6, "µs", iqr=k["iqr"] * 1e6, n=k["n"],
+                                                   threads=k["threads"], note=f"prefix_key over {T} ids")
+            values["check_us"][f"T{T}"] = value(chk["median"] * 1e6, "µs", iqr=chk["iqr"] * 1e6, n=chk["n"],
+                                                threads=chk["threads"],
+                                                note=f"CachedBackend check of a call extending {T - 1} positions")
+            values["step_ms"][f"T{T}"] = value(st["median"] * 1e3, "ms", iqr=st["iqr"] * 1e3, n=st["n"],
+                                               threads=st["threads"], note=f"one cached decode step at {T} positions")
+            values["check_share"][f"T{T}"] = value(100 * chk["median"] / st["median"], "%",
+                                                   note="the backend's check as a share of a decode step")
+        lo, hi = min(m["key_cost"]), max(m["key_cost"])
+        c_lo, c_hi = m["key_cost"][lo], m["key_cost"][hi]
+        values["check_growth"] = value(c_hi["check"]["median"] / c_lo["check"]["median"], "x",
+                                       note=f"backend check time at {hi} ids over {lo} ids")
+        values["step_growth"] = value(c_hi["step"]["median"] / c_lo["step"]["median"], "x",
+                                      note=f"decode step time at {hi} positions over {lo} positions")
+    figures = {"hazards": {"path": figs / "ch04_hazards.png",
+                           "caption": "Wrong reuse of a cache, hazard by hazard: logit error and the fraction "
+                                      "of trials whose top token is still right"}}
     write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
     return values
 
