@@ -15,10 +15,11 @@ HEADLINES = [
     ("Ch. 1 — positions processed, 17-token prompt + 32 new tokens, no cache (counted)",
      "ch01.loop.positions_uncached", ""),
     ("Ch. 1 — the same with a cache (formula; measured in ch. 3)", "ch01.loop.formula_cached", ""),
-    ("Ch. 1 — one uncached SmolLM2 step at 16 / 2,048 tokens of context",
-     ("ch01.step_ms.smollm2.T16", "ch01.step_ms.smollm2.T2048"), ",.0f"),
-    ("Ch. 1 — one uncached GPT-2-small-shape step at 16 / 960 tokens",
-     ("ch01.step_ms.gpt2-random.T16", "ch01.step_ms.gpt2-random.T960"), ",.0f"),
+    ("Ch. 1 — one uncached SmolLM2 step at 16 tokens of context / at the longest context measured, and that context",
+     ("ch01.step_ms.smollm2.T16", "ch01.step_ms.smollm2.longest_s", "ch01.step_ms.smollm2.longest_T"), ".3g"),
+    ("Ch. 1 — the same, GPT-2 small shape",
+     ("ch01.step_ms.gpt2-random.T16", "ch01.step_ms.gpt2-random.longest_s", "ch01.step_ms.gpt2-random.longest_T"),
+     ".3g"),
     ("Ch. 1 — our forward vs transformers, SmolLM2, max abs logit difference", "ch01.parity.smollm2.max_abs", ""),
     ("Ch. 1 — our forward vs transformers, GPT-2 shape, max abs logit difference",
      "ch01.parity.gpt2-random.max_abs", ""),
@@ -27,10 +28,12 @@ HEADLINES = [
     ("Ch. 1 — KV bytes per position, SmolLM2-135M (16-bit)", "ch01.bytes_per_position.SmolLM2-135M.kib", ""),
     ("Ch. 2 — cached vs recomputed logits, SmolLM2, every step (max abs difference, static / concat)",
      ("ch02.agreement.smollm2.static.vs_recompute_max", "ch02.agreement.smollm2.concat.vs_recompute_max"), ""),
-    ("Ch. 2 — cached greedy tokens identical to recomputation (SmolLM2, 48 tokens)",
-     "ch02.agreement.smollm2.static.tokens_identical", ""),
-    ("Ch. 3 — cached step speedup at T = 512, GPT-2 small shape / SmolLM2 (static cache)",
+    ("Ch. 2 — cached greedy tokens identical to recomputation (SmolLM2, static cache), and the steps compared",
+     ("ch02.agreement.smollm2.static.tokens_identical", "ch02.agreement.smollm2.static.steps"), ""),
+    ("Ch. 3 — cached step speedup at T = 512, GPT-2 small shape / SmolLM2 (static cache, median over rounds)",
      ("ch03.speedup.gpt2-random.T512.static", "ch03.speedup.smollm2.T512.static"), ".1f"),
+    ("Ch. 3 — attention's share of a cached SmolLM2 decode step at 4,096 tokens: measured time / FLOP count",
+     ("ch03.attention_share.smollm2.T4096", "ch03.attention_flop_share.smollm2.T4096"), ".0f"),
     ("Ch. 3 — lab / transformers time per decode token at 512, static caches, GPT-2 shape / SmolLM2",
      ("ch03.library.gpt2-random.ratio_static", "ch03.library.smollm2.ratio_static"), ".2f"),
     ("Ch. 3 — peak extra memory decoding 960 tokens at batch 8, GPT-2 shape, concat / static (MiB)",
@@ -39,11 +42,14 @@ HEADLINES = [
     ("Ch. 3 — the same on a GPU", "ch03_gpu.step_ms", ""),
     ("Ch. 4 — another prompt's cache: median / max abs Δ logit against a correct computation",
      ("ch04.hazards.other_prompt.delta_median", "ch04.hazards.other_prompt.delta_max"), ".2f"),
-    ("Ch. 4 — MLP output × 1.02 (adapter swap): median abs Δ logit, and trials of 20 with the same top token",
-     ("ch04.hazards.adapter_weights.delta_median", "ch04.hazards.adapter_weights.argmax_agree"), ""),
-    ("Ch. 4 — identity-changing hazards refused by the CachedBackend, of 20 trials (another prompt / adapter / bf16)",
-     ("ch04.hazards.other_prompt.refused", "ch04.hazards.adapter_weights.refused", "ch04.hazards.bf16_cache.refused"),
-     ""),
+    ("Ch. 4 — MLP output × 1.02 (adapter swap): median abs Δ logit, trials with the same top token, trials run",
+     ("ch04.hazards.adapter_weights.delta_median", "ch04.hazards.adapter_weights.argmax_agree",
+      "ch04.hazards.adapter_weights.trials"), ".3g"),
+    ("Ch. 4 — identity-changing hazards refused by the CachedBackend (another prompt / adapter / bf16), trials run",
+     ("ch04.hazards.other_prompt.refused", "ch04.hazards.adapter_weights.refused", "ch04.hazards.bf16_cache.refused",
+      "ch04.hazards.other_prompt.trials"), ""),
+    ("Ch. 4 — the CachedBackend's identity check per call at 4,096 ids, and its share of a cached decode step",
+     ("ch04.check_us.T4096", "ch04.check_share.T4096"), ".3g"),
     ("Ch. 5 — reserved KV memory holding real tokens, synthetic ShareGPT-shaped lengths: contiguous at 2,048 / "
      "pages of 16", ("ch05.utilization.ShareGPT.contiguous_max", "ch05.utilization.ShareGPT.paged_16"), ".1f"),
     ("Ch. 5 — the same, synthetic Alpaca-shaped lengths",
@@ -55,6 +61,9 @@ HEADLINES = [
     ("Ch. 5 — the same, warm, on one thread",
      ("ch05.speed.B1.T4096.one_thread.ratio", "ch05.speed.B8.T4096.one_thread.ratio"), ".2f"),
     ("Ch. 5 — Triton kernel bandwidth on a GPU", "ch05_gpu.bandwidth", ""),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 (two CPU cores)",
+     tuple(f"notebooks.seconds.{name}" for name in
+           ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged")), ".0f"),
 ]
 
 
@@ -63,9 +72,14 @@ def table(doc, source="results") -> str:
     rows = ["| result | value |", "|---|---|"]
     for what, keys, spec in HEADLINES:
         keys = (keys,) if isinstance(keys, str) else keys
-        rows.append(f"| {what} | {' / '.join(format_value(lookup(doc, k, source), spec) for k in keys)} |")
+        rows.append(f"| {what} | {' / '.join(_cell(lookup(doc, k, source), spec) for k in keys)} |")
     machines = sorted({_machine(s["provenance"]) for s in doc["sections"].values()})
     return "\n".join(rows) + "\n\nMeasured on: " + "; ".join(machines) + "."
+
+
+def _cell(leaf, spec) -> str:
+    """One value of a row; a boolean reads "yes" or "no"."""
+    return format_value(leaf, "|bool:yes/no" if isinstance(leaf["value"], bool) else spec)
 
 
 def _machine(p) -> str:
