@@ -13,55 +13,16 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..cache import sizing
 from ..engine import RecomputeBackend, generate, positions_uncached
 from ..models import load
 from . import compare_with_book
-
-
-def _forbidden(*args, **kwargs):  # swapped into a library function while a reader's answer runs
-    raise AssertionError("forbidden shortcut: this exercise asks you to compute it yourself, "
-                         "not to call the library's own function")
-
-
-@contextlib.contextmanager
-def _functions_raise(*fns):
-    """While inside, each plain Python function in fns raises, however the reader imported it."""
-    saved = [f.__code__ for f in fns]
-    try:
-        for f in fns:
-            f.__code__ = _forbidden.__code__
-        yield
-    finally:
-        for f, code in zip(fns, saved, strict=True):
-            f.__code__ = code
-
-
-class _NoTorch(TorchFunctionMode):
-    """Every torch function raises (tensor creation, a model's forward, any operation on a tensor)."""
-
-    def __init__(self, why):
-        super().__init__()
-        self.why = why
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        raise AssertionError(f"{self.why}: your function called torch ({getattr(func, '__name__', func)})")
-
-
-class _NoSDPA(TorchFunctionMode):
-    """scaled_dot_product_attention raises, however it was imported; every other torch function runs."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
-            raise AssertionError("scaled_dot_product_attention is switched off in this check: "
-                                 "write softmax(q k^T / sqrt(d)) v yourself")
-        return func(*args, **(kwargs or {}))
+from .rules import NoTorch, WatchTorch, functions_raise
 
 
 def _arith_only(fn, args, why, library):
-    with _functions_raise(*library), _NoTorch(why):
+    with functions_raise(*library), NoTorch(why):
         return fn(*args)
 
 
@@ -124,7 +85,9 @@ def check_bidirectional_attention(attend):
         with contextlib.ExitStack() as stack:
             for p in patches:
                 stack.enter_context(p)
-            stack.enter_context(_NoSDPA())
+            stack.enter_context(WatchTorch("scaled_dot_product_attention", forbid=(
+                "scaled_dot_product_attention is switched off in this check: write softmax(q k^T / sqrt(d)) v "
+                "yourself")))
             return attend(i, q, k, v)
 
     g = torch.Generator().manual_seed(0)

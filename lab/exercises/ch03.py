@@ -8,16 +8,15 @@ steps with attention (the check counts the attention calls) and may not call the
 `lab.experiments.ch03_savings.attention_share`; its answer is then set beside the book's.
 """
 
-import contextlib
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..cache import StaticCache
 from ..models import gpt2, llama, load
 from ..results import COMMITTED
 from . import compare_with_book
+from .rules import NoTorch, WatchTorch, functions_raise
 
 
 def counted_step(model, T):
@@ -63,49 +62,8 @@ def counted_step(model, T):
 
 # ---- what the checks switch off while a reader's function runs ---------------------------------------------
 
-def _forbidden(*args, **kwargs):
-    raise AssertionError("forbidden shortcut: this exercise asks you to work it out yourself, "
-                         "not to call the book's own counter or measurement")
-
-
-@contextlib.contextmanager
-def _functions_raise(*fns):
-    """While inside, each plain Python function in fns raises, however the reader imported it (a decorated
-    function is switched off in the function it wraps)."""
-    fns = [getattr(f, "__wrapped__", f) for f in fns]
-    saved = [f.__code__ for f in fns]
-    try:
-        for f in fns:
-            f.__code__ = _forbidden.__code__
-        yield
-    finally:
-        for f, code in zip(fns, saved, strict=True):
-            f.__code__ = code
-
-
-class _NoTorch(TorchFunctionMode):
-    """Every torch function raises: no tensors, no model, no FLOP counter, only arithmetic on the config."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        raise AssertionError("count from the config's shapes, do not run the model: your function called "
-                             f"torch ({getattr(func, '__name__', func)})")
-
-
-class _CountAttention(TorchFunctionMode):
-    """Counts calls of scaled_dot_product_attention (the lab's forward attends with it) and lets all run."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _arithmetic_only(fn, config, T):
-    with _functions_raise(counted_step), _NoTorch():
+    with functions_raise(counted_step), NoTorch("count from the config's shapes, do not run the model"):
         return fn(config, T)
 
 
@@ -160,7 +118,7 @@ def check_measured_attention_share(fn, name="smollm2", T=1024, path=COMMITTED):
     from ..experiments import ch03_savings
 
     model = load(name)
-    with _functions_raise(ch03_savings.attention_share), _CountAttention() as seen:
+    with functions_raise(ch03_savings.attention_share), WatchTorch("scaled_dot_product_attention") as seen:
         share = fn(model, T)
     assert isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 100, (
         f"expected a percentage between 0 and 100, got {share!r}")
