@@ -1,5 +1,7 @@
 """Fixtures shared by several test modules."""
 
+import sys
+
 import pytest
 import torch
 
@@ -13,3 +15,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Triton's interpreter (the Triton kernel's tests on a machine without a GPU) stops working in a process
+# that has imported torch._dynamo, which transformers' `generate` and other tests do (see
+# lab/kernels/triton_paged.py). So the kernel tests run first, and fail with that cause if it happened anyway.
+KERNEL_TESTS = "test_kernels.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name != KERNEL_TESTS)  # stable: the rest keep their order
+
+
+def pytest_runtest_setup(item):
+    if item.path.name == KERNEL_TESTS and "torch._dynamo" in sys.modules and not torch.cuda.is_available():
+        pytest.fail("torch._dynamo was imported before this test, and Triton's interpreter cannot run after "
+                    "that: run tests/test_kernels.py in a process of its own")

@@ -1,4 +1,6 @@
-"""`python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (under 5 minutes).
+"""`LAB_FULL=1 python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (under 5
+minutes). LAB_FULL=1 writes results/results.json, as `make results` does; without it the run is in quick
+mode and writes a temporary results file.
 
 On a machine with a GPU it runs chapter 3's step-time sweep and memory probe on CUDA (section `ch03_gpu`
 of results.json) and chapter 5's paged-attention kernel: achieved bandwidth at contexts 4k-32k and batch
@@ -112,8 +114,8 @@ def record_not_run(reason: str):
 def run(dry_run=False):
     s = settings(dry_run)
     if s["device"] == "cuda" and not torch.cuda.is_available():
-        record_not_run("no CUDA device on the machine that ran `make results`; run `python -m lab.experiments.gpu` "
-                       "on a machine with a GPU")
+        record_not_run("no CUDA device on the machine that ran `make results`; run "
+                       "`LAB_FULL=1 python -m lab.experiments.gpu` on a machine with a GPU")
         return None
     t0 = time.perf_counter()
     values = {"step_ms": {}, "speedup": {}, "memory": {}}
