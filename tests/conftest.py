@@ -1,9 +1,16 @@
 """Fixtures shared by several test modules."""
 
+import os
 import sys
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernel runs in Triton's interpreter, which must be switched on before anything
+# imports triton.language: its own @jit helpers (tl.zeros, tl.sum, ...) are decorated at that import, and a
+# test module collected before test_kernels.py may import it (through torch) first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
@@ -17,9 +24,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# Triton's interpreter (the Triton kernel's tests on a machine without a GPU) stops working in a process
-# that has imported torch._dynamo, which transformers' `generate` and other tests do (see
-# lab/kernels/triton_paged.py). So the kernel tests run first, and fail with that cause if it happened anyway.
+# Triton's interpreter also stops working in a process that has imported torch._dynamo, which
+# transformers' `generate` and other tests do (see lab/kernels/triton_paged.py). So the kernel tests run
+# first, and fail with that cause if it happened anyway.
 KERNEL_TESTS = "test_kernels.py"
 
 
