@@ -74,30 +74,16 @@ class NeverStores:
         pass
 
 
-def test_ch04_prefix_store_refuses_another_tenants_state():
-    with pytest.raises(AssertionError, match="another tenant"):
-        ch04.check_prefix_store(IgnoresIdentity)
-
-
-def test_ch04_prefix_store_refuses_another_models_state():
-    # passes the tenant rule, then serves the base model's state to the fine-tuned variant
-    with pytest.raises(AssertionError, match="differ from recomputation"):
-        ch04.check_prefix_store(IgnoresTheModel)
-
-
-def test_ch04_prefix_store_refuses_a_non_prefix():
-    with pytest.raises(AssertionError, match="common prefix"):
-        ch04.check_prefix_store(LengthOnly)
-
-
-def test_ch04_prefix_store_refuses_an_uncropped_state():
-    with pytest.raises(AssertionError, match="lookup returned n="):
-        ch04.check_prefix_store(Uncropped)
-
-
-def test_ch04_prefix_store_refuses_a_store_that_never_stores():
-    with pytest.raises(AssertionError, match="only 0"):
-        ch04.check_prefix_store(NeverStores)
+@pytest.mark.parametrize("store, message", [
+    (IgnoresIdentity, "another tenant"),
+    (IgnoresTheModel, "differ from recomputation"),  # passes the tenant rule, serves the base model's state
+    (LengthOnly, "common prefix"),
+    (Uncropped, "lookup returned n="),
+    (NeverStores, "only 0"),
+])
+def test_ch04_prefix_store_refuses_a_store_that_breaks_a_rule(store, message):
+    with pytest.raises(AssertionError, match=message):
+        ch04.check_prefix_store(store)
 
 
 @pytest.fixture
