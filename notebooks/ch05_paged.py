@@ -25,13 +25,20 @@
 # indirection costs on this CPU.
 
 # %%
+import os
 import platform
 
-import pandas as pd
 import torch
+
+# Without a GPU, Triton can run the kernel only in its interpreter, which must be chosen before Triton
+# is imported (section 3 runs the kernel that way). `lab` itself never sets it; a GPU compiles instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pandas as pd
 import transformers
 
-from lab import results
+from lab import data, results
 from lab.experiments import ch05_paged as ch05
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -275,7 +282,7 @@ except Exception as e:  # no Triton, or the interpreter after torch._dynamo was 
 # or pages of a given size (the tail of the last page is the only waste).
 
 # %%
-lengths = {d: ch05.synthetic_lengths(d, S["requests"], seed=i) for i, d in enumerate(ch05.DATASETS)}
+lengths = {d: data.synthetic_lengths(d, S["requests"], seed=i) for i, d in enumerate(data.REQUEST_DATASETS)}
 util = {d: ch05.utilization(i, o) for d, (i, o) in lengths.items()}
 by_manager = {d: ch05.utilization_by_manager(i[:S["manager_requests"]], o[:S["manager_requests"]])
               for d, (i, o) in lengths.items()}

@@ -1,4 +1,4 @@
-"""lab.cache: bytes, reset, fork, crop and bad input, for ConcatCache and StaticCache alike.
+"""lab.cache: the protocol's contract (bytes, reset, fork, crop, bad input), for all three designs alike.
 
 Oracles: hand-computed byte counts and the bytes of the storages the cache really holds; `lab.models.forward`
 recomputing the whole sequence without a cache; a fresh cache that never held the dropped positions; clones
@@ -24,6 +24,8 @@ from lab.cache import (
     CacheMismatchError,
     CacheStateError,
     ConcatCache,
+    OutOfPagesError,
+    PagedCache,
     StaticCache,
     bytes_per_position,
     cache_bytes,
@@ -34,7 +36,10 @@ from lab.models import ModelConfig, forward, forward_cached, load
 MAX_TOKENS = 600  # StaticCache capacity in these tests: the 513 positions of the SmolLM2 fork test fit
 TINY_ATOL = 1e-5  # tiny models: see the module docstring
 MAKERS = {"concat": lambda cfg, B=1, **kw: ConcatCache(cfg, batch_size=B, **kw),
-          "static": lambda cfg, B=1, **kw: StaticCache(cfg, max_tokens=MAX_TOKENS, batch_size=B, **kw)}
+          "static": lambda cfg, B=1, **kw: StaticCache(cfg, max_tokens=MAX_TOKENS, batch_size=B, **kw),
+          # pages of 16 (the usual size) in a pool with room for MAX_TOKENS positions in every row
+          "paged": lambda cfg, B=1, **kw: PagedCache(cfg, MAX_TOKENS * B, 16, batch_size=B,
+                                                     max_seq_tokens=MAX_TOKENS, **kw)}
 DESIGNS = [pytest.param(make, id=design) for design, make in MAKERS.items()]
 TINY = ["tiny-gpt2", "tiny-llama", "tiny-mqa"]
 _TINY_MODELS = {}
@@ -75,16 +80,28 @@ def assert_close(got, want, atol, what="logits"):
 def stored(cache):
     """Every layer's committed keys and values, [B, H_kv, length, D] each."""
     n = cache.length
+    if isinstance(cache, PagedCache):  # gathered from the pages, in position order
+        return [cache._read(i) for i in range(cache.n_layers)] if n else []
     if isinstance(cache, StaticCache):
         return [(cache.k_buf[i, :, :, :n], cache.v_buf[i, :, :, :n]) for i in range(cache.n_layers)]
     return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(cache.keys, cache.values, strict=True)] if n else []
 
 
 def held_tensors(cache):
-    """The tensors the cache keeps alive: its buffers (StaticCache) or its per-layer lists (ConcatCache)."""
+    """The tensors the cache keeps alive: its buffers (StaticCache), pools (PagedCache) or its per-layer lists
+    (ConcatCache)."""
+    if isinstance(cache, PagedCache):
+        return [cache.k_pool, cache.v_pool]
     if isinstance(cache, StaticCache):
         return [cache.k_buf, cache.v_buf]
     return [t for t in cache.keys + cache.values if t is not None]
+
+
+def reserved(cache):
+    """Positions per row the storage holds: what was reserved (static, paged), else what is held (concat)."""
+    if isinstance(cache, PagedCache):
+        return cache.num_pages * cache.page_size // cache.batch_size
+    return cache.max_tokens if isinstance(cache, StaticCache) else cache.length
 
 
 def held_bytes(cache):
@@ -93,18 +110,26 @@ def held_bytes(cache):
     return sum(storages.values())
 
 
-def snapshot(cache):
-    """Everything observable about a cache: length, pending counts, and clones of all its tensors."""
-    tensors = [None if t is None else t.clone()
-               for t in ([cache.k_buf, cache.v_buf] if isinstance(cache, StaticCache) else cache.keys + cache.values)]
-    return cache.length, list(cache.pending), tensors
+def snapshot(cache, pool=True):
+    """Everything observable about a cache: lengths, pending counts, pages held and free (PagedCache), and
+    clones of all its tensors. `pool=False` (a fork, which shares the pool): only what is the cache's own,
+    its block tables and the keys and values of its positions, not the pool's other pages or free count."""
+    if isinstance(cache, PagedCache):
+        tables = [cache.manager.block_table(s) for s in cache.seqs]
+        pages = (tables, cache.manager.num_free) if pool else tables
+        tensors = [cache.k_pool, cache.v_pool] if pool else [t for kv in stored(cache) for t in kv]
+    else:
+        tensors = [cache.k_buf, cache.v_buf] if isinstance(cache, StaticCache) else cache.keys + cache.values
+        pages = None
+    state = (cache.seq_lengths(), list(cache.pending), pages)
+    return state, [None if t is None else t.clone() for t in tensors], pool
 
 
 def assert_unchanged(cache, before):
-    length, pending, tensors = snapshot(cache)
-    assert (length, pending) == before[:2], f"(length, pending) {(length, pending)} != {before[:2]}"
-    assert len(tensors) == len(before[2])
-    for i, (now, then) in enumerate(zip(tensors, before[2], strict=True)):
+    state, tensors, _ = snapshot(cache, before[2])
+    assert state == before[0], f"(lengths, pending, pages) {state} != {before[0]}"
+    assert len(tensors) == len(before[1])
+    for i, (now, then) in enumerate(zip(tensors, before[1], strict=True)):
         assert (now is None) == (then is None), f"tensor {i} appeared or disappeared"
         assert now is None or torch.equal(now, then), f"tensor {i} changed"
 
@@ -134,8 +159,7 @@ def test_nbytes_equals_cache_bytes_and_held_storage(name, make, dtype):
     ids = torch.tensor([random_ids(9, 320, seed=1), random_ids(9, 320, seed=2)])  # [2, 9]
 
     def check(state):
-        tokens = cache.max_tokens if isinstance(cache, StaticCache) else cache.length
-        want = cache_bytes(model.config, tokens, B, dtype)
+        want = cache_bytes(model.config, reserved(cache), B, dtype)
         assert cache.nbytes() == want, f"{state}: nbytes {cache.nbytes()} != cache_bytes {want}"
         assert held_bytes(cache) == want, f"{state}: storages hold {held_bytes(cache)} bytes, expected {want}"
         assert all(t.dtype == dtype for t in held_tensors(cache))
@@ -160,8 +184,7 @@ def test_prefill_holds_only_its_keys_and_values(name, make):
     cache = make(model.config)
     # regression: ConcatCache once kept GPT-2's k, v as views into the fused q|k|v output, holding 1.5x the bytes
     step(model, cache, random_ids(9, 320, seed=3))
-    tokens = cache.max_tokens if isinstance(cache, StaticCache) else cache.length
-    assert cache.nbytes() == cache_bytes(model.config, tokens)
+    assert cache.nbytes() == cache_bytes(model.config, reserved(cache))
     assert held_bytes(cache) == cache.nbytes()
 
 
@@ -193,11 +216,6 @@ def test_reset_is_bit_identical(name, make):
 # ---- fork ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load("smollm2")
-
-
-@pytest.fixture(scope="module")
 def fork_case(smollm2):
     """A 512-token held-out prefix, two different next tokens, and the uncached logits after each."""
     tok = smollm2.tokenizer
@@ -215,7 +233,7 @@ def test_fork_leaves_parent_untouched(smollm2, fork_case, make):
     prefix, a, b, want = fork_case
     parent = make(smollm2.config)
     step(smollm2, parent, prefix, last_only=True)
-    before = snapshot(parent)
+    before = snapshot(parent, pool=False)
     history = [(k.clone(), v.clone()) for k, v in stored(parent)]
     child = parent.fork()
     assert child.length == 512
@@ -224,7 +242,7 @@ def test_fork_leaves_parent_untouched(smollm2, fork_case, make):
 
     child_logits = step(smollm2, child, [b], last_only=True)[0, -1]
     assert_unchanged(parent, before)  # the child's step did not touch the parent
-    child_after = snapshot(child)
+    child_after = snapshot(child, pool=False)
     parent_logits = step(smollm2, parent, [a], last_only=True)[0, -1]
     assert_unchanged(child, child_after)  # nor the parent's step the child
     assert parent.length == child.length == 513
@@ -252,7 +270,7 @@ def test_fork_parent_and_child_steps_do_not_touch_each_other(name, make, data):
     seqs = {"parent": list(prefill), "child": list(prefill)}
     for who, tokens in moves:
         other = "child" if who == "parent" else "parent"
-        before = snapshot(caches[other])
+        before = snapshot(caches[other], pool=False)
         logits = step(model, caches[who], tokens)
         seqs[who] += tokens
         assert_unchanged(caches[other], before)
@@ -347,15 +365,29 @@ BAD_INPUT = [  # id, prepare(cache), bad(cache, model), error, message pattern
     ("batch_mismatch", None, lambda c, m: forward_cached(torch.tensor([[1], [2]]), m.weights, m.config, c),
      CacheInputError, r"expected \[1, 2"),
 ]
-FULL = [  # a StaticCache of 7 positions holding 5
+FULL = [  # a bounded cache of 7 positions holding 5
     ("full_via_update", None, lambda c, m: c.update(0, kv(1, 2, 3, 16), kv(1, 2, 3, 16)), CacheFullError,
      r"5 positions held \+ 3 new > capacity 7"),
     ("full_via_forward_cached", None, lambda c, m: step(m, c, [1, 2, 3]), CacheFullError, r"capacity 7"),
 ]
+BOUNDED = {"static": lambda cfg, B=1: StaticCache(cfg, max_tokens=7),
+           "paged": lambda cfg, B=1: PagedCache(cfg, 7, page_size=1)}
+# a pool of 5 pages of 2: 5 positions take 3 pages and a fork shares them; the parent's next step copies
+# its shared partial page on write (4 used), the one after takes a fifth, and a third finds none free
+POOL = lambda cfg, B=1: PagedCache(cfg, 10, page_size=2)
+OUT_OF_PAGES = ("out_of_pages", lambda c: setattr(c, "child", c.fork()) or step_twice(c),
+                lambda c, m: step(m, c, [1, 2, 3]), OutOfPagesError, r"needs \d+ free pages")
 CASES = ([pytest.param(make, *case[1:], id=f"{case[0]}-{design}") for case in BAD_INPUT
           for design, make in MAKERS.items()]
-         + [pytest.param(lambda cfg, B=1: StaticCache(cfg, max_tokens=7), *case[1:], id=f"{case[0]}-static")
-            for case in FULL])
+         + [pytest.param(make, *case[1:], id=f"{case[0]}-{design}") for case in FULL
+            for design, make in BOUNDED.items()]
+         + [pytest.param(POOL, *OUT_OF_PAGES[1:], id="out_of_pages-paged")])
+
+
+def step_twice(cache):
+    model = tiny("tiny-llama")
+    step(model, cache, [4])
+    step(model, cache, [5])
 
 
 @pytest.mark.parametrize("make, prepare, bad, error, message", CASES)
@@ -370,10 +402,13 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(make, prepare, bad, 
     with pytest.raises(CacheError, match=message) as caught:
         bad(cache, model)
     assert type(caught.value) is error
+    assert isinstance(caught.value, CacheFullError) == (error in (CacheFullError, OutOfPagesError))
     assert_unchanged(cache, before)
     # and the cache still works: drop what a step left pending, continue, compare with recomputation
-    cache.crop(cache.length)
-    assert_close(step(model, cache, [9])[0, -1], recompute(model, prefix + [9])[0, -1], TINY_ATOL)
+    held = cache.length
+    cache.crop(held - 1)
+    got = step(model, cache, [9])[0, -1]
+    assert_close(got, recompute(model, (prefix + [4, 5])[:held - 1] + [9])[0, -1], TINY_ATOL)
 
 
 @pytest.mark.parametrize("make", DESIGNS)
@@ -412,7 +447,10 @@ def test_cache_accepts_tensors_on_its_own_device_given_as_a_name(make, device):
     pytest.param(lambda cfg: ConcatCache(cfg, batch_size=0), id="concat-batch_size_0"),
     pytest.param(lambda cfg: StaticCache(cfg, max_tokens=8, batch_size=0), id="static-batch_size_0"),
     pytest.param(lambda cfg: StaticCache(cfg, max_tokens=0), id="static-max_tokens_0"),
+    pytest.param(lambda cfg: PagedCache(cfg, 64, batch_size=0), id="paged-batch_size_0"),
+    pytest.param(lambda cfg: PagedCache(cfg, 0), id="paged-max_tokens_0"),
+    pytest.param(lambda cfg: PagedCache(cfg, 64, page_size=0), id="paged-page_size_0"),
 ])
 def test_bad_constructor_arguments_raise_cache_input_error(build):
-    with pytest.raises(CacheInputError, match=r"must be at least 1, got 0"):
+    with pytest.raises(CacheInputError, match=r"at least 1, got 0"):
         build(tiny("tiny-llama").config)

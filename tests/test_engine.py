@@ -140,7 +140,8 @@ BAD_IDS = {
     "empty_list": ([], "empty"),
     "nested_list": ([[1, 2], [3, 4]], "nested"),
     "float_tensor": (torch.tensor([1.0, 2.0]), "integers"),
-    "rank2_tensor": (torch.tensor([[1, 2, 3]]), "rank 1"),
+    "batch_of_two": (torch.tensor([[1, 2, 3], [4, 5, 6]]), "batch of several"),
+    "rank3_tensor": (torch.tensor([[[1, 2, 3]]]), r"shape \(1, 1, 3\)"),
     "id_out_of_vocabulary": ([1, 320], "vocabulary"),
     "negative_id": ([-1, 2], "vocabulary"),
     "float_list": ([1.0, 2.0], "integers"),
@@ -167,7 +168,7 @@ def test_backend_error_names_the_bad_id(tiny_llama):
 
 def test_as_ids_shapes_and_dtypes():
     for ids in ([3, 1, 4], (3, 1, 4), torch.tensor([3, 1, 4]), torch.tensor([3, 1, 4], dtype=torch.int32),
-                [torch.tensor(3), 1, 4]):
+                [torch.tensor(3), 1, 4], torch.tensor([[3, 1, 4]]), [[3, 1, 4]]):  # [T], list, [1, T]
         t = as_ids(ids, 320)
         assert t.dtype == torch.int64
         assert t.tolist() == [[3, 1, 4]]

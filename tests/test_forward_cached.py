@@ -1,4 +1,4 @@
-"""forward_cached and CachedBackend against their oracles, for ConcatCache and StaticCache alike.
+"""forward_cached and CachedBackend against their oracles, for all three cache designs alike.
 
 Oracles: `lab.models.forward` recomputing the whole prefix without a cache (directly, or through
 RecomputeBackend); the transformers model on the same weights (`to_transformers`) stepping with its own
@@ -15,7 +15,7 @@ Greedy tokens must be identical.
 import pytest
 import torch
 
-from lab.cache import CacheFullError, ConcatCache, StaticCache
+from lab.cache import CacheFullError, ConcatCache, PagedCache, StaticCache
 from lab.data import passages
 from lab.engine import CachedBackend, RecomputeBackend, generate
 from lab.models import forward, forward_cached, load
@@ -24,7 +24,9 @@ from lab.models.hf import to_transformers
 MAX_TOKENS = 256  # StaticCache capacity here: the longest sequence is the 150-token chunked prefill
 TINY_ATOL = 1e-5  # tiny models: see the module docstring
 DESIGNS = [pytest.param(lambda cfg, B=1: ConcatCache(cfg, batch_size=B), id="concat"),
-           pytest.param(lambda cfg, B=1: StaticCache(cfg, max_tokens=MAX_TOKENS, batch_size=B), id="static")]
+           pytest.param(lambda cfg, B=1: StaticCache(cfg, max_tokens=MAX_TOKENS, batch_size=B), id="static"),
+           pytest.param(lambda cfg, B=1: PagedCache(cfg, MAX_TOKENS * B, 16, batch_size=B, max_seq_tokens=MAX_TOKENS),
+                        id="paged")]
 TINY = ["tiny-gpt2", "tiny-llama", "tiny-mqa"]
 _TINY_MODELS = {}
 
@@ -57,6 +59,8 @@ def assert_close(got, want, atol, what="logits"):
 def stored(cache):
     """Every layer's committed keys and values, [B, H_kv, length, D] each."""
     n = cache.length
+    if isinstance(cache, PagedCache):
+        return [cache._read(i) for i in range(cache.n_layers)]
     if isinstance(cache, StaticCache):
         return [(cache.k_buf[i, :, :, :n], cache.v_buf[i, :, :, :n]) for i in range(cache.n_layers)]
     return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(cache.keys, cache.values, strict=True)]
@@ -130,11 +134,6 @@ def test_backend_counters_hand_computed():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load("smollm2")
-
-
-@pytest.fixture(scope="module")
 def smollm2_greedy(smollm2):
     """48 greedy tokens after a 17-token held-out prompt, recomputed without a cache, with every step's logits."""
     prompt = passages(smollm2.tokenizer, 17, 1)[0]
@@ -143,6 +142,7 @@ def smollm2_greedy(smollm2):
     return prompt, tokens, recording.logits
 
 
+@pytest.mark.slow  # with its fixtures (smollm2_greedy: 48 uncached SmolLM2 forwards) 15-35 s on 2 cores
 @pytest.mark.parametrize("make", DESIGNS)
 def test_greedy_tokens_cached_equal_uncached_smollm2(smollm2, smollm2_greedy, make):
     prompt, tokens, _ = smollm2_greedy
@@ -187,6 +187,7 @@ def smollm2_transformers_steps(smollm2, smollm2_greedy):
     return transformers_steps(to_transformers(smollm2), prompt + tokens[:16], len(prompt))
 
 
+@pytest.mark.slow  # with its fixtures (smollm2_greedy: 48 uncached SmolLM2 forwards) 15-35 s on 2 cores
 @pytest.mark.parametrize("make", DESIGNS)
 def test_logits_each_step_match_recompute_and_transformers_smollm2(smollm2, smollm2_greedy,
                                                                    smollm2_transformers_steps, make):

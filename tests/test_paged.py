@@ -4,7 +4,7 @@ batches, fork with copy-on-write, exhaustion and bad input (the allocator consis
 import pytest
 import torch
 
-from lab.cache import CacheInputError, CacheStateError, OutOfPagesError, PagedCache, cache_bytes
+from lab.cache import CacheFullError, CacheInputError, CacheStateError, OutOfPagesError, PagedCache, cache_bytes
 from lab.experiments import ch05_paged as ch05
 from lab.models import forward, forward_cached, load
 
@@ -30,15 +30,15 @@ def test_paged_prefill_and_decode_match_recomputation(tiny, page_size):
     assert cache.length == 40 and cache.manager.num_free == cache.num_pages - -(-40 // page_size)
 
 
-def test_smollm2_tokens_match_concat_for_page_sizes_1_16_64():
-    r = ch05.token_agreement(load("smollm2"), (1, 16, 64), prompt=37, new_tokens=8)
+def test_smollm2_tokens_match_concat_for_page_sizes_1_16_64(smollm2):
+    r = ch05.token_agreement(smollm2, (1, 16, 64), prompt=37, new_tokens=8)
     for ps, x in r.items():
         assert x["identical"], f"page size {ps}"
         assert x["max_diff"] < 1e-4 * 40  # 1e-4 x SmolLM2's largest logits (about 40): fp32 summation order
 
 
-def test_ragged_batch_decodes_like_each_sequence_alone():
-    assert ch05.ragged_batch(load("smollm2"), lengths=(5, 16, 17, 33), new_tokens=5)["identical"]
+def test_ragged_batch_decodes_like_each_sequence_alone(smollm2):
+    assert ch05.ragged_batch(smollm2, lengths=(5, 16, 17, 33), new_tokens=5)["identical"]
 
 
 def test_speed_measurement_runs_every_case_at_the_long_context_and_restores_threads():
@@ -154,7 +154,7 @@ def test_block_table_wider_than_its_padded_buffer(tiny):
     cache = PagedCache(tiny.config, 200, page_size=1, max_seq_tokens=16)  # table width 16
     forward_cached(ids(16), tiny.weights, tiny.config, cache)
     free = cache.manager.num_free
-    with pytest.raises(CacheStateError, match="padded"):
+    with pytest.raises(CacheFullError, match="capacity 16"):  # the table's width bounds a sequence
         forward_cached(ids(1), tiny.weights, tiny.config, cache)
     assert cache.length == 16 and cache.manager.num_free == free  # nothing reserved
 
@@ -165,3 +165,33 @@ def test_from_memory_sizes_the_pool(tiny):
     assert cache.num_pages == (1 << 19) // per_page and cache.nbytes() <= 1 << 19
     with pytest.raises(CacheInputError):
         PagedCache.from_memory(tiny.config, 0.0)
+
+
+def test_a_decode_step_reads_nothing_back_from_the_device(tiny, monkeypatch):
+    """The bookkeeping of a step (reserve, block tables, lengths, slot mapping, the writes) and the kernel's
+    argument checks never read a tensor back to the host: on a GPU each such read would make the step wait
+    for the device. Oracle: every way of reading a tensor's values on the host raises while the step runs."""
+    cache = PagedCache(tiny.config, 256, page_size=4, batch_size=2)
+    forward_cached(ids(6).repeat(2, 1), tiny.weights, tiny.config, cache)
+    forward_cached(ids(1, seed=3), tiny.weights, tiny.config, cache.select([0]))  # ragged: 7, 6
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(2, 2, 1, 16, generator=g) for _ in range(2)]
+    q = torch.randn(2, 4, 16, generator=g)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host during a decode step")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy"):
+            m.setattr(torch.Tensor, name, no_read)
+        m.setattr(torch, "aminmax", no_read)
+        for layer in range(cache.n_layers):                  # the step's bookkeeping and writes
+            cache._put(layer, k[layer], k[layer])
+        from lab.kernels import check_paged_inputs
+        check_paged_inputs(q, cache.k_pool[0], cache.v_pool[0], cache.block_tables, cache.lengths, values=False)
+        cache.advance(1)
+    assert cache.seq_lengths() == [8, 7] and cache.lengths.tolist() == [8, 7]
+    with pytest.raises(AssertionError, match="read back"):   # the oracle can fail: a checked call reads
+        with monkeypatch.context() as m:
+            m.setattr(torch, "aminmax", no_read)
+            check_paged_inputs(q, cache.k_pool[0], cache.v_pool[0], cache.block_tables, cache.lengths)

@@ -22,10 +22,10 @@ reused, so a stale handle fails loudly ("use after release").
 from collections import deque
 
 from . import checks
-from .base import CacheError, CacheStateError
+from .errors import CacheFullError, CacheStateError
 
 
-class OutOfPagesError(CacheError):
+class OutOfPagesError(CacheFullError):
     """The pool has fewer free pages than an operation needs; nothing was changed."""
 
 

@@ -54,9 +54,20 @@ def update(cache, layer, k, v):
     kv(cache, layer, k, v)
     if cache.pending[layer]:
         raise CacheStateError(f"layer {layer} was already updated in this step; call advance() first")
-    t, capacity = k.shape[2], cache.capacity()
-    if capacity is not None and cache.length + t > capacity:
-        raise CacheFullError(f"{cache.length} positions held + {t} new > capacity {capacity}")
+    if any(cache.pending) and k.shape[2] != max(cache.pending):
+        raise CacheStateError(f"this step stores {max(cache.pending)} positions per layer, layer {layer} got "
+                              f"{k.shape[2]}")
+    t, capacity, held = k.shape[2], cache.capacity(), cache.max_length
+    if capacity is not None and held + t > capacity:
+        raise CacheFullError(f"{held} positions held + {t} new > capacity {capacity}")
+
+
+def equal_rows(cache, what):
+    """update() returns every position of every row as one tensor, which needs rows of equal length."""
+    lengths = cache.seq_lengths()
+    if min(lengths) != max(lengths):
+        raise CacheStateError(f"{what}() returns every position, which needs rows of equal length, got {lengths}; "
+                              "a batch of different lengths decodes through attend()")
 
 
 def advance(cache, t):
@@ -68,10 +79,21 @@ def advance(cache, t):
 
 
 def crop(cache, n):
-    """crop(n): 0 <= n <= length."""
+    """crop(n): 0 <= n <= the committed length of every row."""
     count("crop", n)
-    if not 0 <= n <= cache.length:
-        raise CacheStateError(f"crop({n}): the cache holds {cache.length} positions; n must be in 0..{cache.length}")
+    lengths = cache.seq_lengths()
+    if not 0 <= n <= min(lengths):
+        held = lengths[0] if min(lengths) == max(lengths) else lengths
+        raise CacheStateError(f"crop({n}): the cache holds {held} positions; n must be in 0..{min(lengths)}")
+
+
+def set_length(cache, n):
+    """`cache.length = n` by hand: a whole number within the capacity, between steps."""
+    count("length", n)
+    capacity = cache.capacity()
+    if n < 0 or capacity is not None and n > capacity:
+        raise CacheStateError(f"length {n} outside 0..{capacity}")
+    between_steps(cache, "setting length")
 
 
 def between_steps(cache, what):
@@ -81,12 +103,18 @@ def between_steps(cache, what):
                               "call advance() first")
 
 
-def model(cache, config):
-    """The cache was built for a model of this shape (layers, kv_heads, head_dim)."""
+def model(cache, config, owner):
+    """The cache was built for a model of this shape (layers, kv_heads, head_dim), and the positions it
+    holds were computed by `owner`."""
     mine = (cache.n_layers, cache.n_kv_heads, cache.head_dim)
     theirs = (config.n_layers, config.n_kv_heads, config.head_dim)
     if mine != theirs:
         raise CacheMismatchError(f"cache built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
+    held = cache.max_length or any(cache.pending)
+    if held and cache.owner is not None and owner != cache.owner:
+        raise CacheMismatchError(f"the cache holds {cache.max_length} positions computed by another model (or by "
+                                 "these weights before they changed): its keys and values are not this model's. "
+                                 "reset() it, or use a new cache")
 
 # ---- end of contiguous caches
 
@@ -185,30 +213,8 @@ def paged_sizes(max_tokens, page_size):
             raise CacheInputError(f"{name} must be an int of at least 1, got {v!r}")
 
 
-def paged_step(cache, layer, k, v):
-    """PagedCache.update/attend: valid k, v; the layer not yet served; the step's T for every layer."""
-    kv(cache, layer, k, v)
-    if cache.pending[layer]:
-        raise CacheStateError(f"layer {layer} was already updated in this step; call advance() first")
-    if any(cache.pending) and k.shape[2] != cache._step_T:
-        raise CacheStateError(f"this step stores {cache._step_T} positions per layer, layer {layer} got "
-                              f"{k.shape[2]}")
-
-
-def paged_equal_lengths(cache):
-    """PagedCache.update returns every position, which needs sequences of equal length."""
-    if len(set(cache.seq_lengths())) != 1:
-        raise CacheStateError("update() returns every position, which needs sequences of equal length; "
-                              "a batch of different lengths decodes through attend()")
-
-
 def paged_room(cache, T):
-    """A step of T positions fits each sequence's padded block table and the pool's free pages."""
-    for s, n in zip(cache.seqs, cache.seq_lengths(), strict=True):
-        pages = -(-(n + T) // cache.page_size)
-        if pages > cache.max_pages:
-            raise CacheStateError(f"sequence {s} would need {pages} pages, more than the padded "
-                                  f"block-table width {cache.max_pages}")
+    """A step of T positions fits the pool's free pages (capacity(), checked by update, bounds each row)."""
     need = sum(cache.manager.pages_needed(s, T) for s in cache.seqs)  # may overstate by a shared page
     if need > cache.manager.num_free:
         from .block_manager import OutOfPagesError
@@ -216,11 +222,5 @@ def paged_room(cache, T):
         raise OutOfPagesError(f"this step needs {need} free pages for {len(cache.seqs)} sequences, the pool "
                               f"has {cache.manager.num_free} of {cache.num_pages} free")
 
-
-def paged_crop(cache, n):
-    """PagedCache.crop(n): 0 <= n <= the shortest sequence's length."""
-    count("crop", n)
-    if not 0 <= n <= min(cache.seq_lengths()):
-        raise CacheStateError(f"crop({n}): the sequences hold {cache.seq_lengths()} positions")
 
 # ---- end of pages

@@ -11,17 +11,18 @@ one coalesced load, and writing a new position touches one `[kv_heads, head_dim]
 
 The block tables and lengths live in fixed-size buffers (`[batch, max_pages]` int32, the width padded to
 a multiple of 16, and `[batch]` int32): their shapes never change from step to step, so a compiled
-kernel is not recompiled and a captured CUDA graph stays valid.
+kernel is not recompiled and a captured CUDA graph stays valid. A decode step changes them with device
+operations only (a length added, a table entry written when a sequence enters a new page), and reads
+nothing back: no step waits for the device.
 """
 
 import itertools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from . import checks
-from .base import CacheInputError, CacheStateError, KVCache
+from .base import CacheInputError, KVCache
 from .block_manager import BlockManager, OutOfPagesError
 
 
@@ -43,15 +44,34 @@ class PagedCache(KVCache):
         self.v_pool = torch.zeros(shape, dtype=dtype, device=self.device)
         longest = max_seq_tokens or max_tokens
         self.max_pages = round_up(math.ceil(longest / page_size), 16)  # padded table width
-        self.block_tables = torch.zeros(batch_size, self.max_pages, dtype=torch.int32,
-                                        device=self.device)         # [B, max_pages]
-        self.lengths = torch.zeros(batch_size, dtype=torch.int32,
-                                   device=self.device)              # [B], after this step
-        self.seqs = list(range(batch_size))     # the block manager's id of each batch row
-        self._ids = itertools.count(batch_size)  # fresh sequence ids, for forks and views
-        self.slot_mapping = None                 # [B * T] slots of the step in flight
-        self._step_T = 0                         # and its T
+        self._ids = itertools.count()            # sequence ids in the manager, never reused
+        self._rows([next(self._ids) for _ in range(batch_size)])
     # endregion
+
+    def _rows(self, seqs):
+        """This cache's rows: the manager's sequences `seqs` (new ones start empty), and their buffers."""
+        self.seqs = list(seqs)                   # the block manager's id of each batch row
+        for s in self.seqs:
+            if s not in self.manager:
+                self.manager.reserve(s, 0)       # a live, empty sequence
+        self._tables = [self.manager.block_table(s) for s in self.seqs]  # host copy of block_tables
+        tables = [t + [0] * (self.max_pages - len(t)) for t in self._tables]
+        self.block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)  # [B, max_pages]
+        self._lengths = [self.manager.length(s) for s in self.seqs]     # host copy of lengths
+        self.lengths = torch.tensor(self._lengths, dtype=torch.int32, device=self.device)  # [B], this step's
+        self.slot_mapping = None                 # [B * T] pool slots of the step in flight
+        self._step_T = 0                         # and its T
+
+    def _sharing_pool(self, seqs):
+        """A cache over sequences `seqs` of this cache's pool. Built explicitly: it shares the pools, the
+        manager and the id counter, and owns everything else."""
+        view = object.__new__(PagedCache)
+        KVCache.__init__(view, self.config, len(seqs), self.dtype, self.device)
+        view.page_size, view.num_pages, view.max_pages = self.page_size, self.num_pages, self.max_pages
+        view.manager, view.k_pool, view.v_pool, view._ids = self.manager, self.k_pool, self.v_pool, self._ids
+        view._rows(seqs)
+        view.owner = self.owner
+        return view
 
     @classmethod
     def from_memory(cls, config, fraction: float, page_size=16, batch_size=1, dtype=torch.float32, device="cpu",
@@ -74,38 +94,26 @@ class PagedCache(KVCache):
             raise CacheInputError(f"{fraction:.0%} of {available_bytes:,} bytes holds no page of {page_size} positions")
         return cls(config, pages * page_size, page_size, batch_size, dtype, device)
 
-    # ---- lengths ----
+    # ---- the storage hooks of the protocol ----
     def seq_lengths(self) -> list:
         """Committed positions of each sequence (the manager also counts those reserved by a step in flight)."""
-        return [(self.manager.length(s) if s in self.manager else 0) - self._step_T for s in self.seqs]
+        return [self.manager.length(s) - self._step_T for s in self.seqs]
 
     @property
     def length(self) -> int:
-        lengths = set(self.seq_lengths())
-        if len(lengths) != 1:
-            raise CacheStateError(f"the sequences hold different lengths {self.seq_lengths()}; use seq_lengths()")
-        return lengths.pop()
+        return KVCache.length.fget(self)
 
     @length.setter
-    def length(self, value):  # the base class sets it; a paged cache's lengths live in the block manager
-        pass
+    def length(self, n):
+        raise checks.CacheStateError("a paged cache's lengths live in its block manager: use crop(n) to shorten")
 
-    @property
-    def max_length(self) -> int:
-        return max(self.seq_lengths())
+    def capacity(self) -> int:
+        """The most positions one sequence can hold: its block table's width, or the whole pool."""
+        return min(self.max_pages, self.num_pages) * self.page_size
 
-    def next_positions(self, T, device=None):
-        lengths = self.seq_lengths()
-        if len(set(lengths)) == 1:
-            return torch.arange(lengths[0], lengths[0] + T, device=device)                    # [T]
-        if T != 1:
-            raise CacheStateError(f"sequences of different lengths {lengths} can only decode (one token each)")
-        return torch.tensor(lengths, device=device)[:, None]                                    # [B, 1]
-
-    # ---- one step: reserve, write, attend ----
     # region paged_cache_step
     def _begin_step(self, T):
-        """Reserve T positions for every sequence (all or none), copy on write, compute the slots."""
+        """Reserve T positions in every sequence (all or none), copy shared pages on write, map slots"""
         checks.paged_room(self, T)                    # checked first: a failure changes nothing
         done = []
         try:
@@ -119,15 +127,28 @@ class PagedCache(KVCache):
             for s in done:                            # undo the rows already reserved
                 self.manager.crop(s, self.manager.length(s) - T)
             raise
-        slots = []
-        for row, s in enumerate(self.seqs):           # fixed-size buffers: same shapes every step
-            n, table = self.manager.length(s), self.manager.block_table(s)
-            slots += self.manager.slots(s, n - T, T)
-            self.block_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            self.block_tables[row, len(table):] = 0
-            self.lengths[row] = n
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)  # [B * T]
+        self._sync_buffers(T)
+        P = self.page_size
+        pos = self.lengths[:, None] - T + torch.arange(T, device=self.device)  # [B, T] positions
+        page = self.block_tables.gather(1, (pos // P).int()).long()            # [B, T]
+        self.slot_mapping = (page * P + pos % P).view(-1)                     # [B * T]
         self._step_T = T
+
+    def _sync_buffers(self, T):
+        """Bring block_tables and lengths up to the manager's: device writes only, nothing read back."""
+        lengths = [self.manager.length(s) for s in self.seqs]
+        for row, s in enumerate(self.seqs):           # write only the table entries that changed
+            table, known = self.manager.block_table(s), self._tables[row]
+            same = [a == b for a, b in zip(known, table, strict=False)]
+            first = same.index(False) if False in same else len(same)
+            for j in range(first, max(len(table), len(known))):  # a page every page_size steps
+                self.block_tables[row, j] = table[j] if j < len(table) else 0
+            self._tables[row] = table
+        if lengths == [n + T for n in self._lengths]:
+            self.lengths += T                         # the usual step: every row grew by T
+        else:                                         # rows changed through a view (select) since
+            self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+        self._lengths = lengths
 
     def _write(self, layer, k, v):
         if not any(self.pending):
@@ -138,92 +159,68 @@ class PagedCache(KVCache):
         self.k_pool[layer].view(-1, H, D)[self.slot_mapping] = k_rows  # pool as [slots, H_kv, D]
         self.v_pool[layer].view(-1, H, D)[self.slot_mapping] = v_rows
 
-    def gather(self, layer):
+    def _read(self, layer):
         """All positions of every sequence, `[B, H_kv, L, D]` (sequences of equal length only)."""
-        L = int(self.lengths[0])
+        L = self.manager.length(self.seqs[0])                                   # the host knows it
         pages = self.block_tables[:, : math.ceil(L / self.page_size)].long()  # [B, P]
         k = self.k_pool[layer][pages].flatten(1, 2)[:, :L]                      # [B, L, H_kv, D]
         v = self.v_pool[layer][pages].flatten(1, 2)[:, :L]
         return k.transpose(1, 2), v.transpose(1, 2)                             # [B, H_kv, L, D]
     # endregion
 
-    def update(self, layer, k, v):
-        checks.paged_step(self, layer, k, v)
-        checks.paged_equal_lengths(self)
-        self._write(layer, k, v)
-        self.pending[layer] = k.shape[2]
-        return self.gather(layer)
-
     def attend(self, layer, q, k, v):
         """Store k, v and attend: a decode step over pages, or a prefill chunk (gather and mask)."""
         from ..kernels import decode_attention
-        from ..models.attention import offset_causal_mask
 
-        checks.paged_step(self, layer, k, v)
-        T = k.shape[2]
-        if T == 1:                                           # decode: one query per sequence
-            self._write(layer, k, v)
-            self.pending[layer] = 1
-            out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer],
-                                   self.block_tables, self.lengths)  # [B, H_q, D]
-            return out[:, :, None]                           # [B, H_q, 1, D]
-        keys, values = self.update(layer, k, v)              # prefill chunk: gather and mask
-        mask = offset_causal_mask(keys.shape[2] - T, T, q.device)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if k.shape[2] > 1:                                   # prefill chunk: gather and mask
+            return super().attend(layer, q, k, v)
+        self._put(layer, k, v)                               # decode: one query per sequence
+        out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer],
+                               self.block_tables, self.lengths, check_values=False)  # [B, H_q, D]
+        return out[:, :, None]                               # [B, H_q, 1, D]
 
-    def advance(self, t: int):
-        checks.advance(self, t)
-        self.pending, self.slot_mapping, self._step_T = [0] * self.n_layers, None, 0
+    def _commit(self, t):
+        self.slot_mapping, self._step_T = None, 0    # the manager already holds the positions
 
-    def _drop_pending(self):
-        if self._step_T:
-            for s in self.seqs:
-                self.manager.crop(s, self.manager.length(s) - self._step_T)
-        self.pending, self.slot_mapping, self._step_T = [0] * self.n_layers, None, 0
-
-    def crop(self, n: int):
+    def _truncate(self, n):
         """Keep the first n positions of every sequence; their pages past n go back to the pool."""
-        checks.count("crop", n)
-        self._drop_pending()
-        checks.paged_crop(self, n)
         for s in self.seqs:
             self.manager.crop(s, n)
+        keep = -(-n // self.page_size)
+        self._tables = [t[:keep] for t in self._tables]
+        self.block_tables[:, keep:] = 0
+        self.lengths.fill_(n)
+        self._lengths = [n] * len(self.seqs)
+        self.slot_mapping, self._step_T = None, 0
 
-    def reset(self):
-        """Release every page; the batch starts again with empty sequences."""
-        self._drop_pending()
-        for s in self.seqs:
-            self.manager.release(s)
-        self.seqs = [next(self._ids) for _ in range(self.batch_size)]
-
-    def release(self):
-        """Give every page back to the pool; the cache cannot be used afterwards."""
-        self._drop_pending()
-        for s in self.seqs:
-            self.manager.release(s)
-
-    def _view(self, seqs):
-        view = PagedCache.__new__(PagedCache)
-        view.__dict__.update(self.__dict__)
-        view.seqs, view.batch_size = list(seqs), len(seqs)
-        view.block_tables = torch.zeros(len(seqs), self.max_pages, dtype=torch.int32, device=self.device)
-        view.lengths = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
-        view.pending, view.slot_mapping, view._step_T = [0] * self.n_layers, None, 0
-        return view
-
+    # ---- sequences: views, forks, release ----
     def select(self, rows):
         """A cache over some of this batch's sequences, sharing pool and pages (e.g. to prefill one row)."""
         checks.between_steps(self, "select")
-        return self._view([self.seqs[r] for r in rows])
+        return self._sharing_pool([self.seqs[r] for r in rows])
 
     def fork(self):
-        """Child sequences sharing every page of their parents; a shared partial page is copied on first write."""
+        """Child sequences sharing every page of their parents; a shared partial page is copied on first write.
+
+        All or nothing: if any row fails, the children already made are released."""
         checks.between_steps(self, "fork")
-        new = [next(self._ids) for _ in self.seqs]
-        for src, dst in zip(self.seqs, new, strict=True):
-            self.manager.fork(src, dst)
-        child = self._view(new)
-        return child
+        made = []
+        try:
+            for src in self.seqs:
+                dst = next(self._ids)
+                self.manager.fork(src, dst)
+                made.append(dst)
+            return self._sharing_pool(made)
+        except BaseException:
+            for dst in made:
+                self.manager.release(dst)
+            raise
+
+    def release(self):
+        """Give every page back to the pool; the cache cannot be used afterwards."""
+        for s in self.seqs:                          # pages reserved by a step in flight included
+            self.manager.release(s)
+        self.pending, self.slot_mapping, self._step_T = [0] * self.n_layers, None, 0
 
     def nbytes(self) -> int:
         return self.k_pool.nbytes + self.v_pool.nbytes

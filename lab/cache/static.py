@@ -24,23 +24,24 @@ class StaticCache(KVCache):
     def capacity(self) -> int:
         return self.max_tokens
 
-    def _store(self, layer, k, v):
-        start, end = self.length, self.length + k.shape[2]
+    def _write(self, layer, k, v):
+        start, end = self._length, self._length + k.shape[2]
         self.k_buf[layer, :, :, start:end] = k                # write in place: [B, H_kv, T, D]
         self.v_buf[layer, :, :, start:end] = v
+
+    def _read(self, layer):
+        end = self._length + self.pending[layer]
         return self.k_buf[layer, :, :, :end], self.v_buf[layer, :, :, :end]  # [B, H_kv, end, D]
 
     def _truncate(self, n):
-        pass  # positions past the length are never read; the next update overwrites them
+        self._length = n  # positions past the length are never read; the next step overwrites them
 
     def fork(self):
         """An independent copy: the buffers are written in place, so nothing can be shared."""
         checks.between_steps(self, "fork")
-        child = StaticCache.__new__(StaticCache)
-        child.__dict__.update(self.__dict__)
-        child.k_buf, child.v_buf = self.k_buf.clone(), self.v_buf.clone()
-        child.pending = [0] * self.n_layers
-        return child
+        child = StaticCache(self.config, self.max_tokens, self.batch_size, self.dtype, self.device)
+        child.k_buf.copy_(self.k_buf), child.v_buf.copy_(self.v_buf)
+        return self._copy_state_to(child)
 
     def nbytes(self) -> int:
         return self.k_buf.nbytes + self.v_buf.nbytes

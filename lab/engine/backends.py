@@ -5,37 +5,15 @@ next token, `[vocab]`. How a backend gets there (recomputing everything, or reus
 business; the engine cannot tell, and the tests check that it cannot.
 """
 
-import numbers
-
 import torch
 
 from ..models import forward
-from ..models.checks import InputError
-from .identity import identity_of, key_for, model_identity
+from .identity import identity_of, key_for, model_identity, token_ids
 
 
 def as_ids(ids, vocab_size: int) -> torch.Tensor:
-    """Validate one sequence of token ids (list or 1-D tensor) and return it as int64 `[1, T]`."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1:
-            raise InputError(f"a backend takes one sequence of ids, rank 1 [tokens]; got shape {tuple(ids.shape)}")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise InputError(f"ids must be integers, got {ids.dtype}")
-        t = ids.long()
-    else:
-        ids = list(ids)
-        if any(isinstance(i, (list, tuple)) for i in ids):
-            raise InputError("a backend takes one sequence of ids, rank 1 [tokens]; got a nested list")
-        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
-                   or (isinstance(i, torch.Tensor) and i.dim() == 0 and not i.dtype.is_floating_point) for i in ids):
-            raise InputError("ids must be integers")
-        t = torch.tensor([int(i) for i in ids], dtype=torch.long)
-    if t.numel() == 0:
-        raise InputError("ids is empty: a backend needs at least one token to score the next")
-    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
-        bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
-        raise InputError(f"token id {bad} is outside the vocabulary (valid ids are 0 .. {vocab_size - 1})")
-    return t[None]
+    """Validate one sequence of token ids (a list, `[T]` or `[1, T]`) and return it as int64 `[1, T]`."""
+    return token_ids(ids, vocab_size)[None]
 
 
 class RecomputeBackend:
@@ -75,12 +53,20 @@ class CachedBackend:
         self.model, self.cache_factory = model, cache_factory
         self.longest_prefix, self.salt = longest_prefix, salt
         self.cache, self.cached_ids, self.cached_identity, self.cached_key = None, [], None, None
+        self._held = None      # (cache object, its version) when this backend last wrote it
         self.calls = self.hits = self.misses = self.crops = self.positions = 0
+
+    def holds_its_state(self) -> bool:
+        """Is the cache still exactly what this backend left there? The same object, changed by nobody
+        since (its version counter), holding as many positions as the ids it believes it holds."""
+        cache = self.cache
+        return (cache is not None and self._held is not None and self._held[0] is cache
+                and self._held[1] == cache.version and cache.length == len(self.cached_ids))
 
     def reusable_prefix(self, ids: list, salt) -> int:
         """How many leading positions of `ids` the current cache provably holds (0: none)."""
-        if self.cache is None:
-            return 0
+        if not self.holds_its_state():
+            return 0                                    # no cache, or touched from outside
         identity = identity_of(self.model, self.cache, salt)
         if identity != self.cached_identity:
             return 0                                    # another model, tokenizer, dtype, salt ...
@@ -104,16 +90,21 @@ class CachedBackend:
         n = self.reusable_prefix(ids, salt)
         if n == 0:
             self.cache = self.cache_factory()
+            if self.cache.max_length or any(self.cache.pending):
+                self.cache.reset()                            # a factory's cache holds nothing we computed
         elif n < self.cache.length:
             self.cache.crop(n)                                # drop the diverging tail (longest-prefix mode)
-        identity = identity_of(self.model, self.cache, salt)
+        # a hit proved the cache's identity equal to the one it holds; a new cache needs its own
+        identity = self.cached_identity if n else identity_of(self.model, self.cache, salt)
         try:
             logits = forward_cached(t[:, n:], self.model.weights, self.model.config, self.cache, last_only=True)
         except Exception:
             self.cache, self.cached_ids, self.cached_identity, self.cached_key = None, [], None, None
+            self._held = None
             raise                                             # a half-updated cache is never reused
         crop = 0 < n < len(self.cached_ids)
-        self.cached_ids, self.cached_identity, self.cached_key = ids, identity, key_for(identity, ids)
+        self.cached_ids, self.cached_identity, self.cached_key = ids, identity, key_for(identity, t[0])
+        self._held = (self.cache, self.cache.version)
         self.calls += 1
         self.hits, self.misses, self.crops = self.hits + (n > 0), self.misses + (n == 0), self.crops + crop
         self.positions += len(ids) - n

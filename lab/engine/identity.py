@@ -6,9 +6,12 @@ that computation depended on; two states are interchangeable only when their key
 
 import hashlib
 import json
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ..models.checks import InputError
 
 
 class IdentityError(ValueError):
@@ -41,10 +44,44 @@ def prefix_key(manifest: str, token_ids, *, tokenizer: str, compute_dtype="torch
     return key_for(identity, token_ids)
 
 
-def key_for(identity: StateIdentity, token_ids) -> str:
-    if not isinstance(token_ids, torch.Tensor):
-        token_ids = list(token_ids)
-    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+def token_ids(ids, vocab_size: int | None = None) -> torch.Tensor:
+    """One sequence of token ids, validated: a list of ints, a `[T]` or a `[1, T]` integer tensor -> int64 `[T]`.
+
+    Refuses floats and bools (1.7 is not token 1), a batch of several sequences, negative ids and, given
+    `vocab_size`, ids outside the vocabulary: each would otherwise name another state than the caller's.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise InputError(f"one sequence of ids is a list, [tokens] or [1, tokens]; got shape {tuple(ids.shape)}"
+                             + (" (a batch of several sequences: call once per sequence)" if ids.dim() == 2 else ""))
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InputError(f"ids must be integers, got {ids.dtype}")
+        t = ids.long().cpu()
+    else:
+        ids = list(ids)
+        if ids and all(isinstance(i, (list, tuple)) for i in ids) and len(ids) == 1:
+            ids = list(ids[0])                                   # [[1, 2, 3]]: one sequence as [1, T]
+        if any(isinstance(i, (list, tuple)) for i in ids):
+            raise InputError("one sequence of ids is a list, [tokens] or [1, tokens]; got a nested list "
+                             "(a batch of several sequences: call once per sequence)")
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                   or isinstance(i, torch.Tensor) and i.dim() == 0 and not i.dtype.is_floating_point
+                   and i.dtype != torch.bool for i in ids):
+            raise InputError(f"ids must be integers, got {[type(i).__name__ for i in ids][:5]}")
+        t = torch.tensor([int(i) for i in ids], dtype=torch.long)
+    if t.numel() == 0:
+        raise InputError("ids is empty: at least one token is needed")
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or vocab_size is not None and hi >= vocab_size:
+        valid = f"0 .. {vocab_size - 1}" if vocab_size is not None else "non-negative"
+        raise InputError(f"token id {lo if lo < 0 else hi} is outside the vocabulary (valid ids are {valid})")
+    return t
+
+
+def key_for(identity: StateIdentity, token_ids_) -> str:
+    ids = token_ids(token_ids_)
     h = hashlib.sha256(identity.digest().encode())
     h.update(f"{ids.numel()}:".encode())
     h.update(ids.numpy().tobytes())

@@ -7,6 +7,9 @@
 
 q [batch, q_heads, head_dim]; k_pool, v_pool [num_pages, page_size, kv_heads, head_dim]; block_tables
 int32 [batch, max_pages]; lengths int32 [batch]; out [batch, q_heads, head_dim] in q's dtype.
+Every version checks shapes, dtypes and devices; with `check_values=True` (the default) also that the
+lengths and page ids are in range, which reads them back to the host. A PagedCache, whose block manager
+built the tables, passes check_values=False so that a decode step never waits for the device.
 """
 
 from . import triton_paged
@@ -15,15 +18,15 @@ from .reference import paged_attention_cpu, paged_attention_reference
 from .triton_paged import paged_attention
 
 
-def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None):
+def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
     """The Triton kernel for CUDA tensors (when Triton is installed and compiling), else `paged_attention_cpu`.
 
     Under TRITON_INTERPRET=1 the kernel would run in NumPy, far slower than the PyTorch version, so that
     serves then too; call `paged_attention` directly to run the kernel in the interpreter.
     """
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
-        return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale)
-    return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale)
+        return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
+    return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_cpu", "decode_attention",

@@ -7,13 +7,14 @@ ValueError naming the argument, before any work is done.
 import torch
 
 
-def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths) -> None:
+def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True) -> None:
     """Raise TypeError or ValueError, naming the argument, for anything the kernels cannot serve.
 
     Expected: q [batch, q_heads, head_dim], k_pool and v_pool [num_pages, page_size, kv_heads, head_dim]
     of q's dtype, block_tables int32 [batch, max_pages], lengths int32 [batch] with
     1 <= length <= max_pages * page_size, every block-table entry naming a page of the pool, all on one
-    device. Reads the extremes of `lengths` and `block_tables` on the host (a synchronisation on a GPU).
+    device. With `values`, also reads the extremes of `lengths` and `block_tables` on the host (a
+    synchronisation on a GPU); a caller whose tables are built by a block manager passes values=False.
     """
     named = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "block_tables": block_tables, "lengths": lengths}
     for name, t in named.items():
@@ -57,6 +58,8 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths) -> None:
         raise TypeError(f"lengths must be int32, got {lengths.dtype}")
     if lengths.shape[0] != batch:
         raise ValueError(f"lengths must be [batch={batch}], got shape {tuple(lengths.shape)}")
+    if not values:
+        return
     capacity = block_tables.shape[1] * page_size
     shortest, longest = (int(x) for x in torch.aminmax(lengths))
     if shortest < 1:

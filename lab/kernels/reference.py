@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from .checks import check_paged_inputs
 
 
-def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=None):
+def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=None,
+                              check_values=True):
     """Decode attention over paged keys and values: gather each sequence's pages, then attend.
 
     q [B, H_q, D]; pools [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths
     int32 [B]. Returns [B, H_q, D] in q's dtype, computed in float32.
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
     page_size = k_pool.shape[1]
     out = torch.empty_like(q)                                          # [B, H_q, D]
     for b, length in enumerate(lengths.tolist()):
@@ -41,12 +42,12 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
     return out
 
 
-def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None):
+def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
     """The same attention as `paged_attention_reference`, tuned for a CPU. Returns [B, H_q, D].
 
     Scores and softmax in float32; the weighted sum of values in the pools' dtype.
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     group = H_q // H_kv                                               # query heads per kv head

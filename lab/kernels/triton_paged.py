@@ -10,25 +10,19 @@ lets the CPU test suite check the very kernel a GPU runs against `paged_attentio
 """
 
 import math
-import os
 
 import torch
 
 from .checks import check_paged_inputs
 
 # Triton 3.9 reads TRITON_INTERPRET when `@triton.jit` decorates a function, i.e. while this module is
-# imported (older releases read it when `triton` itself was imported, so it is set before that too).
-# Without a GPU there is nothing for Triton to compile for, so the interpreter is the only way the
-# kernel can run: default to it. With a GPU, leave the variable alone so the kernel is compiled; a
-# reader who wants the interpreter there sets TRITON_INTERPRET=1 before starting Python. setdefault
-# respects an explicit TRITON_INTERPRET=0. The test file sets the same default before importing `lab`.
+# imported. Without a GPU the interpreter is the only way the kernel can run: set TRITON_INTERPRET=1 before
+# Python imports this module (the tests' configuration and chapter 5's notebook do); importing `lab` never
+# changes the environment of the process.
 # Known pitfall (torch 2.13, triton 3.9): once `torch._dynamo` is imported in a process (transformers'
 # `generate` imports it), the interpreter can no longer run Triton's own @jit helpers (tl.zeros, tl.sum,
 # ...) and the kernel fails with "Cannot call @triton.jit'd outside of the scope of a kernel". On a GPU
 # the compiled kernel is unaffected; on the CPU, run the interpreter in a process that has not imported it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 try:
     import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
@@ -123,14 +117,14 @@ else:
     INTERPRETED = False
 
 
-def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None):
+def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
     """Decode attention over paged keys and values with the Triton kernel. Returns [B, H_q, D] in q's dtype.
 
     Same arguments and result as `paged_attention_reference`: q [B, H_q, D]; k_pool, v_pool
     [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths int32 [B]; scale defaults
     to 1/sqrt(D). Always launches the kernel: CUDA tensors, or any tensors under TRITON_INTERPRET=1.
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
     if triton is None:
         raise RuntimeError("paged_attention needs Triton, which is not installed: pip install triton==3.9.0 "
                            "(the `gpu` extra), or use paged_attention_reference")

@@ -1,7 +1,7 @@
 """Models: `load(name)`, and functional forwards for the GPT-2 and Llama families."""
 
 from . import gpt2, llama
-from .checks import InputError, check_ids
+from .checks import InputError, PositionLimitError, check_ids, owner
 from .config import ModelConfig
 from .load import KNOWN, Model, load, random_model
 
@@ -12,14 +12,18 @@ def forward(ids, weights, config, last_only=False):
     return family.forward(ids, weights, config, last_only=last_only)
 
 
-def forward_cached(ids, weights, config, cache, last_only=False):
+def forward_cached(ids, weights, config, cache, last_only=False, positions=None):
     """Forward through `cache`: ids `[B, T]` are the T tokens after the cache's length; logits `[B, T, V]`.
 
-    Prefill (empty cache), chunked prefill (several calls) and decode (T = 1) are the same call.
+    Prefill (empty cache), chunked prefill (several calls) and decode (T = 1) are the same call. The cache
+    records which model filled it and refuses another (CacheMismatchError). `positions` (`[T]`) overrides
+    the positions the model is told the new tokens sit at (default: the cache's next ones); the keys are
+    stored after the cache's positions whatever they are, so another value mis-positions the tokens on
+    purpose (chapter 4's stale offset).
     """
     family = gpt2 if config.arch == "gpt2" else llama
-    return family.forward_cached(ids, weights, config, cache, last_only=last_only)
+    return family.forward_cached(ids, weights, config, cache, last_only=last_only, positions=positions)
 
 
-__all__ = ["load", "forward", "forward_cached", "Model", "ModelConfig", "InputError", "check_ids", "random_model",
-           "KNOWN"]
+__all__ = ["load", "forward", "forward_cached", "Model", "ModelConfig", "InputError", "PositionLimitError",
+           "check_ids", "owner", "random_model", "KNOWN"]

@@ -9,8 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .attention import cached_attention
-from .checks import check_ids
+from .checks import check_ids, owner
 
 
 def split_heads(x, n_heads):  # [B, T, H*D] -> [B, H, T, D]
@@ -63,18 +62,18 @@ def forward(ids, w, config, last_only=False):
     return head(x[:, -1:] if last_only else x, w, config)
 
 
-def forward_cached(ids, w, config, cache, last_only=False):
+def forward_cached(ids, w, config, cache, last_only=False, positions=None):
     """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
 
     ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
     `[B, T, V]`. The differences from `forward` are marked NEW.
     """
-    cache.check_model(config)                             # NEW: a cache fits one model shape
+    cache.check_model(config, owner(w, config))           # NEW: the cache holds this model's state
     ids = check_ids(ids, config, offset=cache.max_length)
-    positions = cache.next_positions(ids.shape[1], ids.device)  # NEW: continue after the cache
+    if positions is None:                                 # NEW: continue after the cache
+        positions = cache.next_positions(ids.shape[1], ids.device)
     x = embed(ids, w, positions)                          # NEW: positions length .. length+T-1
-    attend = cached_attention(cache, positions)           # NEW: keys and values via the cache
     for i in range(config.n_layers):
-        x = block(x, w, i, config, attend)
+        x = block(x, w, i, config, cache.attend)           # NEW: keys and values via the cache
     cache.advance(ids.shape[1])                           # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)

@@ -9,8 +9,7 @@ than query heads), and a gated SiLU MLP. Weights keep their Hugging Face names; 
 import torch
 import torch.nn.functional as F
 
-from .attention import cached_attention
-from .checks import check_ids
+from .checks import check_ids, owner
 from .gpt2 import merge_heads, split_heads
 
 
@@ -83,19 +82,19 @@ def forward(ids, w, config, last_only=False):
     return head(x[:, -1:] if last_only else x, w, config)
 
 
-def forward_cached(ids, w, config, cache, last_only=False):
+def forward_cached(ids, w, config, cache, last_only=False, positions=None):
     """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
 
     ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
     `[B, T, V]`. The differences from `forward` are marked NEW.
     """
-    cache.check_model(config)                             # NEW: a cache fits one model shape
+    cache.check_model(config, owner(w, config))           # NEW: the cache holds this model's state
     ids = check_ids(ids, config, offset=cache.max_length)
-    positions = cache.next_positions(ids.shape[1], ids.device)  # NEW: RoPE at the true positions
-    attend = cached_attention(cache, positions)           # NEW: keys and values via the cache
+    if positions is None:                                 # NEW: RoPE at the true positions
+        positions = cache.next_positions(ids.shape[1], ids.device)
     x = embed(ids, w)
     rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
     for i in range(config.n_layers):
-        x = block(x, w, i, config, attend, rope_cs)
+        x = block(x, w, i, config, cache.attend, rope_cs)  # NEW: keys and values via the cache
     cache.advance(ids.shape[1])                           # NEW: commit the T positions
     return head(x[:, -1:] if last_only else x, w, config)
