@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test results lab book book-check notebooks lint clean
+.PHONY: setup test test-slow test-all results lab book book-check notebooks lint clean
 
 setup: $(READY)
 	@$(PY) -m lab.prepare
@@ -29,9 +29,17 @@ notebooks: setup
 	  || exit 1; done
 
 # Quick mode, whatever the shell exports: shorter sweeps, a temporary results file, never results/results.json.
+# `make test` leaves out the tests marked slow (over ~8 s each; see pyproject.toml); `make test-slow` runs
+# only those, and `make test-all` both (CI does).
 test: lint notebooks
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow"
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
+
+# pytest exits with 5 when no test is selected: no test marked slow is not a failure.
+test-slow: setup
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m slow || test $$? -eq 5
+
+test-all: test test-slow
 
 # Full mode, the only target that writes results/results.json and results/figures/ (LAB_FULL=1). Then the
 # time of every notebook, run as a reader runs it (quick mode, a temporary results file), into "notebooks".

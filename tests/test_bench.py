@@ -1,11 +1,23 @@
-"""lab.bench: what the timers count and in what order they call, checked with a call log and sleeps."""
+"""lab.bench: what the timers count and in what order they call, checked with a call log and a fake clock.
 
-import time
+No test here reads the real clock: lab.bench's `time` is replaced by a clock that moves only when a
+timed function (or a setup) says so, so every duration is known exactly and no assertion depends on
+how busy the machine is.
+"""
 
+import pytest
+
+from lab import bench
 from lab.bench import summarize, time_call, time_rounds, time_steps
 
 
-def test_time_rounds_alternates_and_counts():
+@pytest.fixture
+def clock(monkeypatch, fake_clock):
+    monkeypatch.setattr(bench, "time", fake_clock)       # see FakeClock in tests/conftest.py
+    return fake_clock
+
+
+def test_time_rounds_alternates_and_counts(clock):
     calls = []
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     r = time_rounds(fns, warmup=2, rounds=5)
@@ -14,34 +26,42 @@ def test_time_rounds_alternates_and_counts():
     assert all(s["n"] == 5 for s in r.values())
 
 
-def test_time_rounds_times_each_function_separately():
-    r = time_rounds({"fast": lambda: None, "slow": lambda: time.sleep(0.01)}, warmup=0, rounds=3)
-    assert r["slow"]["min"] >= 0.01                            # sleep never returns early
-    assert r["fast"]["median"] < r["slow"]["min"]              # the sleep is not charged to its neighbour
+def test_time_rounds_times_each_function_separately(clock):
+    r = time_rounds({"fast": lambda: clock.advance(1), "slow": lambda: clock.advance(10)}, warmup=1, rounds=3)
+    assert (r["fast"]["min"], r["fast"]["max"]) == (1, 1)     # the neighbour's 10 s are not charged to it
+    assert (r["slow"]["min"], r["slow"]["max"]) == (10, 10)
 
 
-def test_time_steps_runs_setup_untimed():
+def test_time_steps_runs_setup_untimed(clock):
     log = []
     r = time_steps(lambda: log.append("setup"), lambda: log.append("step"), warmup=1, reps=3)
     assert log == ["setup", "step"] * 4 and r["n"] == 3
-    slow_setup = time_steps(lambda: time.sleep(0.01), lambda: None, warmup=0, reps=3)
-    assert slow_setup["max"] < 0.01                            # the setup's sleep is outside the clock
+    slow_setup = time_steps(lambda: clock.advance(100), lambda: clock.advance(1), warmup=0, reps=3)
+    assert slow_setup["max"] == 1 and slow_setup["n"] == 3    # the setup's 100 s are outside the clock
 
 
-def test_time_call_honours_min_seconds_and_summarize_reports_quantiles():
-    r = time_call(lambda: time.sleep(0.002), warmup=0, reps=1, min_seconds=0.02)
-    assert r["n"] >= 2                                         # reps=1 alone would stop after one 2 ms call
+def test_time_call_honours_min_seconds_and_summarize_reports_quantiles(clock):
+    calls = []
+    r = time_call(lambda: calls.append(clock.advance(2)), warmup=1, reps=1, min_seconds=7)
+    assert r["n"] == 4 and len(calls) == 5                     # 2 s a call: 4 timed calls reach 7 s; 1 warm-up
+    assert time_call(lambda: clock.advance(2), warmup=0, reps=3)["n"] == 3  # no minimum: exactly reps
     s = summarize([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s["median"] == 3.0 and s["min"] == 1.0 and s["max"] == 100.0 and s["n"] == 5
+    assert s["iqr"] == 52.0 - 1.5                              # quartiles 1.5 and 52 (statistics.quantiles, n=4)
 
 
-def test_time_rounds_runs_setup_before_warmup_too_and_keeps_samples_in_round_order():
+def test_time_rounds_runs_setup_before_warmup_too_and_keeps_samples_in_round_order(clock):
     log = []
-    fns = {"a": lambda: log.append("a"), "b": lambda: time.sleep(0.01) or log.append("b")}
-    r = time_rounds(fns, warmup=1, rounds=3, setup=lambda: log.append("setup"), samples=True)
+
+    def b():                                                   # the k-th call of b takes 10 * k seconds
+        log.append("b")
+        clock.advance(10 * log.count("b"))
+
+    fns = {"a": lambda: log.append("a") or clock.advance(1), "b": b}
+    r = time_rounds(fns, warmup=1, rounds=3, setup=lambda: log.append("setup") or clock.advance(1000), samples=True)
     assert log == ["setup", "a", "setup", "b"] * 4               # a cache cropped before every call, warm-up too
-    assert len(r["a"]["samples"]) == len(r["b"]["samples"]) == 3
-    assert all(b >= 0.01 > a for a, b in zip(r["a"]["samples"], r["b"]["samples"], strict=True))  # paired by round
+    assert r["a"]["samples"] == [1, 1, 1]
+    assert r["b"]["samples"] == [20, 30, 40]                     # rounds 1-3 in order; the warm-up (10 s) left out
     assert "samples" not in time_rounds(fns, warmup=0, rounds=1)["a"]  # only when asked
 
 

@@ -20,8 +20,8 @@ def test_causal_mask_earlier_positions_do_not_move(name):
     assert len(r["per_position"]) == 24
 
 
-def test_causal_mask_on_smollm2_is_exact():
-    r = ch01.causal_mask(load("smollm2"), n_tokens=32)
+def test_causal_mask_on_smollm2_is_exact(smollm2):
+    r = ch01.causal_mask(smollm2, n_tokens=32)
     assert r["earlier_max"] <= 1e-6 and r["last"] > 1.0
 
 
@@ -53,8 +53,8 @@ def test_bytes_table_matches_published_per_position_sizes():
     assert saving["SmolLM2-135M"] == 3 and saving["Qwen3-4B"] == 4 and saving["Llama-2-13B"] == 1
 
 
-def test_published_smollm2_shape_matches_the_loaded_model():
-    cfg = load("smollm2").config
+def test_published_smollm2_shape_matches_the_loaded_model(smollm2):
+    cfg = smollm2.config
     pub = next(p for p in ch01.PUBLISHED if p.name == "SmolLM2-135M")
     assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
         pub.n_layers, pub.n_heads, pub.n_kv_heads, pub.head_dim)

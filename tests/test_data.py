@@ -1,7 +1,8 @@
-"""lab.data: the Shakespeare plays, the fixed train/held-out split, passages, shuffling and markdown stripping.
+"""lab.data: the Shakespeare plays, the fixed train/held-out split, passages, shuffling and markdown stripping;
+synthetic request lengths.
 
-Oracles: the wheel's own file list, substring search in the joined texts, Counter of words, and a
-hand-written expected output for a small markdown sample.
+Oracles: the wheel's own file list, substring search in the joined texts, Counter of words, a
+hand-written expected output for a small markdown sample, and the published means the lengths are drawn to.
 """
 
 import zipfile
@@ -13,13 +14,12 @@ from hypothesis import strategies as st
 
 from lab import data
 from lab.fetch import wheel
-from lab.models import load
 from lab.models.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load("smollm2").tokenizer
+def tokenizer(smollm2):
+    return smollm2.tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,24 @@ def test_to_plain_strips_markdown():
 
 def test_to_plain_keeps_underscores_inside_words():
     assert data.to_plain("snake_case_name and _italic_\n") == "snake_case_name and italic\n"
+
+
+# ---- synthetic request lengths ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dataset", sorted(data.REQUEST_DATASETS))
+def test_synthetic_lengths_match_the_published_means_within_bounds(dataset):
+    inputs, outputs = data.synthetic_lengths(dataset, 20_000, seed=0)
+    mean_in, mean_out = data.REQUEST_DATASETS[dataset]
+    # log-normal draws with exactly these means; clipping to the bounds removes a little of the upper tail
+    assert inputs.mean() == pytest.approx(mean_in, rel=0.05) and outputs.mean() == pytest.approx(mean_out, rel=0.05)
+    assert inputs.min() >= 1 and outputs.min() >= 1 and inputs.max() <= data.MAX_REQUEST_LEN // 2
+    assert (inputs + outputs).max() <= data.MAX_REQUEST_LEN
+    assert inputs.dtype.kind == outputs.dtype.kind == "i" and inputs.shape == outputs.shape == (20_000,)
+
+
+def test_synthetic_lengths_are_deterministic_per_seed():
+    a, b = data.synthetic_lengths("Alpaca", 100, seed=3), data.synthetic_lengths("Alpaca", 100, seed=3)
+    assert all((x == y).all() for x, y in zip(a, b, strict=True))
+    assert (data.synthetic_lengths("Alpaca", 100, seed=4)[0] != a[0]).any()
+    with pytest.raises(KeyError):
+        data.synthetic_lengths("no such dataset", 10)

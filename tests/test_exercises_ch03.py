@@ -62,8 +62,10 @@ def book(tmp_path):
 
 
 def test_measured_attention_share_passes_a_real_measurement(book, capsys):
+    # the sign of a share this small on a tiny model is noise (the check allows it): only that it passes,
+    # and that the reader's number is set beside the book's, are checked
     ratio = ch03.check_measured_attention_share(sol3.measured_attention_share, "tiny-llama", 64, path=book)
-    assert ratio > 0 and "the book's: 20%" in capsys.readouterr().out
+    assert isinstance(ratio, float) and "the book's: 20%" in capsys.readouterr().out
 
 
 def test_measured_attention_share_refuses_a_typed_number(book):

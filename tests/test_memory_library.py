@@ -1,22 +1,65 @@
-"""The memory probe (a child process per run) and the lab-vs-transformers decode comparison, on tiny models."""
+"""The memory probe (a child process per run) and the lab-vs-transformers decode comparison, on tiny models.
+
+The comparison's timings run on a fake clock (FakeClock in tests/conftest.py) that only the timed work
+moves: every lab forward 1 s, every `generate` 7 s of prefill and 3 s per token after the first. The
+models still run for real (the tokens compared are real), but each duration the code reports is known
+exactly, so the tests check what is timed and how it is combined, and a busy machine cannot fail them.
+"""
+
+import platform
 
 import pytest
 
+from lab import bench
 from lab.cache import cache_bytes
+from lab.experiments import library
 from lab.experiments.library import compare, lab_decode_time, library_decode_time
 from lab.experiments.memory import probe
+from lab.models import hf as hf_module
 from lab.models import load
+
+LAB_STEP, LIBRARY_PREFILL, LIBRARY_STEP = 1, 7, 3    # fake seconds, see the module docstring
+
+
+@pytest.fixture
+def work_clock(monkeypatch, fake_clock):
+    """lab.experiments.library on a fake clock that its own forwards and generate calls advance."""
+    for module in (bench, library):                  # wherever the timings read the clock
+        if hasattr(module, "time"):
+            monkeypatch.setattr(module, "time", fake_clock)
+    real_forward, real_to_transformers = library.forward_cached, hf_module.to_transformers
+
+    def forward_cached(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        fake_clock.advance(LAB_STEP)
+        return out
+
+    def to_transformers(model):
+        hf = real_to_transformers(model)
+        real_generate = hf.generate
+
+        def generate(ids, **kwargs):                 # charged by the tokens it really generated
+            out = real_generate(ids, **kwargs)
+            fake_clock.advance(LIBRARY_PREFILL + LIBRARY_STEP * (out.shape[1] - ids.shape[1] - 1))
+            return out
+
+        hf.generate = generate
+        return hf
+
+    monkeypatch.setattr(library, "forward_cached", forward_cached)
+    monkeypatch.setattr(hf_module, "to_transformers", to_transformers)
+    return fake_clock
 
 
 @pytest.mark.parametrize("design", ["concat", "static"])
 def test_probe_reports_the_cache_it_built(design):
     r = probe("tiny-llama", design, batch_size=2, tokens=64)
     expected = cache_bytes(load("tiny-llama").config, 64, batch_size=2)
-    assert r["design"] == design and r["length"] == 64
+    assert (r["design"], r["batch_size"], r["tokens"], r["length"]) == (design, 2, 64, 64)
     assert r["cache_bytes"] == expected
     assert r["final_nbytes"] == expected  # concat too: it holds exactly the 64 positions at the end
-    assert isinstance(r["peak_extra_bytes"], int) and r["peak_extra_bytes"] >= 0
-    assert r["peak_rss"] >= r["baseline_rss"] > 0
+    # The child returned its free heap to the OS before its baseline (malloc_trim), wherever glibc is the C library.
+    assert r["trimmed"] is (platform.libc_ver()[0] == "glibc")
 
 
 def test_probe_rejects_an_unknown_design():
@@ -25,21 +68,26 @@ def test_probe_rejects_an_unknown_design():
 
 
 @pytest.mark.parametrize("design", ["concat", "static"])
-def test_lab_decode_time_is_positive(design):
-    r = lab_decode_time("tiny-llama", design, context=32, new_tokens=4, reps=1)
-    assert r["median"] > 0 and r["min"] <= r["median"] <= r["max"] and r["threads"] >= 1
+def test_lab_decode_time_times_the_decode_steps_only(work_clock, design):
+    r = lab_decode_time("tiny-llama", design, context=32, new_tokens=4, reps=2)
+    # Per rep, 1 prefill + 4 decode forwards; only the 4 are timed: 4 s / 4 tokens. A timed prefill
+    # would give 5/4.
+    assert r["median"] == r["min"] == r["max"] == LAB_STEP and r["reps"] == 2
+    assert work_clock.now == 3 * 5 * LAB_STEP         # the warm-up rep ran too, and is not among the reps
 
 
 @pytest.mark.parametrize("implementation", ["dynamic", "static"])
-def test_library_decode_time_is_positive(implementation):
-    # 15 decode steps and the median of 3 reps: the difference (full - prefill alone) is a few tens of ms of
-    # decode work, well above the jitter of two separate generate() calls on a busy machine
-    r = library_decode_time("tiny-llama", implementation, context=32, new_tokens=16, reps=3)
-    assert r["full_median"] > 0 and r["prefill_median"] > 0
-    assert r["median"] > 0  # (15 decode steps) - (prefill alone): decode work is never free
+def test_library_decode_time_is_full_minus_prefill_per_decode_step(work_clock, implementation):
+    r = library_decode_time("tiny-llama", implementation, context=32, new_tokens=4, reps=2)
+    # One generate of 1 token (7 s) and one of 4 tokens (7 + 3 * 3 = 16 s) per rep: (16 - 7) / 3 per decode
+    # step. generate must produce exactly the tokens asked for (no early stop), or these move.
+    assert (r["prefill_median"], r["full_median"]) == (LIBRARY_PREFILL, LIBRARY_PREFILL + 3 * LIBRARY_STEP)
+    assert r["median"] == r["min"] == r["max"] == LIBRARY_STEP and r["reps"] == 2
 
 
-def test_lab_tokens_match_transformers_generate():
+def test_lab_tokens_match_transformers_generate_and_ratios_pair_the_right_timings(work_clock):
     r = compare(("tiny-llama",), context=32, new_tokens=4, reps=1, progress=False)["tiny-llama"]
-    assert r["tokens_match"] is True
-    assert all(r[k] > 0 for k in ("lab_concat", "lab_static"))
+    assert r["tokens_match"] is True and r["first_mismatch"] is None
+    assert r["lab_concat"] == r["lab_static"] == LAB_STEP
+    assert r["library_dynamic"] == r["library_static"] == LIBRARY_STEP
+    assert r["ratio_static"] == r["ratio_concat"] == LAB_STEP / LIBRARY_STEP

@@ -36,11 +36,6 @@ def hf_logits(hf, ids):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load("smollm2")
-
-
-@pytest.fixture(scope="module")
 def tiny_pairs():
     """Each tiny model with its transformers twin, built once (building the twin costs ~0.1 s)."""
     out = {}
@@ -145,10 +140,10 @@ def test_smollm2_config_matches_published_shape(smollm2):
     assert "lm_head.weight" not in smollm2.weights  # tied: the head is the embedding
 
 
-def test_smollm2_kv_bytes_per_token():
+def test_smollm2_kv_bytes_per_token(smollm2):
     # Hand-computed: 2 (K and V) x 30 layers x 3 kv heads x 64 dims x 4 bytes = 46,080 bytes per token.
-    assert cache_bytes(load("smollm2").config, tokens=1) == 46_080
-    assert cache_bytes(load("smollm2").config, tokens=10, batch_size=3, dtype=torch.float16) == 46_080 // 2 * 30
+    assert cache_bytes(smollm2.config, tokens=1) == 46_080
+    assert cache_bytes(smollm2.config, tokens=10, batch_size=3, dtype=torch.float16) == 46_080 // 2 * 30
 
 
 def test_smollm2_says_paris(smollm2):

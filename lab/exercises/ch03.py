@@ -12,8 +12,8 @@ steps with attention (the check counts the attention calls) and may not call the
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..cache import StaticCache
-from ..models import gpt2, llama, load
+from ..cache import make_cache
+from ..models import forward_cached, load
 from ..results import COMMITTED
 from . import compare_with_book
 from .rules import NoTorch, WatchTorch, functions_raise
@@ -22,11 +22,12 @@ from .rules import NoTorch, WatchTorch, functions_raise
 def counted_step(model, T):
     """FLOPs of one cached decode step at context T, counted by PyTorch while the step runs.
 
-    Attention is written out as two matrix products (scores = q k^T, then weights v) so that the counter
-    sees it; projections, MLP and output head are the model's own code. Returns (total, attention).
+    The step is `forward_cached` through a StaticCache whose attend writes attention out as two matrix
+    products (scores = q k^T, then weights v) so that the counter sees it; projections, MLP and output
+    head are the model's own code. Returns (total, attention).
     """
     cfg, w = model.config, model.weights
-    cache = StaticCache(cfg, T + 1)
+    cache = make_cache("static", cfg, T + 1)
     ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=torch.Generator().manual_seed(T))
     attention_flops = 0
 
@@ -43,20 +44,9 @@ def counted_step(model, T):
 
     with torch.inference_mode():
         cache.length = T  # the counts do not depend on the cached values: skip the prefill, keep the zeros
-        x_ids, pos = ids[:, T:], torch.arange(T, T + 1)
+        cache.attend = attend                                      # forward_cached calls cache.attend
         with FlopCounterMode(display=False) as outer:
-            if cfg.arch == "gpt2":
-                x = gpt2.embed(x_ids, w, pos)
-                for i in range(cfg.n_layers):
-                    x = gpt2.block(x, w, i, cfg, attend)
-                gpt2.head(x, w, cfg)
-            else:
-                x = llama.embed(x_ids, w)
-                rope_cs = llama.rope_tables(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-                for i in range(cfg.n_layers):
-                    x = llama.block(x, w, i, cfg, attend, rope_cs)
-                llama.head(x, w, cfg)
-        cache.advance(1)
+            forward_cached(ids[:, T:], w, cfg, cache)
     return outer.get_total_flops(), attention_flops
 
 
@@ -120,8 +110,10 @@ def check_measured_attention_share(fn, name="smollm2", T=1024, path=COMMITTED):
     model = load(name)
     with functions_raise(ch03_savings.attention_share), WatchTorch("scaled_dot_product_attention") as seen:
         share = fn(model, T)
-    assert isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 100, (
-        f"expected a percentage between 0 and 100, got {share!r}")
+    # A difference of two noisy medians: where attention is a small part of the step, noise can make
+    # the measured share slightly negative, so the range allows it; anything outside is not a percentage.
+    assert isinstance(share, (int, float)) and not isinstance(share, bool) and -100 <= share <= 100, (
+        f"expected a percentage (at most 100 in size), got {share!r}")
     layers = model.config.n_layers
     assert seen.calls >= 3 * layers, (
         f"your function attended {seen.calls} times; three decode steps through {layers} layers attend "

@@ -1,0 +1,390 @@
+"""Paged decode attention: the readable reference, the CPU-tuned variant and the Triton kernel, each
+against dense attention.
+
+Not collected by pytest on its own (its name does not start with test_): tests/test_kernels.py runs this
+file in a fresh Python process. Without a GPU the kernel runs in Triton's interpreter, which fails in a
+process that has imported torch._dynamo (see tests/conftest.py), so these results must not depend on
+what other tests ran before them in the same process. `pytest tests/kernel_cases.py` works too.
+
+The oracle never sees a page: plain softmax(q k^T * scale) v, in float64, over each sequence's keys and
+values as they were before being written into randomly permuted pages. Every slot of the pool that holds
+none of a sequence's positions (page 0, which the zero padding of the block tables points at, and the
+tail of each sequence's last page) is filled with HUGE, so reading one by mistake is loud.
+
+Tolerance, float32: the outputs are convex combinations of standard-normal values (|out| < 5); float32
+rounds each product and sum to about 6e-8 relative, and over the at most a few hundred positions here
+the error stays near 1e-6. An absolute 1e-5 keeps a tenfold margin, while a wrong page, a missed mask or
+an off-by-one position moves the output by 1e-2 or more. Half-precision tolerances are worked out where
+they are used.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lab.kernels import (
+    decode_attention,
+    paged_attention,
+    paged_attention_cpu,
+    paged_attention_reference,
+    triton_paged,
+)
+
+HUGE = 1e30   # finite, so 0 * HUGE = 0: a masked slot contributes nothing, an unmasked one swamps the output
+ATOL = 1e-5   # float32, see the module docstring
+# float16 has 11 significant bits: rounding a result to it moves it by at most 2**-11 = 4.9e-4 of its
+# value (the unit roundoff). The kernel computes in float32 and rounds once, when it stores the output.
+# Twice that, relative, plus ATOL for the float32 arithmetic before it; a wrong position moves the
+# output by 1e-2 or more (or to a HUGE value).
+FP16_RTOL = 2 * 2**-11
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not triton_paged.INTERPRETED else "cpu"
+needs_triton = pytest.mark.skipif(triton_paged.triton is None, reason="triton is not installed")
+# The two PyTorch versions: the readable oracle (gather + SDPA) and the CPU-tuned one a PagedCache uses.
+PYTORCH_VERSIONS = pytest.mark.parametrize("attend", [paged_attention_reference, paged_attention_cpu],
+                                           ids=["reference", "cpu"])
+
+
+def huge(dtype):
+    """HUGE, or the largest finite value of a narrower dtype (float16: 65504), so it stays finite."""
+    return min(HUGE, torch.finfo(dtype).max)
+
+
+def make_paged(lengths, page_size, q_heads, kv_heads, head_dim, dtype=torch.float32, seed=0, extra_pages=2):
+    """Random keys and values per sequence, written into randomly permuted pages of a HUGE-filled pool.
+
+    Returns q [B, H_q, D], k_pool, v_pool [num_pages, page_size, H_kv, D], block_tables int32 [B, max_pages]
+    zero-padded (page 0 holds only HUGE), lengths int32 [B], and the unpaged keys and values per sequence
+    (lists of [length, H_kv, D]) for the oracle.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages_per_seq = [math.ceil(n / page_size) for n in lengths]
+    num_pages = 1 + sum(pages_per_seq) + 1                            # page 0 and one spare stay HUGE
+    max_pages = max(pages_per_seq) + extra_pages                      # padding past the longest sequence too
+    pool_shape = (num_pages, page_size, kv_heads, head_dim)
+    k_pool = torch.full(pool_shape, huge(dtype), dtype=dtype)
+    v_pool = torch.full(pool_shape, huge(dtype), dtype=dtype)
+    free_pages = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # pages handed out in random order
+    block_tables = torch.zeros(len(lengths), max_pages, dtype=torch.int32)
+    ks, vs = [], []
+    for b, n in enumerate(lengths):
+        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)    # [n, H_kv, D]
+        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+        for j in range(pages_per_seq[b]):
+            page = free_pages.pop()
+            block_tables[b, j] = page
+            start, end = j * page_size, min(n, (j + 1) * page_size)
+            k_pool[page, : end - start] = k[start:end]
+            v_pool[page, : end - start] = v[start:end]
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=g).to(dtype)
+    return q, k_pool, v_pool, block_tables, torch.tensor(lengths, dtype=torch.int32), ks, vs
+
+
+def dense_oracle(q, ks, vs, scale=None):
+    """Attention over each sequence's unpaged keys and values, in float64: [B, H_q, D].
+
+    Written out (scores, softmax, weighted sum) rather than calling scaled_dot_product_attention, which
+    paged_attention_reference itself calls: the oracle shares no code with what it checks.
+    """
+    outs = []
+    for b, (k, v) in enumerate(zip(ks, vs, strict=True)):            # k, v [n, H_kv, D]: this sequence only
+        qb = q[b].double()                                            # [H_q, D]
+        group = qb.shape[0] // k.shape[1]                             # query head h reads kv head h // group
+        kb = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H_q, n, D]
+        vb = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        s = 1 / math.sqrt(qb.shape[-1]) if scale is None else scale
+        scores = (kb @ qb[:, :, None])[..., 0] * s                    # [H_q, n]
+        outs.append((scores.softmax(dim=-1)[:, None] @ vb)[:, 0])     # [H_q, D]
+    return torch.stack(outs)                                          # [B, H_q, D]
+
+
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+# (page_size, lengths, q_heads, kv_heads, head_dim): page sizes 1, 3, 5, 16, 64; ragged batches of 1 to 5
+# with lengths of 1, exactly a page and a page + 1; GQA groups of 1, 3 and 4; head_dim 16, 64 and 128.
+KERNEL_CASES = [
+    (1, [1, 2, 7], 4, 4, 16),
+    (3, [1, 3, 4, 8, 11], 9, 3, 64),
+    (5, [5, 6, 1, 13], 8, 2, 16),
+    (16, [16, 17, 1], 9, 3, 64),
+    (64, [64, 65, 3], 4, 1, 16),
+    (16, [40], 9, 3, 16),
+    (16, [700, 333], 9, 3, 64),      # many pages: the online softmax rescales 44 times
+    (16, [1, 16, 33], 32, 8, 128),   # the heads, head_dim and page size lab/experiments/gpu.py measures
+]
+REFERENCE_CASES = KERNEL_CASES + [
+    (page, lengths, q_heads, kv_heads, head_dim)
+    for page in (1, 3, 5, 16, 64)
+    for lengths in ([1], [page, page + 1, 1, 2 * page + 3, 70])
+    for q_heads, kv_heads in ((3, 3), (9, 3), (8, 2))
+    for head_dim in (16, 64)
+]
+
+
+@PYTORCH_VERSIONS
+@pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", REFERENCE_CASES)
+def test_reference_matches_dense_attention(page_size, lengths, q_heads, kv_heads, head_dim, attend):
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged(lengths, page_size, q_heads, kv_heads, head_dim)
+    out = attend(q, k_pool, v_pool, block_tables, lens)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+@PYTORCH_VERSIONS
+def test_reference_with_a_custom_scale(attend):
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([9, 20], 4, 6, 2, 16, seed=1)
+    out = attend(q, k_pool, v_pool, block_tables, lens, scale=0.3)
+    torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs, scale=0.3), atol=ATOL, rtol=0)
+
+
+@PYTORCH_VERSIONS
+def test_reference_bfloat16(attend):
+    # The inputs are rounded to bfloat16 before the oracle sees them, so two roundings are left, each at
+    # most 2**-8 relative (8 significant bits): the output's, under 2e-2 for |out| < 5, and (CPU version
+    # only) the probabilities' (its weighted sum of values runs in the pool's dtype), which moves it by at
+    # most 2**-8 * max|v|, under 2e-2 for these standard-normal values (|v| < 5). 4e-2 is their sum; a
+    # wrong page or position moves the output by far more (HUGE).
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([1, 16, 17, 50], 16, 9, 3, 64, dtype=torch.bfloat16)
+    out = attend(q, k_pool, v_pool, block_tables, lens)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs), atol=4e-2, rtol=0)
+
+
+@PYTORCH_VERSIONS
+def test_reference_reads_pools_that_are_not_contiguous(attend):
+    # Pools sliced out of wider storage (head_dim stride 1, but rows 2 * D apart) give the same answer.
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([5, 19], 4, 6, 2, 16, seed=4)
+    wide_k, wide_v = (torch.cat([p, torch.full_like(p, HUGE)], dim=-1) for p in (k_pool, v_pool))
+    k_view, v_view = wide_k[..., :16], wide_v[..., :16]
+    assert not k_view.is_contiguous() and not v_view.is_contiguous()
+    torch.testing.assert_close(attend(q, k_view, v_view, block_tables, lens).double(),
+                               dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+@PYTORCH_VERSIONS
+def test_padding_entries_of_block_tables_are_ignored(attend):
+    # Zero padding points at page 0 (all HUGE); pointing the padding at real pages of other sequences
+    # instead must not change a single bit, for the reference and for the kernel.
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([3, 10, 1], 4, 6, 2, 16, seed=2)
+    repointed = block_tables.clone()
+    used = (lens.long() + 3) // 4
+    for b in range(len(lens)):
+        repointed[b, used[b]:] = block_tables[0, 0]                   # a real page of sequence 0
+    args = (q, k_pool, v_pool)
+    assert torch.equal(attend(*args, block_tables, lens),
+                       attend(*args, repointed, lens))
+    if triton_paged.triton is not None:
+        args = on(KERNEL_DEVICE, q, k_pool, v_pool)
+        assert torch.equal(paged_attention(*args, *on(KERNEL_DEVICE, block_tables, lens)),
+                           paged_attention(*args, *on(KERNEL_DEVICE, repointed, lens)))
+
+
+@PYTORCH_VERSIONS
+def test_reference_reads_block_tables_that_are_views(attend):
+    # A column slice of a wider table (strides (W, 1)) is what a caller gets from a preallocated table.
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([5, 12], 3, 4, 2, 16, seed=3)
+    wide = torch.zeros(2, 3 * block_tables.shape[1], dtype=torch.int32)
+    wide[:, : block_tables.shape[1]] = block_tables
+    view = wide[:, : block_tables.shape[1] + 1]
+    torch.testing.assert_close(attend(q, k_pool, v_pool, view, lens).double(),
+                               dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", KERNEL_CASES)
+def test_triton_kernel_matches_reference(page_size, lengths, q_heads, kv_heads, head_dim):
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged(lengths, page_size, q_heads, kv_heads, head_dim)
+    expected = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
+    out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, block_tables, lens))
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == KERNEL_DEVICE
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+@needs_triton
+def test_triton_kernel_custom_scale_odd_head_dim_and_strided_block_table():
+    # head_dim 24 is padded to 32 inside the kernel; the block table is a column slice (stride W, 1).
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([7, 2], 3, 4, 2, 24, seed=4)
+    wide = torch.zeros(2, 2 * block_tables.shape[1], dtype=torch.int32)
+    wide[:, : block_tables.shape[1]] = block_tables
+    view = wide[:, : block_tables.shape[1]]
+    out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, view, lens), scale=0.2)
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs, scale=0.2), atol=ATOL, rtol=0)
+
+
+@needs_triton
+def test_triton_kernel_bfloat16():
+    # bfloat16 in, float32 inside, bfloat16 out: the same 2e-2 bound as the reference (one bfloat16 step
+    # at |out| near 2 is 2**-7 = 8e-3, and the kernel and the oracle may round to neighbouring values).
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([1, 16, 17, 50], 16, 9, 3, 64, dtype=torch.bfloat16)
+    out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, block_tables, lens))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=2e-2, rtol=0)
+
+
+@needs_triton
+def test_triton_kernel_float16_at_the_gpu_scripts_shape():
+    # What lab/experiments/gpu.py times: float16, 32 query and 8 kv heads (groups of 4), head_dim 128,
+    # pages of 16; lengths of 1, a page, a page + 1 and several pages. The oracle sees the same
+    # float16-rounded inputs, in float64: FP16_RTOL for the kernel's one rounding of its output, ATOL for
+    # its float32 arithmetic (see the top of this file).
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([1, 16, 17, 150], 16, 32, 8, 128,
+                                                               dtype=torch.float16, seed=5)
+    out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, block_tables, lens))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=FP16_RTOL)
+
+
+@needs_triton
+def test_triton_kernel_addresses_pages_past_2_to_the_31_elements():
+    # The kernel turns each page id into an offset, page * page_stride elements from the pool's start,
+    # after casting the id to int64 (lab/kernels/triton_paged.py). In int32 that product wraps once it
+    # reaches 2**31, which a large GPU pool does: 2**31 float16 elements are 4 GiB. So this pool is that
+    # large, with the GPU script's shape (float16, 8 kv heads, head_dim 128, pages of 16), and the
+    # sequence's pages sit on both sides of element 2**31.
+    # Memory: 4 GiB of address space, but the operating system backs a large allocation with memory only
+    # where it is written or read, and torch.empty writes nothing: the few pages filled here are all that
+    # become resident on the CPU (measured: the process peaks near 300 MiB). Neither the bounds checks nor
+    # Triton's interpreter copy the pool. K and V share one allocation, interleaved page by page, so the
+    # address space needed is 4 GiB, not 8.
+    page_size, q_heads, kv_heads, head_dim = 16, 32, 8, 128
+    page_elements = 2 * page_size * kv_heads * head_dim                # one page of K, then one of V
+    num_pages = 2**31 // page_elements + 3
+    try:
+        both = torch.empty(num_pages, 2, page_size, kv_heads, head_dim, dtype=torch.float16, device=KERNEL_DEVICE)
+    except (RuntimeError, MemoryError) as e:                           # e.g. vm.overcommit_memory=2
+        pytest.skip(f"cannot reserve 4 GiB of address space here: {e}")
+    k_pool, v_pool = both[:, 0], both[:, 1]                           # [num_pages, page_size, H_kv, D] each
+    pages = [3, num_pages - 1, num_pages // 2, num_pages - 2]          # in position order
+    assert k_pool.stride(0) < 2**31 <= max(pages) * k_pool.stride(0)   # only the product overflows int32
+    length = 3 * page_size + 5                                         # the last page is partly filled
+    g = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(length, kv_heads, head_dim, generator=g).half() for _ in range(2))
+    for j, page in enumerate(pages):
+        rows = slice(j * page_size, min(length, (j + 1) * page_size))
+        n = rows.stop - rows.start
+        k_pool[page], v_pool[page] = huge(torch.float16), huge(torch.float16)  # the unused tail: loud if read
+        k_pool[page, :n], v_pool[page, :n] = k[rows].to(KERNEL_DEVICE), v[rows].to(KERNEL_DEVICE)
+    q = torch.randn(1, q_heads, head_dim, generator=g).half()
+    block_tables = torch.tensor([pages], dtype=torch.int32)
+    lengths = torch.tensor([length], dtype=torch.int32)
+    out = paged_attention(*on(KERNEL_DEVICE, q), k_pool, v_pool, *on(KERNEL_DEVICE, block_tables, lengths))
+    # Same tolerances as the float16 test above. Without the cast, the pages past 2**31 would be read
+    # from a wrapped (negative) offset: another part of memory, or a crash of the test process.
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, [k], [v]), atol=ATOL, rtol=FP16_RTOL)
+
+
+@needs_triton
+@settings(max_examples=20)
+@given(page_size=st.sampled_from([1, 2, 3, 5, 8, 16]),
+       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+       kv_heads=st.integers(1, 3), group=st.sampled_from([1, 3, 4]),
+       head_dim=st.sampled_from([16, 24, 64, 128]), seed=st.integers(0, 2**16))
+def test_triton_kernel_matches_dense_attention_property(page_size, lengths, kv_heads, group, head_dim, seed):
+    # Against the dense oracle, not against paged_attention_reference: the oracle reads each sequence's
+    # own keys and values before they were paged, so a bug the two paged versions shared (a wrong page
+    # order, say) could not hide. Examples are fixed by the Hypothesis profile in tests/conftest.py.
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged(lengths, page_size, kv_heads * group, kv_heads,
+                                                               head_dim, seed=seed)
+    out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, block_tables, lens))
+    torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+def test_a_length_that_fills_the_block_table_is_accepted():
+    # The boundary of the capacity check: max_pages * page_size positions fit exactly.
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([12, 5], 4, 4, 2, 16, extra_pages=0)
+    assert block_tables.shape[1] * 4 == 12
+    out = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
+    torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+    if triton_paged.triton is not None:
+        out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, block_tables, lens))
+        torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+def test_decode_attention_uses_the_cpu_version_off_the_gpu():
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4, 9], 4, 6, 2, 16)
+    assert torch.equal(decode_attention(q, k_pool, v_pool, block_tables, lens),
+                       paged_attention_cpu(q, k_pool, v_pool, block_tables, lens))
+
+
+@pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", KERNEL_CASES)
+def test_cpu_version_matches_the_readable_reference(page_size, lengths, q_heads, kv_heads, head_dim):
+    # Both compute in float32 from the same inputs, in different orders: ATOL as above.
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged(lengths, page_size, q_heads, kv_heads, head_dim)
+    torch.testing.assert_close(paged_attention_cpu(q, k_pool, v_pool, block_tables, lens),
+                               paged_attention_reference(q, k_pool, v_pool, block_tables, lens), atol=ATOL, rtol=0)
+
+
+@needs_triton
+def test_kernel_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.setattr(triton_paged, "INTERPRETED", False)
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4], 4, 2, 2, 16)
+    with pytest.raises(RuntimeError, match=r"on cpu.*TRITON_INTERPRET=1.*paged_attention_reference"):
+        paged_attention(q, k_pool, v_pool, block_tables, lens)
+
+
+def test_kernel_without_triton_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(triton_paged, "triton", None)
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4], 4, 2, 2, 16)
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        paged_attention(q, k_pool, v_pool, block_tables, lens)
+
+
+def _replace(name, value):
+    """A mutation of the valid arguments: set one of them to value(args)."""
+    def mutate(args):
+        args[name] = value(args)
+    return mutate
+
+
+BAD_INPUTS = [
+    ("q is not a tensor", _replace("q", lambda a: a["q"].tolist()), TypeError, "q must be a torch.Tensor"),
+    ("q rank", _replace("q", lambda a: a["q"][:, None]), ValueError, r"q must have rank 3"),
+    ("k_pool rank", _replace("k_pool", lambda a: a["k_pool"][0]), ValueError, r"k_pool must have rank 4"),
+    ("lengths rank", _replace("lengths", lambda a: a["lengths"][:, None]), ValueError, r"lengths must have rank 1"),
+    ("devices", _replace("lengths", lambda a: a["lengths"].to("meta")), ValueError, r"one device.*lengths on meta"),
+    ("q dtype", _replace("q", lambda a: a["q"].to(torch.int64)), TypeError, r"q must be a floating-point"),
+    ("pool dtype", _replace("v_pool", lambda a: a["v_pool"].double()), TypeError, r"v_pool must have q's dtype"),
+    ("pool shapes", _replace("v_pool", lambda a: a["v_pool"][:, :2]), ValueError, r"v_pool must have k_pool's shape"),
+    ("head_dim", _replace("q", lambda a: a["q"][..., :8]), ValueError, r"head_dim 16 .* q's head_dim 8"),
+    ("GQA", _replace("q", lambda a: torch.cat([a["q"], a["q"][:, :1]], dim=1)), ValueError,
+     r"q_heads 5 .* multiple of kv_heads 2"),
+    ("table dtype", _replace("block_tables", lambda a: a["block_tables"].long()), TypeError,
+     r"block_tables must be int32, got torch.int64"),
+    ("table batch", _replace("block_tables", lambda a: a["block_tables"][:1]), ValueError,
+     r"block_tables must be \[batch=2, max_pages\], got shape \(1, "),
+    ("lengths dtype", _replace("lengths", lambda a: a["lengths"].long()), TypeError,
+     r"lengths must be int32, got torch.int64"),
+    ("lengths batch", _replace("lengths", lambda a: a["lengths"][:1]), ValueError,
+     r"lengths must be \[batch=2\], got shape \(1,\)"),
+    ("length too long", _replace("lengths", lambda a: torch.tensor([5, 21], dtype=torch.int32)), ValueError,
+     r"length of 21 exceeds .* max_pages 5 \* page_size 4 = 20"),
+    ("zero length", _replace("lengths", lambda a: torch.tensor([0, 9], dtype=torch.int32)), ValueError,
+     r"at least 1 .* lengths \[0, 9\]"),
+    ("page id", _replace("block_tables", lambda a: a["block_tables"] + 100), ValueError,
+     r"page ids from 100 to \d+, but the pool has \d+ pages"),
+    ("negative page id", _replace("block_tables", lambda a: a["block_tables"] - 1), ValueError,
+     r"page ids from -1 to"),
+    ("empty batch", lambda a: a.update(q=a["q"][:0], block_tables=a["block_tables"][:0], lengths=a["lengths"][:0]),
+     ValueError, r"batch 0"),
+]
+
+
+@pytest.mark.parametrize("kernel", [
+    paged_attention_reference,
+    paged_attention_cpu,
+    pytest.param(paged_attention, marks=needs_triton),
+])
+@pytest.mark.parametrize("mutate, error, message", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_raise_typed_errors(kernel, mutate, error, message):
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([5, 9], 4, 4, 2, 16)  # 3 + 2 padding pages
+    args = dict(q=q, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, lengths=lens)
+    mutate(args)
+    with pytest.raises(error, match=message):
+        kernel(**args)
