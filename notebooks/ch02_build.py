@@ -38,7 +38,7 @@ from IPython.display import display
 from tqdm.auto import tqdm
 
 from lab import results
-from lab.cache import ConcatCache, StaticCache
+from lab.cache import StaticCache, make_cache
 from lab.experiments import ch02_build as ch02
 from lab.models import forward, forward_cached, llama, load
 
@@ -230,16 +230,17 @@ print("greedy continuation:", repr(smol.tokenizer.decode(my_tokens)))
 #   positions into it by index (`k_buf[layer, :, :, start:end] = k`), as gpt-fast does.
 #
 # `lab.models.forward_cached` is our `my_forward_cached` for both model families, with the same four
-# changes. We run the same greedy decode (same chunks) through both designs and compare with our
+# changes; there the cache's own `attend(i, q, k, v)` stores the new keys and values and applies the
+# offset mask, as our `attend` does. `lab.cache.make_cache(design, config, max_tokens)` builds either
+# design by name. We run the same greedy decode (same chunks) through both designs and compare with our
 # version; they do the same arithmetic, so we hold them to the same tolerance.
 
 # %%
-designs = {"ConcatCache": lambda: ConcatCache(cfg),
-           "StaticCache": lambda: StaticCache(cfg, max_tokens=prompt.shape[1] + n_new + 1)}
 rows = {}
-for name, make in designs.items():
-    toks, lg = greedy_cached(prompt, n_new, lambda ids, c: forward_cached(ids, smol.weights, cfg, c), make())
-    rows[name] = {"same tokens as ours": toks == my_tokens,
+for design in ch02.DESIGNS:  # "concat": a ConcatCache, "static": a StaticCache
+    cache = make_cache(design, cfg, max_tokens=prompt.shape[1] + n_new + 1)
+    toks, lg = greedy_cached(prompt, n_new, lambda ids, c: forward_cached(ids, smol.weights, cfg, c), cache)
+    rows[type(cache).__name__] = {"same tokens as ours": toks == my_tokens,
                   "largest |Δ logit| vs ours": (lg - my_logits).abs().max().item(),
                   "largest |Δ logit| vs recomputation": (lg - ref_logits).abs().max().item()}
     assert toks == my_tokens and (lg - my_logits).abs().max() <= tol

@@ -22,8 +22,8 @@ def test_ch02_mask_offset_check_fails_wrong_masks():
 
 
 def test_ch02_mask_offset_check_rejects_labs_own_mask():
-    from lab.models import attention
-    from lab.models.attention import offset_causal_mask
+    from lab.cache import base
+    from lab.cache.base import offset_causal_mask
 
     with pytest.raises(AssertionError, match="lab's own offset_causal_mask"):  # imported as it is
         ch02.check_mask_offset(offset_causal_mask)
@@ -37,8 +37,8 @@ def test_ch02_mask_offset_check_rejects_labs_own_mask():
         ch02.check_mask_offset(held_in_a_closure)
     # looked up at call time through the module: lab's function is a stub that raises while the check runs
     with pytest.raises(AssertionError, match="called lab's offset_causal_mask"):
-        ch02.check_mask_offset(lambda start, T: attention.offset_causal_mask(start, T))
-    assert attention.offset_causal_mask is offset_causal_mask  # restored afterwards
+        ch02.check_mask_offset(lambda start, T: base.offset_causal_mask(start, T))
+    assert base.offset_causal_mask is offset_causal_mask  # restored afterwards
 
 
 def test_ch02_sequences_check():

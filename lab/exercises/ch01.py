@@ -73,7 +73,7 @@ def check_bidirectional_attention(attend):
     Then the check shows what the answer breaks: with it, changing the last token moves the logits of
     every earlier position, so no earlier position's keys and values could be reused.
     """
-    from ..models import gpt2
+    from ..experiments.ch01_recompute import forward_with_attention
 
     def guarded(i, q, k, v):
         patches = [mock.patch.object(F, "scaled_dot_product_attention", side_effect=AssertionError(
@@ -102,14 +102,9 @@ def check_bidirectional_attention(attend):
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % model.config.vocab_size
 
-    def run(x):
-        h = gpt2.embed(x, model.weights, torch.arange(x.shape[1]))
-        for i in range(model.config.n_layers):
-            h = gpt2.block(h, model.weights, i, model.config, guarded)
-        return gpt2.head(h, model.weights, model.config)[0]
-
     with torch.inference_mode():
-        moved = (run(ids) - run(changed)).abs().amax(-1)[:-1].max().item()
+        a, b = (forward_with_attention(x, model, guarded)[0] for x in (ids, changed))  # [T, V] each
+        moved = (a - b).abs().amax(-1)[:-1].max().item()
     assert moved > 1e-4, "without the mask the earlier positions should move"
     print(f"correct: without the causal mask, earlier logits move by up to {moved:.3g} when the last token changes")
     return True

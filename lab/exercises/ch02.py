@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from .. import cache as lab_cache
 from ..cache import ConcatCache, StaticCache, sizing
-from ..models import attention, forward, forward_cached, llama, load
+from ..cache import base as cache_base
+from ..models import forward, forward_cached, load
 
 
 @contextlib.contextmanager
@@ -75,27 +76,28 @@ def _filled(cell) -> bool:
     return True
 
 
+class _MaskedCache(ConcatCache):
+    """A ConcatCache whose attention uses mask_fn(start, T) -> bool `[T, start + T]` (None: is_causal=True,
+    PyTorch's triangle aligned to the top-left corner)."""
+
+    def __init__(self, config, mask_fn):
+        super().__init__(config)
+        self.mask_fn = mask_fn
+
+    def attend(self, layer, q, k, v):  # q [B, H_q, T, D]; k, v [B, H_kv, T, D] -> [B, H_q, T, D]
+        keys, values = self.update(layer, k, v)                   # [B, H_kv, start + T, D]
+        T = q.shape[2]
+        mask = self.mask_fn(keys.shape[2] - T, T) if self.mask_fn else None
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=True)
+
+
 def _chunked_logits(model, ids, chunk, mask_fn):
-    """A chunked prefill through a ConcatCache whose attention uses mask_fn(start, T) (None: is_causal)."""
-    cfg, w = model.config, model.weights
-    cache, out = ConcatCache(cfg), []
-    for s in range(0, ids.shape[1], chunk):
-        piece = ids[:, s:s + chunk]
-        T, positions = piece.shape[1], torch.arange(s, s + piece.shape[1])
-        mask = mask_fn(s, T) if mask_fn else None
-
-        def attend(i, q, k, v, mask=mask):
-            keys, values = cache.update(i, k, v)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                  enable_gqa=True)
-
-        x = llama.embed(piece, w)
-        rope_cs = llama.rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        for i in range(cfg.n_layers):
-            x = llama.block(x, w, i, cfg, attend, rope_cs)
-        cache.advance(T)
-        out.append(llama.head(x, w, cfg))
-    return torch.cat(out, dim=1)
+    """Logits `[1, T, V]` of ids `[1, T]` prefilled in chunks of `chunk` through a _MaskedCache."""
+    cache = _MaskedCache(model.config, mask_fn)
+    pieces = [forward_cached(ids[:, s:s + chunk], model.weights, model.config, cache)
+              for s in range(0, ids.shape[1], chunk)]
+    return torch.cat(pieces, dim=1)
 
 
 @torch.no_grad()
@@ -105,7 +107,7 @@ def check_mask_offset(offset_causal_mask):
     Rule: write the mask yourself. lab's own offset_causal_mask is rejected, and it raises while the
     check runs your function.
     """
-    lab_mask = attention.offset_causal_mask
+    lab_mask = cache_base.offset_causal_mask
     module = getattr(inspect.unwrap(offset_causal_mask), "__module__", "") or ""
     assert not _uses(offset_causal_mask, lab_mask) and not module.startswith(("lab.models", "lab.cache")), (
         "that is lab's own offset_causal_mask (or a wrapper of it): the exercise is to write the mask yourself")

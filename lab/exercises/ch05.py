@@ -3,7 +3,8 @@ and (open-ended) the cost of the page indirection on the reader's own machine.""
 
 import torch
 
-from ..cache import BlockManager, ConcatCache, PagedCache
+from ..cache import BlockManager, PagedCache, make_cache
+from ..data import synthetic_lengths
 from ..models import forward_cached, load
 
 
@@ -34,7 +35,7 @@ def check_speculative_rollback(speculative_step):
         assert in_use == -(-keep // page_size), (
             f"page size {page_size}: {in_use} pages in use for {keep} positions: the rejected pages were not "
             "returned to the pool")
-        clean = ConcatCache(cfg)
+        clean = make_cache("concat", cfg, keep + 1)
         forward_cached(ids[:, :keep], w, cfg, clean)
         nxt = torch.randint(0, cfg.vocab_size, (1, 1), generator=g)
         a, b = forward_cached(nxt, w, cfg, paged), forward_cached(nxt, w, cfg, clean)
@@ -74,8 +75,6 @@ def check_best_block_size(best_block_size):
     positions: the unused positions of the pool's pages, plus page_cost for every block-table entry of every
     request. Every request starts with the same shared_prefix tokens, stored once, but only in full pages;
     `lengths` are the requests' own tokens after it. The oracle simulates each candidate on a BlockManager."""
-    from ..experiments.ch05_paged import synthetic_lengths
-
     for dataset, page_cost, prefix in BLOCK_SIZE_CASES:
         i, o = synthetic_lengths(dataset, 300, seed=3)
         lengths = (i + o).tolist()

@@ -1,7 +1,10 @@
 """One module per chapter: the measurements that fill results.json (`python -m lab.experiments [chNN ...]`).
 
-Besides the chapters: gpu.py (every CUDA measurement), notebooks.py (each notebook's running time in quick
-mode), plots.py (figure size and legibility for the book's column).
+Each chapter module has `measure(quick_mode=None)` (every measurement, as plain Python values) and
+`record(m)` (write them and the figures to results.json); a notebook calls its parts one at a time, and
+`run` calls both. Besides the chapters: gpu.py (every CUDA measurement), notebooks.py (each notebook's
+running time in quick mode), library.py and memory.py (chapter 3's comparison with transformers and its
+memory probe), plots.py (figure size and legibility for the book's column).
 """
 
 from importlib import import_module
@@ -11,6 +14,16 @@ CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_saving
 
 
 def chapter(name: str):
+    """The module of a chapter: chapter("ch02") is lab.experiments.ch02_build."""
     if name not in CHAPTERS:
         raise ValueError(f"unknown chapter {name!r}; chapters: {', '.join(CHAPTERS)}")
     return import_module(f"{__name__}.{CHAPTERS[name]}")
+
+
+def run(name_or_module, quick_mode=None) -> dict:
+    """Measure a chapter and record it in results.json (a temporary file in quick mode); returns the
+    measurements. `run("ch02")` is `python -m lab.experiments ch02`."""
+    module = chapter(name_or_module) if isinstance(name_or_module, str) else name_or_module
+    m = module.measure(quick_mode)
+    module.record(m)
+    return m

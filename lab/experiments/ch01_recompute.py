@@ -1,7 +1,7 @@
 """Chapter 1, "Prefill, decode and the cost of recomputing": every measurement of the chapter.
 
-The notebook calls these functions one at a time and shows what they return; `run()` calls them all
-and records the numbers in results.json (`python -m lab.experiments ch01`).
+The notebook calls these functions one at a time and shows what they return; `measure()` calls them
+all and `record()` writes the numbers to results.json (both: `python -m lab.experiments ch01`).
 """
 
 import torch
@@ -9,10 +9,10 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import time_call
-from ..cache import bytes_per_position
+from ..cache import bytes_per_position, make_cache
 from ..engine import RecomputeBackend, generate, positions_cached, positions_uncached
 from ..metrics import logit_diff, perplexity
-from ..models import forward, load
+from ..models import forward, forward_cached, load
 from ..models.published import PUBLISHED
 from ..results import figures_dir, provenance, quick, value, write_section
 from .plots import finish
@@ -56,24 +56,16 @@ def causal_mask(model, n_tokens: int = 64, seed: int = 0) -> dict:
 
 
 def forward_with_attention(ids, model, attend):
-    """The uncached forward with another attention: `attend(i, q, k, v)` replaces causal attention.
+    """The forward of ids `[B, T]` with another attention -> logits `[B, T, V]`: `attend(i, q, k, v)`
+    (q `[B, H_q, T, D]`, k, v `[B, H_kv, T, D]`) replaces causal attention in every layer.
 
-    With `attend=causal` this is exactly `lab.models.forward` (a test checks it); with `bidirectional`
-    every position sees every other one, as in an encoder.
+    It runs `forward_cached` through a fresh cache whose attend is `attend`. With `attend=causal` this is
+    exactly `lab.models.forward` (a test checks it); with `bidirectional` every position sees every other
+    one, as in an encoder.
     """
-    from ..models import gpt2, llama
-
-    w, cfg, T = model.weights, model.config, ids.shape[1]
-    if cfg.arch == "gpt2":
-        x = gpt2.embed(ids, w, torch.arange(T))
-        for i in range(cfg.n_layers):
-            x = gpt2.block(x, w, i, cfg, attend)
-        return gpt2.head(x, w, cfg)
-    x = llama.embed(ids, w)                                                       # [B, T, D]
-    rope_cs = llama.rope_tables(torch.arange(T), cfg.head_dim, cfg.rope_theta, x.dtype)
-    for i in range(cfg.n_layers):
-        x = llama.block(x, w, i, cfg, attend, rope_cs)
-    return llama.head(x, w, cfg)                                                  # [B, T, V]
+    cache = make_cache("concat", model.config, ids.shape[1], batch_size=ids.shape[0])
+    cache.attend = lambda i, q, k, v: attend(i, q, *cache.update(i, k, v))  # forward_cached calls cache.attend
+    return forward_cached(ids, model.weights, model.config, cache)
 
 
 def causal(i, q, k, v):  # q [B, Hq, T, D], k, v [B, Hkv, T, D]: query t sees keys 0 .. t
@@ -343,10 +335,3 @@ def record(m: dict, drawn: dict | None = None):
                                       "caption": "KV cache bytes per position for published model shapes"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
-
-
-def run(quick_mode=None) -> dict:
-    """Measure and record chapter 1 (`python -m lab.experiments ch01`)."""
-    m = measure(quick_mode)
-    record(m)
-    return m

@@ -9,14 +9,13 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import time_rounds
-from ..cache import ConcatCache, StaticCache, cache_bytes
+from ..cache import ConcatCache, cache_bytes, make_cache
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
 from .plots import finish
 
 SECTION = "ch02"
-DESIGNS = {"concat": lambda cfg, n, B=1: ConcatCache(cfg, batch_size=B),
-           "static": lambda cfg, n, B=1: StaticCache(cfg, max_tokens=n, batch_size=B)}
+DESIGNS = ("concat", "static")  # lab.cache.make_cache's names of the two contiguous caches
 
 
 def settings(quick_mode: bool) -> dict:
@@ -37,7 +36,7 @@ def step_agreement(model, design: str, prompt_len=17, steps=48) -> dict:
     cfg, w = model.config, model.weights
     ids = torch.tensor([data.passages(model.tokenizer, prompt_len, 1)[0]]) if model.tokenizer.vocab_size > 256 \
         else torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    cache = DESIGNS[design](cfg, prompt_len + steps)
+    cache = make_cache(design, cfg, prompt_len + steps)
     hf = to_transformers(model)
     seq, out = ids, forward_cached(ids, w, cfg, cache)[:, -1]       # prefill: [1, V]
     hf_out = hf(ids, use_cache=True)
@@ -62,10 +61,10 @@ def chunked_prefill(model, design: str, n_tokens=150, chunks=(1, 7, 64)) -> dict
     """Prefill in chunks of c tokens against a one-shot prefill: max |Δ| over all positions' logits."""
     cfg, w = model.config, model.weights
     ids = torch.tensor([data.passages(model.tokenizer, n_tokens, 1, seed=3)[0]])
-    one_shot = forward_cached(ids, w, cfg, DESIGNS[design](cfg, n_tokens))
+    one_shot = forward_cached(ids, w, cfg, make_cache(design, cfg, n_tokens))
     out = {}
     for c in chunks:
-        cache = DESIGNS[design](cfg, n_tokens)
+        cache = make_cache(design, cfg, n_tokens)
         pieces = [forward_cached(ids[:, s:s + c], w, cfg, cache) for s in range(0, n_tokens, c)]
         out[c] = (torch.cat(pieces, dim=1) - one_shot).abs().max().item()
     return out
@@ -76,7 +75,7 @@ def fork_check(model, design: str, prefix=512) -> dict:
     """Fork a cache after a long prefix and continue parent and child with different tokens."""
     cfg, w = model.config, model.weights
     ids = torch.tensor([data.passages(model.tokenizer, prefix, 1, seed=4)[0]])
-    parent = DESIGNS[design](cfg, prefix + 1)
+    parent = make_cache(design, cfg, prefix + 1)
     forward_cached(ids, w, cfg, parent)
     snapshot = [t.clone() for t in _tensors(parent)]
     child = parent.fork()
@@ -93,6 +92,8 @@ def fork_check(model, design: str, prefix=512) -> dict:
 
 
 def _tensors(cache):
+    """The stored keys and values: a ConcatCache's per layer, `[B, H_kv, length, D]` each, or views
+    `[L, B, H_kv, length, D]` of a StaticCache's two buffers."""
     if isinstance(cache, ConcatCache):
         return [t[:, :, :cache.length] for t in cache.keys + cache.values]
     return [cache.k_buf[:, :, :, :cache.length], cache.v_buf[:, :, :, :cache.length]]
@@ -112,7 +113,7 @@ def crop_check(model, design: str, keep=40, extra=9, cont=5) -> float:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (1, keep + extra), generator=g)
     more = torch.randint(0, cfg.vocab_size, (1, cont), generator=g)
-    cropped, clean = DESIGNS[design](cfg, keep + extra + cont), DESIGNS[design](cfg, keep + extra + cont)
+    cropped, clean = (make_cache(design, cfg, keep + extra + cont) for _ in range(2))
     forward_cached(ids, w, cfg, cropped)
     cropped.crop(keep)
     forward_cached(ids[:, :keep], w, cfg, clean)
@@ -121,7 +122,7 @@ def crop_check(model, design: str, keep=40, extra=9, cont=5) -> float:
 
 def bytes_check(model, design: str, tokens=100, batch=2) -> dict:
     cfg = model.config
-    cache = DESIGNS[design](cfg, tokens, batch)
+    cache = make_cache(design, cfg, tokens, batch)
     with torch.inference_mode():
         forward_cached(torch.zeros(batch, tokens, dtype=torch.long), model.weights, cfg, cache)
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(cache)}.values())
@@ -133,7 +134,7 @@ def decode_step_times(model, context=512, rounds=15) -> dict:
     (each cache is cropped back to `context` before every step, untimed)."""
     cfg, w = model.config, model.weights
     ids = torch.tensor([data.passages(model.tokenizer, context + 1, 1, seed=6)[0]])
-    caches = {d: DESIGNS[d](cfg, context + 1) for d in DESIGNS}
+    caches = {d: make_cache(d, cfg, context + 1) for d in DESIGNS}
     with torch.inference_mode():
         for cache in caches.values():
             forward_cached(ids[:, :context], w, cfg, cache)
@@ -239,9 +240,3 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                                         "per decode step"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
-
-
-def run(quick_mode=None) -> dict:
-    m = measure(quick_mode)
-    record(m)
-    return m

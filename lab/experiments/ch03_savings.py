@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import time_rounds
-from ..cache import StaticCache, cache_bytes, make_cache
+from ..cache import cache_bytes, make_cache
 from ..engine import CachedBackend, RecomputeBackend, generate
 from ..models import forward, forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
@@ -129,7 +129,7 @@ def attention_share(model, contexts, rounds=15, warmup=1, progress=True) -> dict
     out = {}
     for T in tqdm(contexts, desc=f"attention share {model.name}", disable=not progress):
         g = torch.Generator().manual_seed(T)
-        cache = StaticCache(cfg, T + 1, device=device)
+        cache = make_cache("static", cfg, T + 1, device=device)
         shape = (1, cfg.n_kv_heads, T, cfg.head_dim)                                    # [1, H_kv, T, D]
         for i in range(cfg.n_layers):
             cache.update(i, torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device))
@@ -178,9 +178,8 @@ def end_to_end(model, prompt_len=17, new_tokens=32) -> dict:
     """The engine generating greedily through three backends: positions counted, time per token."""
     prompt = data.passages(model.tokenizer, prompt_len, 1)[0]
     n = prompt_len + new_tokens
-    backends = {"recompute": RecomputeBackend(model),
-                "concat": CachedBackend(model, lambda: make_cache("concat", model.config, n)),
-                "static": CachedBackend(model, lambda: make_cache("static", model.config, n))}
+    backends = {"recompute": RecomputeBackend(model)}
+    backends |= {d: CachedBackend(model, lambda d=d: make_cache(d, model.config, n)) for d in ("concat", "static")}
     out = {}
     for name, backend in backends.items():
         generate(backend, prompt, 2)                          # warm-up
@@ -388,9 +387,3 @@ def library_values(lib: dict) -> dict:
         out[name]["tokens_match"] = value(r["tokens_match"], None)
         out[name]["context"] = value(r["context"], "tokens")
     return out
-
-
-def run(quick_mode=None) -> dict:
-    m = measure(quick_mode)
-    record(m)
-    return m

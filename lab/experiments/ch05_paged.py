@@ -6,7 +6,6 @@ vLLM paper published for ShareGPT and Alpaca. No real trace ships in any package
 these lengths says so.
 """
 
-import math
 import statistics
 
 import numpy as np
@@ -16,22 +15,21 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import flush_caches, time_rounds
-from ..cache import BlockManager, ConcatCache, PagedCache, cache_bytes
+from ..cache import BlockManager, cache_bytes, make_cache
 from ..engine import CachedBackend, generate
 from ..kernels import paged_attention_cpu
+from ..kernels.pages import paged_copy
 from ..models import forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
 from . import plots
 from .plots import finish
 
 SECTION = "ch05"
-DATASETS = {"ShareGPT": (161.31, 337.99), "Alpaca": (19.31, 58.45)}  # mean input, mean output (vLLM paper)
-SIGMA = 1.0            # log-normal shape: an assumption (the paper gives means, not spreads); said in the chapter
-MAX_LEN = 2048         # the contiguous reservation "at the maximum length"
 ANSWER_BUDGET = 512    # max_new_tokens of the "prompt plus answer budget" reservation
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 LONG_CONTEXT = 4096   # the context where the speed comparison is repeated: caches flushed, one thread, in turns
-SYNTHETIC = "synthetic lengths: log-normal, sigma 1.0, means of the vLLM paper's ShareGPT / Alpaca statistics"
+SYNTHETIC = (f"synthetic lengths: log-normal, sigma {data.LENGTH_SIGMA}, means of the vLLM paper's ShareGPT / "
+             "Alpaca statistics")  # lab.data.synthetic_lengths
 
 
 def settings(quick_mode: bool) -> dict:
@@ -42,21 +40,11 @@ def settings(quick_mode: bool) -> dict:
                 page_sizes=(1, 16, 64), new_tokens=24, manager_requests=2000)
 
 
-def synthetic_lengths(dataset: str, n: int, seed=0):
-    """(inputs, outputs): n request lengths, log-normal with the dataset's published means, in [1, MAX_LEN]."""
-    mean_in, mean_out = DATASETS[dataset]
-    rng = np.random.default_rng(seed)
-    draw = lambda mean: np.exp(rng.normal(math.log(mean) - SIGMA**2 / 2, SIGMA, n))  # E[x] = mean before rounding
-    inputs = np.clip(np.rint(draw(mean_in)), 1, MAX_LEN // 2).astype(int)
-    outputs = np.clip(np.rint(draw(mean_out)), 1, MAX_LEN - inputs).astype(int)
-    return inputs, outputs
-
-
 def reserved(inputs, outputs, scheme: str, block: int = 16):
     """Positions reserved per request, at completion, under each scheme."""
     real = inputs + outputs
     if scheme == "contiguous_max":
-        return np.full_like(real, MAX_LEN)
+        return np.full_like(real, data.MAX_REQUEST_LEN)
     if scheme == "contiguous_budget":
         return inputs + ANSWER_BUDGET
     if scheme == "paged":
@@ -95,23 +83,6 @@ def concurrency(inputs, outputs, budget_positions: int) -> dict:
         out[scheme if scheme != "paged" else "paged_16"] = int(np.searchsorted(np.cumsum(need), budget_positions,
                                                                                side="right"))
     return out
-
-
-def paged_copy(k, v, page_size, generator):
-    """The same keys and values `[B, H_kv, L, D]` written into pages scattered at random in a pool.
-
-    Returns pools `[B * P, page_size, H_kv, D]`, block tables int32 `[B, P]` and lengths int32 `[B]`.
-    """
-    B, H, L, D = k.shape
-    P = math.ceil(L / page_size)
-    tables = torch.randperm(B * P, generator=generator).view(B, P).to(torch.int32)
-    pools = []
-    for x in (k, v):
-        pages = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, P * page_size - L)).reshape(B, P, page_size, H, D)
-        pool = torch.zeros(B * P, page_size, H, D, dtype=x.dtype)
-        pool[tables.long()] = pages
-        pools.append(pool)
-    return pools[0], pools[1], tables, torch.full((B,), L, dtype=torch.int32)
 
 
 @torch.inference_mode()
@@ -176,45 +147,39 @@ def decode_attention_times(contexts, batches, reps=9, repeats=3) -> dict:
 
 @torch.inference_mode()
 def token_agreement(model, page_sizes=(1, 16, 64), prompt=37, new_tokens=24) -> dict:
-    """Greedy decoding through a PagedCache against a ConcatCache, token for token, and the logits."""
+    """Greedy decoding through a PagedCache against a ConcatCache, per page size: are the tokens identical,
+    and the max and median over steps of the largest |Δ logit| (both caches fed the same tokens)."""
+    w, cfg, n = model.weights, model.config, prompt + new_tokens
     ids = data.passages(model.tokenizer, prompt, count=1, seed=21)[0]  # 37: crosses page boundaries
-    ref = CachedBackend(model, lambda: ConcatCache(model.config))
-    want = generate(ref, ids, new_tokens).tokens
+    want = generate(CachedBackend(model, lambda: make_cache("concat", cfg, n)), ids, new_tokens).tokens
     out = {}
     for ps in page_sizes:
-        backend = CachedBackend(model, lambda ps=ps: PagedCache(model.config, prompt + new_tokens + ps, page_size=ps))
-        got = generate(backend, ids, new_tokens).tokens
-        # logits at every step, against the concatenating cache
-        paged, concat = PagedCache(model.config, prompt + new_tokens + ps, page_size=ps), ConcatCache(model.config)
-        seq, diffs = torch.tensor([ids]), []
-        a, b = forward_cached(seq, model.weights, model.config, paged), forward_cached(seq, model.weights, model.config,
-                                                                                       concat)
-        for t in want:
-            diffs.append((a[:, -1] - b[:, -1]).abs().max().item())
-            tok = torch.tensor([[t]])
-            a, b = forward_cached(tok, model.weights, model.config, paged), forward_cached(tok, model.weights,
-                                                                                           model.config, concat)
+        paged = lambda ps=ps: make_cache("paged", cfg, n + ps, page_size=ps)
+        got = generate(CachedBackend(model, paged), ids, new_tokens).tokens
+        caches, diffs = (paged(), make_cache("concat", cfg, n)), []
+        for x in [torch.tensor([ids])] + [torch.tensor([[t]]) for t in want[:-1]]:  # prefill, then each step
+            a, b = (forward_cached(x, w, cfg, c)[:, -1] for c in caches)                # [1, V] each
+            diffs.append((a - b).abs().max().item())
         out[ps] = dict(identical=got == want, max_diff=max(diffs), median_diff=statistics.median(diffs))
     return out
 
 
 @torch.inference_mode()
 def ragged_batch(model, lengths=(5, 16, 17, 40), new_tokens=12, page_size=16) -> dict:
-    """Sequences of different lengths prefilled one by one, then decoded together in one batch."""
+    """Sequences of different lengths prefilled one by one, then decoded together in one batch of a
+    PagedCache; the tokens against each sequence generated alone."""
+    w, cfg = model.weights, model.config
     prompts = [data.passages(model.tokenizer, n, count=1, seed=30 + n)[0] for n in lengths]
-    cache = PagedCache(model.config, sum(lengths) + len(lengths) * (new_tokens + page_size), page_size=page_size,
-                       batch_size=len(lengths))
-    last = []
-    for row, p in enumerate(prompts):                                   # prefill each row on its own
-        last.append(forward_cached(torch.tensor([p]), model.weights, model.config, cache.select([row]))[0, -1])
+    cache = make_cache("paged", cfg, max(lengths) + new_tokens, batch_size=len(lengths), page_size=page_size)
+    last = [forward_cached(torch.tensor([p]), w, cfg, cache.select([row]))[0, -1]  # prefill each row on its own
+            for row, p in enumerate(prompts)]
     tokens = [[int(x.argmax())] for x in last]
     for _ in range(new_tokens - 1):                                     # then decode all rows at once
-        logits = forward_cached(torch.tensor([[t[-1]] for t in tokens]), model.weights, model.config, cache)
+        logits = forward_cached(torch.tensor([[t[-1]] for t in tokens]), w, cfg, cache)   # [B, 1, V]
         for row, t in enumerate(tokens):
             t.append(int(logits[row, -1].argmax()))
-    alone = []
-    for p in prompts:                                                   # each sequence on its own, for reference
-        alone.append(generate(CachedBackend(model, lambda: ConcatCache(model.config)), p, new_tokens).tokens)
+    alone = [generate(CachedBackend(model, lambda p=p: make_cache("concat", cfg, len(p) + new_tokens)), p,
+                      new_tokens).tokens for p in prompts]              # each sequence on its own, for reference
     return dict(identical=tokens == alone, lengths=list(lengths), tokens=tokens)
 
 
@@ -223,7 +188,7 @@ def plot_utilization(util: dict, path=None):
     for name, u in util.items():
         ax.plot(BLOCK_SIZES, [u[f"paged_{b}"] for b in BLOCK_SIZES], "o-", label=f"{name}: pages")
         color = ax.lines[-1].get_color()
-        ax.axhline(u["contiguous_max"], ls=":", color=color, label=f"{name}: contiguous, {MAX_LEN:,}")
+        ax.axhline(u["contiguous_max"], ls=":", color=color, label=f"{name}: contiguous, {data.MAX_REQUEST_LEN:,}")
         ax.axhline(u["contiguous_budget"], ls="--", color=color,
                    label=f"{name}: contiguous, prompt + {ANSWER_BUDGET}")
     ax.set(xscale="log", ylim=(0, 1.02), xlabel="page size (positions per page)",
@@ -240,7 +205,7 @@ def plot_block_tables(path=None):
     import matplotlib.pyplot as plt
 
     model = load("tiny-llama")
-    cache = PagedCache(model.config, 24 * 4, page_size=4, batch_size=3)
+    cache = make_cache("paged", model.config, 32, batch_size=3, page_size=4)  # a pool of 24 pages
     g = torch.Generator().manual_seed(0)
     for row, n in enumerate((9, 4, 14)):
         forward_cached(torch.randint(0, 320, (1, n), generator=g), model.weights, model.config, cache.select([row]))
@@ -308,7 +273,7 @@ def plot_speed(times: dict, path=None):
 def measure(quick_mode=None) -> dict:
     s = settings(quick() if quick_mode is None else quick_mode)
     smol = load("smollm2")
-    lengths = {d: synthetic_lengths(d, s["requests"], seed=i) for i, d in enumerate(DATASETS)}
+    lengths = {d: data.synthetic_lengths(d, s["requests"], seed=i) for i, d in enumerate(data.REQUEST_DATASETS)}
     budget = 2**30 // cache_bytes(smol.config, 1, 1, torch.float16)    # positions in 1 GiB of 16-bit SmolLM2 cache
     return dict(
         settings=s, manifest=smol.manifest,
@@ -376,9 +341,3 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                          "caption": "Decode attention over pages against a contiguous cache, CPU"}}
     write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
     return values
-
-
-def run(quick_mode=None) -> dict:
-    m = measure(quick_mode)
-    record(m)
-    return m

@@ -55,7 +55,7 @@ def kernel_case(B, L, s, gpu) -> dict:
 
     from ..bench import time_call
     from ..kernels import paged_attention
-    from .ch05_paged import paged_copy
+    from ..kernels.pages import paged_copy
 
     (Hq, Hkv), D, dtype, device = s["kernel_heads"], s["kernel_head_dim"], s["kernel_dtype"], s["device"]
     g = torch.Generator().manual_seed(L + B)
@@ -117,7 +117,7 @@ def run(dry_run=False):
         record_not_run("no CUDA device on the machine that ran `make results`; run "
                        "`LAB_FULL=1 python -m lab.experiments.gpu` on a machine with a GPU")
         return None
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # the whole script's wall time, read once (every measurement times through lab.bench)
     values = {"step_ms": {}, "speedup": {}, "memory": {}}
     manifests = {}
     for name in s["models"]:

@@ -44,7 +44,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..bench import _sync
+from ..bench import sync
 from ..cache import cache_bytes, make_cache
 from ..models import forward_cached, load
 from ..results import REPO_ROOT
@@ -91,8 +91,8 @@ def measure(model_name, design, batch_size, tokens, prompt=16, device="cpu", see
     ids = torch.randint(0, cfg.vocab_size, (batch_size, prompt), generator=g).to(device)  # [B, P]
 
     # warm-up on a throwaway cache of the same design, so torch's lazy first-use allocations are in the baseline
-    decode_until(model, make_cache(design, cfg, prompt + 4, batch_size, device), ids, prompt + 4)
-    _sync(device)
+    decode_until(model, make_cache(design, cfg, prompt + 4, batch_size, device=device), ids, prompt + 4)
+    sync(device)
     gc.collect()
     trimmed = release_free_memory()
 
@@ -107,11 +107,11 @@ def measure(model_name, design, batch_size, tokens, prompt=16, device="cpu", see
         nonlocal peak_rss
         peak_rss = max(peak_rss, proc.memory_info().rss)
 
-    t0 = time.perf_counter()
-    cache = make_cache(design, cfg, tokens, batch_size, device)
+    t0 = time.perf_counter()  # the run's wall time, read once for the record (this probe measures memory)
+    cache = make_cache(design, cfg, tokens, batch_size, device=device)
     on_step()  # a static cache's whole buffer exists from here on
     decode_until(model, cache, ids, tokens, on_step)
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
 
     ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
