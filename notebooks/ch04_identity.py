@@ -21,8 +21,9 @@
 #
 # This chapter writes down what a state is the state *of* as a key: a hash of everything the
 # computation depended on. We build a minimal key in a few lines, compare it with `lab`'s `prefix_key`,
-# put the key in front of every call of a cached backend, and then break the rule seven ways on purpose
-# to measure what each break does to the scores.
+# put the key in front of every call of a cached backend, and make the cache itself remember which model
+# filled it — weights changed in place included, as when a policy learns between rollouts. Then we break
+# the rule eight ways on purpose to measure what each break does to the scores.
 
 # %%
 import platform
@@ -32,10 +33,11 @@ import torch
 import transformers
 
 from lab import results
-from lab.cache import ConcatCache, StaticCache
-from lab.engine import identity_of, key_for, prefix_key
+from lab.cache import CacheMismatchError, ConcatCache, StaticCache
+from lab.engine import CachedBackend, identity_of, key_for, prefix_key
 from lab.experiments import ch04_identity as ch04
-from lab.models import load
+from lab.models import load, owner
+from lab.models.load import scaled_copy
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
@@ -104,7 +106,8 @@ print("minimal key:", minimal_key(smol.manifest, vocab_hash, "torch.float32", id
 # precision, another tenant, another cache kind, another RoPE base set at run time, another chat template.
 
 # %%
-scaled = ch04.scaled_mlp_model(smol)   # same shapes, other weights: a manifest of its own
+middle = smol.config.n_layers // 2   # same shapes, other weights: a manifest of its own
+scaled = scaled_copy(smol, ch04.ADAPTER_WEIGHT.format(layer=middle), 1.02)
 edited = type(tok)(tok.tok, tok.chat_template.replace("You are a helpful AI assistant", "You are a pirate"),
                    tok.special)        # the same vocabulary under another chat template
 base = dict(manifest=smol.manifest, ids=ids, tokenizer=tok.sha256, vocab=vocab_hash, dtype="torch.float32",
@@ -144,8 +147,9 @@ pd.DataFrame(rows).set_index("change")
 #
 # - **ids**: a cache built for another prompt, a buffer not reset between requests, draft tokens left in
 #   the cache after a rejection — all three are "the wrong ids", and all three are measured below.
-# - **manifest**: a fine-tune, an adapter, a requantization. The shapes are the same, so a wrong state
-#   fits, and the difference it makes is small enough to go unnoticed (measured below).
+# - **manifest**: a fine-tune, an adapter, a requantization, an optimizer step applied to the weights in
+#   place. The shapes are the same, so a wrong state fits, and the difference it makes is small enough to
+#   go unnoticed (measured below).
 # - **dtypes**: a state written in bfloat16 and read by a float32 model is off by the rounding of every
 #   stored key and value.
 # - **tokenizer and chat template**: they decide which ids a text or a conversation becomes. With equal
@@ -202,6 +206,113 @@ pd.Series({k: v for k, v in eng.items()}, name="engine check").to_frame()
 # other call, the same tokens as recomputation, and a fraction of the positions pushed through the model.
 
 # %% [markdown]
+# ## Weights that change in place
+#
+# A manifest is a hash of the weight files. In a reinforcement-learning loop the weights are not files:
+# the trainer updates the policy in place between rollouts, and an inference server that serves the same
+# tensors keeps its prefix cache. The files still say what they said; the tensors do not. Hashing every
+# tensor on every call would notice, at a cost of tenths of a second a call.
+#
+# PyTorch already counts changes: every tensor has a **version counter** that each in-place operation
+# (`add_`, `copy_`, an optimizer step) increments, and a storage address (`data_ptr()`) that names the
+# memory it lives in. The pair, over every weight, names the state of the weights without reading them.
+# `Model.manifest` compares it with the state it last hashed, and hashes the tensors again only when it
+# moved; `lab.models.checks.owner(weights, config)` is the config and that state.
+#
+# Try it on a private copy of SmolLM2 (the shared model is never changed), with the update of one Adam
+# step: each element moves by the learning rate (`ch04.STEP_LR`), in a random direction.
+
+# %%
+policy = ch04.private_copy(smol)
+w0 = policy.weights["model.embed_tokens.weight"]
+print("embedding: storage", hex(w0.data_ptr()), "version", w0._version, "| manifest", policy.manifest[:16], "...")
+ch04.optimizer_step(policy.weights, ch04.step_signs(policy.weights))
+print("embedding: storage", hex(w0.data_ptr()), "version", w0._version, "| manifest", policy.manifest[:16], "...")
+assert policy.manifest != smol.manifest
+
+# %% [markdown]
+# Same storage, a new version, another manifest: a `CachedBackend` that holds a state of the old weights
+# computes another identity on its next call, and recomputes.
+#
+# ### The cache records who filled it
+#
+# A key protects the states a backend hands out. A cache object can also be passed around by code that
+# never computes a key: a static buffer reused between requests, a cache kept across a weight update.
+# So the cache itself records its **owner** — `owner(weights, config)` of the model that filled it —
+# and `forward_cached` refuses to continue it with another model (`CacheMismatchError`) until it is
+# reset. An empty cache takes any owner. The check reads storages and version counters, not values.
+
+# %%
+policy = ch04.private_copy(smol)
+cache = ch04.prefill(policy, ids)                    # filled by the policy before its update
+print("cache.owner: config", cache.owner[0].name, "and", len(cache.owner[1]), "(storage, version) pairs")
+assert cache.owner == owner(policy.weights, policy.config)
+ch04.optimizer_step(policy.weights, ch04.step_signs(policy.weights))
+assert cache.owner != owner(policy.weights, policy.config)   # the versions moved
+try:
+    ch04.step(policy, ids[-1], cache)
+except CacheMismatchError as e:
+    print("refused:", e)
+try:
+    ch04.step(scaled, ids[-1], ch04.prefill(smol, ids))  # another model of the same shapes
+except CacheMismatchError:
+    print("refused: the scaled copy continuing a cache of SmolLM2")
+cache.reset()                                        # empty: the updated policy may fill it anew
+print("after reset(), the updated policy fills it:", ch04.prefill(policy, ids, cache).length, "positions")
+del policy, cache
+
+# %% [markdown]
+# What the version counter cannot see: a write PyTorch does not count. On a small model, try the usual ways
+# of changing a weight and ask the manifest whether it noticed:
+
+# %%
+def noticed(change):
+    m = ch04.private_copy(load("tiny-llama"))
+    w = m.weights["model.layers.0.mlp.down_proj.weight"]
+    before = m.manifest
+    change(w)
+    return m.manifest != before
+
+
+def adam_step(w, **options):
+    p = torch.nn.Parameter(w.detach())                # shares w's storage and version counter
+    opt = torch.optim.Adam([p], lr=1e-3, **options)
+    p.grad = torch.ones_like(p)
+    opt.step()
+
+
+writes = {"an in-place op, w.add_(...)": lambda w: w.add_(1e-3),
+          "Adam step (foreach)": lambda w: adam_step(w, foreach=True),
+          "Adam step (fused)": lambda w: adam_step(w, fused=True),
+          "a write through w.data": lambda w: w.data.add_(1e-3),
+          "a write through a NumPy view": lambda w: w.numpy().__iadd__(1e-3)}
+seen = {what: "noticed" if noticed(f) else "MISSED" for what, f in writes.items()}
+assert seen["an in-place op, w.add_(...)"] == seen["Adam step (foreach)"] == "noticed"
+pd.Series(seen, name="manifest after the write").to_frame()
+
+# %% [markdown]
+# Writes that bypass the counter — `.data`, a NumPy view, and kernels that write without counting (here,
+# with this PyTorch on the CPU, the fused Adam) — leave the state as it was, and only a hash of the values
+# would notice. The check is as good as the counting of the code that writes the weights.
+#
+# ## A cache touched from outside
+#
+# The backend's key says which state it *wrote*. If anyone else touches its cache object afterwards — a
+# crop, a reset, another model's forward — the key no longer describes what the cache holds. So the backend
+# also records the cache's own version counter (`cache.version`, incremented by every update, advance, crop
+# and reset) when it writes, and serves from the cache only while it is the same object, at the same
+# version, holding as many positions as the ids it believes it holds (`holds_its_state()`):
+
+# %%
+b = CachedBackend(smol, ch04.static_for(smol, 64))
+b.next_logits(ids[:-1])
+b.cache.crop(3)                                     # touched from outside
+b.next_logits(ids)
+print(f"after a crop from outside: hits {b.hits}, misses {b.misses} (the second call recomputed)")
+b.next_logits(ids + [ids[0]])
+print(f"its own state again: hits {b.hits}, misses {b.misses}")
+
+# %% [markdown]
 # ## What the check costs
 #
 # The key is a sha256 over the identity and every id, computed on every call: its cost grows with the
@@ -223,15 +334,41 @@ pd.DataFrame({T: {"prefix_key (µs)": c["key"]["median"] * 1e6, "spread, IQR (µ
 # lengths by reading the weights, grows much less. The last column is the price of the check on every
 # call. A system that hashes once per page of 16 tokens and chains the hashes (chapter 6) pays for each
 # id once instead of on every call.
+#
+# The backend's check includes reading the manifest, which compares every weight's storage and version,
+# and the step includes the cache's owner check, which computes `owner(weights, config)`: both scale with
+# the number of weight tensors (a storage and a version each), not with the context. Time them alone, and the one-off
+# rehash the manifest does after a weight changed in place:
+
+# %%
+cc = ch04.check_cost(smol, S["key_reps"], S["rehash_reps"])
+per_call = cc["manifest"]["median"] + cc["owner"]["median"]       # a hit reads the manifest once
+pd.DataFrame({"Model.manifest, weights unchanged (µs)": cc["manifest"]["median"] * 1e6,
+              "owner(weights, config) (µs)": cc["owner"]["median"] * 1e6,
+              "per call: manifest + owner (µs)": per_call * 1e6,
+              "rehash after an in-place change (s)": cc["rehash"]["median"],
+              **{f"per call / step at {T} (%)": 100 * per_call / c["step"]["median"] for T, c in kc.items()}},
+             index=["SmolLM2"]).T.round(4)
 
 # %% [markdown]
-# ## Seven ways to reuse a cache wrongly
+# Noticing in-place changes costs the same small amount on every call, whatever the context, and a rehash
+# of every weight only once a weight changed.
+
+# %% [markdown]
+# ## Eight ways to reuse a cache wrongly
 #
 # Each trial takes a prefix of held-out Shakespeare and the token that follows, builds a cache the wrong
 # way, and compares the next-token scores it gives with a correct computation (`forward` without a cache
-# on the right sequence). Then it puts the same situation to a `CachedBackend`: the backend holds the
-# state the wrong reuse started from and is asked for the right request. Does it refuse, and are its
-# scores then right?
+# on the right sequence). Where the cache itself refuses the wrong call (the two hazards that change the
+# weights), the trial records the refusal, then erases the cache's record (`cache.owner = None`) to
+# measure what the reuse would have done without it. Then it puts the same situation to a
+# `CachedBackend`: the backend holds the state the wrong reuse started from and is asked for the right
+# request. Does it refuse, and are its scores then right?
+#
+# The in-place hazard is the reinforcement-learning loop: a private copy of the weights fills the cache,
+# then takes one optimizer step in place (`ch04.STEP_LR` per element, a small fraction of a weight's
+# size, as a real step is), and the next token is read through the stale cache; the backend serves that
+# same model object.
 
 # %%
 pd.DataFrame({"what goes wrong": ch04.HAZARDS,
@@ -244,8 +381,9 @@ pd.DataFrame({"what goes wrong": ch04.HAZARDS,
 haz = ch04.hazards(smol, S["trials"], S["prefix"])
 table = pd.DataFrame({name: {"median |Δ logit|": r["delta_median"], "max |Δ logit|": r["delta_max"],
                              "same top token": f"{r['argmax_agree']}/{r['trials']}",
-                             "KL, median (nats)": r["kl_median"],
-                             "refused": f"{r['refused']}/{r['trials']}",
+                             "KL, median (nats)": f"{r['kl_median']:.2g}",
+                             "cache refuses": f"{r['refused_by_cache']}/{r['trials']}",
+                             "backend refuses": f"{r['refused']}/{r['trials']}",
                              "backend correct": f"{r['backend_correct']}/{r['trials']}"}
                       for name, r in haz.items()}).T
 table
@@ -261,13 +399,17 @@ fig = ch04.plot_hazards(haz)
 
 # %% [markdown]
 # **Loud and quiet.** Another prompt, a wrong position and draft tokens left behind move the top token in
-# most trials: a test that compares generated text catches them. The adapter and the bfloat16 cache move
-# every score a little and leave the top token alone: greedy text looks right while every probability
-# is off, and sampling, beam search or anything that reads the probabilities inherits the error.
+# most trials: a test that compares generated text catches them. The adapter, the in-place update and the
+# bfloat16 cache move every score a little and leave the top token alone: greedy text looks right while
+# every probability is off, and sampling, beam search or anything that reads the probabilities inherits
+# the error. One optimizer step is the quietest of all, and a cache kept across several steps drifts
+# further with each.
 #
 # Every hazard that changes the identity — the ids, the manifest, the dtypes — is refused by the
-# backend, and its scores are then the correct ones. The stale offset changes no identity: it is a wrong
-# call on the right state, and the backend never makes it, because it takes the position from the
+# backend, and its scores are then the correct ones. The two that continue a cache with other weights are
+# refused by the cache itself too, before any key is computed. The bfloat16 hazard is not: its values were
+# copied into a new cache, and a copy carries no record. The stale offset changes no identity: it is a
+# wrong call on the right state, and the backend never makes it, because it takes the position from the
 # cache's own length.
 #
 # A refusal costs a recomputation, no more:
@@ -283,8 +425,8 @@ print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {co
 # saved, not drawn again.
 
 # %%
-ch04.record(dict(settings=S, manifest=smol.manifest, hazards=haz, refusal=cost, engine=eng, key_cost=kc),
-            hazards_figure=fig)
+ch04.record(dict(settings=S, manifest=smol.manifest, hazards=haz, refusal=cost, engine=eng, key_cost=kc,
+                 check_cost=cc), hazards_figure=fig)
 print("wrote section ch04 to", results.results_path())
 
 # %% [markdown]

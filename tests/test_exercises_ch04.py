@@ -76,7 +76,7 @@ class NeverStores:
 
 @pytest.mark.parametrize("store, message", [
     (IgnoresIdentity, "another tenant"),
-    (IgnoresTheModel, "differ from recomputation"),  # passes the tenant rule, serves the base model's state
+    (IgnoresTheModel, "computed by another model"),  # passes the tenant rule, serves the base model's state
     (LengthOnly, "common prefix"),
     (Uncropped, "lookup returned n="),
     (NeverStores, "only 0"),

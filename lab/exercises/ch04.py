@@ -6,9 +6,10 @@ import time
 
 import torch
 
-from ..cache import ConcatCache
+from ..cache import CacheMismatchError, ConcatCache
 from ..engine import identity_of
 from ..models import forward, forward_cached, load
+from ..models.load import scaled_copy
 from ..results import COMMITTED
 from . import compare_with_book
 
@@ -35,11 +36,10 @@ def check_prefix_store(make_store, capacity=3):
     caller may extend; insert keeps the state of ids. The check serves a stream of requests through your
     store, compares every answer with recomputation, and reports the hit rate of your eviction rule.
     """
-    from ..experiments.ch04_identity import scaled_mlp_model
-
     base = load("tiny-llama")
     # layer 0: the keys and values of layer 1 depend on it (the last layer's MLP changes no cached state)
-    models = {"base": base, "tuned": scaled_mlp_model(base, layer=0, factor=1.5), "tenant-b": base}
+    tuned = scaled_copy(base, "model.layers.0.mlp.down_proj.weight", 1.5)   # a fine-tune: same shapes
+    models = {"base": base, "tuned": tuned, "tenant-b": base}
     cfg = base.config
     store = make_store(capacity)
 
@@ -73,7 +73,12 @@ def check_prefix_store(make_store, capacity=3):
         if cache is None:
             cache, n = ConcatCache(cfg), 0
         assert 0 <= n < len(ids) and cache.length == n, f"lookup returned n={n} with a cache of {cache.length}"
-        got = forward_cached(torch.tensor([ids[n:]]), w, cfg, cache)[0, -1]
+        try:
+            got = forward_cached(torch.tensor([ids[n:]]), w, cfg, cache)[0, -1]
+        except CacheMismatchError as e:  # the cache records which model filled it, and refuses another
+            raise AssertionError(f"request {text!r} ({who}): lookup offered a state computed by another model, "
+                                 f"and the cache itself refused it ({e}): a stored state is offered only under "
+                                 "its own identity") from e
         want = forward(torch.tensor([ids]), w, cfg)[0, -1]
         assert (got - want).abs().max() < 1e-5, (
             f"request {text!r} ({who}): served from a stored prefix of {n} tokens, the scores differ from "

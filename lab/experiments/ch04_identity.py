@@ -1,7 +1,10 @@
 """Chapter 4, "State identity": what wrong reuse of a cache does, and a backend that refuses it.
 
 Each hazard builds a cache the wrong way, takes the next-token scores from it, and compares them with a
-correct computation (recomputation without a cache). Then the same situation is put to a
+correct computation (recomputation without a cache). A cache records which model filled it, and
+`forward_cached` refuses to continue it with another (CacheMismatchError): the hazards that change the
+weights are tried that way first (is the wrong call refused?), then the record is erased on purpose to
+measure the damage the wrong reuse would do without it. Then the same situation is put to a
 CachedBackend, which must refuse the reuse (a miss) or handle it, and still return the correct scores.
 """
 
@@ -12,12 +15,11 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import time_call, time_rounds, time_steps
-from ..cache import StaticCache
+from ..cache import CacheMismatchError, StaticCache
 from ..engine import CachedBackend, RecomputeBackend, generate, identity_of, key_for, prefix_key
 from ..metrics import kl_divergence
-from ..models import forward, forward_cached, llama, load
-from ..models.attention import cached_attention
-from ..models.load import Model
+from ..models import forward, forward_cached, load, owner
+from ..models.load import Model, scaled_copy
 from ..results import figures_dir, provenance, quick, value, write_section
 from .plots import finish
 
@@ -30,6 +32,7 @@ HAZARDS = {
     "static_not_reset": "a static buffer not reset between requests",
     "rollback_not_cropped": "rejected draft tokens left in the cache",
     "adapter_weights": "cache built with one layer's MLP output scaled by 1.02",
+    "weights_in_place": "weights updated in place (one optimizer step) after the cache was filled",
     "bf16_cache": "cache built in bfloat16, continued in float32",
     "system_prompt": "another system prompt under the chat template",
 }
@@ -39,7 +42,19 @@ HAZARDS = {
 # does not: it is a wrong call on the right state, which the backend never makes.
 IDENTITY_CHANGES = {"other_prompt": "token ids", "stale_offset": None, "static_not_reset": "token ids",
                     "rollback_not_cropped": "token ids", "adapter_weights": "model manifest",
+                    "weights_in_place": "model manifest (weights changed in place)",
                     "bf16_cache": "compute and cache dtype", "system_prompt": "token ids"}
+
+# The adapter hazard's weight: the MLP output projection of the middle layer (Llama naming).
+ADAPTER_WEIGHT = "model.layers.{layer}.mlp.down_proj.weight"
+
+# The in-place hazard's update: one Adam step at this learning rate. Adam's first step moves every weight by
+# exactly the learning rate (its normalized update m / sqrt(v) is the gradient's sign when the moments
+# start at zero), and later steps by about as much, whatever the gradient's size; reinforcement-learning
+# fine-tuning of language models runs at learning rates of 1e-6 to 1e-5 (NeMo RL's GRPO example: 5e-6).
+# SmolLM2's weight matrices have an rms of 0.05 to 0.4: a relative change of 1e-5 to 1e-4 per element
+# (relative_update), a small step, as a real one is.
+STEP_LR = 5e-6
 
 
 def settings(quick_mode: bool) -> dict:
@@ -47,7 +62,8 @@ def settings(quick_mode: bool) -> dict:
                 requests=3 if quick_mode else 5, new_tokens=16 if quick_mode else 32,
                 key_lengths=(16, 512, 4096),          # ids hashed per key: a short prompt to a long context
                 key_reps=50 if quick_mode else 400,   # key timings are microseconds: many repetitions
-                step_reps=3 if quick_mode else 9)     # a decode step is tens of milliseconds
+                step_reps=3 if quick_mode else 9,     # a decode step is tens of milliseconds
+                rehash_reps=2 if quick_mode else 5)   # a rehash of every weight is tenths of a second
 
 
 def static_for(model, n=128):
@@ -66,24 +82,67 @@ def step(model, token, cache):
 
 
 def step_at_wrong_position(model, token, cache, position=0):
-    """A deliberately broken call: the new token is rotated as if it sat at `position` (RoPE models)."""
-    cfg, w = model.config, model.weights
-    x = llama.embed(torch.tensor([[token]]), w)
-    rope_cs = llama.rope_tables(torch.tensor([position]), cfg.head_dim, cfg.rope_theta, x.dtype)
-    attend = cached_attention(cache, torch.tensor([cache.length]))
-    for i in range(cfg.n_layers):
-        x = llama.block(x, w, i, cfg, attend, rope_cs)
-    cache.advance(1)
-    return llama.head(x, w, cfg)[0, -1].float()
+    """A deliberately broken call: the model is told the new token sits at `position` (its query and key
+    are rotated for that position) while it is stored after the cache's positions (RoPE models)."""
+    return forward_cached(torch.tensor([[token]]), model.weights, model.config, cache,
+                          positions=torch.tensor([position]))[0, -1].float()
 
 
-def scaled_mlp_model(model, layer=None, factor=1.02):
-    """A copy of the model whose layer's MLP output is scaled by `factor` (as an adapter swap might)."""
-    layer = model.config.n_layers // 2 if layer is None else layer
-    w = dict(model.weights)
-    name = f"model.layers.{layer}.mlp.down_proj.weight"
-    w[name] = w[name] * factor
-    return Model(model.name + f"-mlp{layer}x{factor}", model.config, w, model.tokenizer)  # a manifest of its own
+def unguarded_step(model, token, cache):
+    """(next-token scores, refused): `step`, even where the cache refuses it.
+
+    The cache records which model filled it (`cache.owner`: the config and every weight's storage and
+    version), and `forward_cached` refuses another model with CacheMismatchError. To measure what the wrong
+    reuse would do, the record is then erased and the call made again: a cache without an identity record
+    (as in any implementation that checks only shapes) would take the call at once. `refused` says
+    whether the cache refused it first."""
+    try:
+        return step(model, token, cache), False
+    except CacheMismatchError:   # a failed call leaves the cache as it was
+        cache.owner = None       # erased on purpose: what a cache without an identity record allows
+        return step(model, token, cache), True
+
+
+def private_copy(model) -> Model:
+    """The model with its own copy of every weight, as a trainer holds them: ordinary tensors (made outside
+    inference mode, so that their version counters count in-place changes), changed without touching the
+    shared model. Its manifest is the files' hash until a weight changes, then the tensors' hash."""
+    with torch.inference_mode(False):
+        weights = {k: v.clone() for k, v in model.weights.items()}
+    return Model(model.name, model.config, weights, model.tokenizer, model.files)
+
+
+def step_signs(weights, seed=0) -> dict:
+    """The direction of one optimizer step: a random sign for every element of every matrix, seeded (int8)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randint(0, 2, w.shape, generator=g, dtype=torch.int8).mul_(2).sub_(1)
+            for k, w in weights.items() if w.dim() == 2}
+
+
+def optimizer_step(weights, signs, lr=STEP_LR):
+    """Update every matrix in place as one Adam step does: each element moves by `lr`, in the direction of
+    `signs`. The tensors keep their storage; their version counters move."""
+    for k, s in signs.items():
+        weights[k].add_(s, alpha=lr)
+
+
+def relative_update(weights, signs, lr=STEP_LR) -> float:
+    """The size of that step: the median over matrices of |update| / |weight| (Frobenius norms)."""
+    return statistics.median(lr * s.numel() ** 0.5 / weights[k].norm().item() for k, s in signs.items())
+
+
+def variants_of(model, names=None) -> dict:
+    """What the hazards in `names` (default: all) need besides the model: the adapter's scaled copy, the
+    bfloat16 copy, the optimizer step's signs."""
+    names = HAZARDS if names is None else names
+    out = {}
+    if "adapter_weights" in names:
+        out["scaled"] = scaled_copy(model, ADAPTER_WEIGHT.format(layer=model.config.n_layers // 2), 1.02)
+    if "bf16_cache" in names:
+        out["bf16"] = model.to(dtype=torch.bfloat16)
+    if "weights_in_place" in names:
+        out["signs"] = step_signs(model.weights)
+    return out
 
 
 def chat_ids(model, system, user):
@@ -93,9 +152,13 @@ def chat_ids(model, system, user):
 
 
 @torch.inference_mode()
-def trial(hazard, model, prefix, nxt, other, variants):
-    """(wrong scores, right scores, refused, backend correct) for one hazard on one trial."""
+def trial(hazard, model, prefix, nxt, other, variants=None, lr=STEP_LR) -> dict:
+    """One hazard on one trial: the wrong scores and the right ones `[V]`; whether the cache itself refused
+    the wrong call (`refused_by_cache`); whether a CachedBackend put in the same situation refused it (a
+    miss) and served the correct scores. `variants` (variants_of) may be passed to build them once."""
+    variants = variants_of(model, [hazard]) if variants is None else variants
     right = forward(torch.tensor([prefix + [nxt]]), model.weights, model.config)[0, -1].float()
+    backend, by_cache = None, False
     if hazard == "other_prompt":
         wrong = step(model, nxt, prefill(model, other))
         state, request, swap = other, prefix + [nxt], None
@@ -112,8 +175,19 @@ def trial(hazard, model, prefix, nxt, other, variants):
         wrong = step(model, nxt, prefill(model, prefix + drafts))
         state, request, swap = prefix + drafts, prefix + [nxt], None
     elif hazard == "adapter_weights":
-        wrong = step(model, nxt, prefill(variants["scaled"], prefix))
+        wrong, by_cache = unguarded_step(model, nxt, prefill(variants["scaled"], prefix))
         state, request, swap = prefix, prefix + [nxt], "scaled"
+    elif hazard == "weights_in_place":
+        # A reinforcement-learning loop: the inference server keeps its prefix cache while the policy it
+        # serves is updated between rollouts. The weights are a private copy: the shared model never changes.
+        policy = private_copy(model)
+        backend = CachedBackend(policy, static_for(policy, len(prefix) + 9))
+        backend.next_logits(prefix)                            # the server's cache, filled before the update
+        cache = prefill(policy, prefix)                        # the same state, to be reused by hand
+        optimizer_step(policy.weights, variants["signs"], lr)  # the policy learns: its weights change in place
+        right = forward(torch.tensor([prefix + [nxt]]), policy.weights, policy.config)[0, -1].float()
+        wrong, by_cache = unguarded_step(policy, nxt, cache)
+        state, request, swap = prefix, prefix + [nxt], None
     elif hazard == "bf16_cache":
         bf16 = variants["bf16"]
         half = prefill(bf16, prefix)
@@ -132,36 +206,42 @@ def trial(hazard, model, prefix, nxt, other, variants):
         raise ValueError(f"unknown hazard {hazard!r}; hazards: {', '.join(HAZARDS)}")
 
     # the same situation, put to a CachedBackend: it holds `state`, then is asked for `request`
-    first = variants[swap] if swap else model
-    backend = CachedBackend(first, static_for(first, max(len(state), len(request)) + 8))
-    backend.next_logits(state)
-    if swap:  # the weights or the precision change under the backend, as an adapter swap would
-        backend.model, backend.cache_factory = model, static_for(model, len(request) + 8)
+    if backend is None:
+        first = variants[swap] if swap else model
+        backend = CachedBackend(first, static_for(first, max(len(state), len(request)) + 8))
+        backend.next_logits(state)
+        if swap:  # the weights or the precision change under the backend, as an adapter swap would
+            backend.model, backend.cache_factory = model, static_for(model, len(request) + 8)
     misses = backend.misses
     served = backend.next_logits(request).float()
     refused = backend.misses > misses
+    # correct: within 1e-4 of the largest logit, far above float32's summation-order differences between
+    # a cached and a recomputed forward (about 1e-6 of it) and far below any hazard's damage
     correct = (served - right).abs().max().item() <= 1e-4 * right.abs().max().item()
-    return wrong, right, refused, correct
+    return dict(wrong=wrong, right=right, refused_by_cache=by_cache, refused=refused, correct=correct)
 
 
 def hazards(model, trials=20, prefix_len=24, progress=True) -> dict:
     """Every hazard, `trials` times, on held-out Shakespeare: prefix of `prefix_len` tokens, then one token."""
     passages = data.passages(model.tokenizer, prefix_len + 1, count=trials + 1, seed=7)
-    variants = {"scaled": scaled_mlp_model(model), "bf16": model.to(dtype=torch.bfloat16)}
+    variants = variants_of(model)
     out = {}
     for hazard in tqdm(HAZARDS, desc="hazards", disable=not progress):
-        deltas, agree, kls, refused, correct, per_trial_max = [], 0, [], 0, 0, []
+        deltas, agree, kls, by_cache, refused, correct, per_trial_max = [], 0, [], 0, 0, 0, []
         for i in range(trials):
             p, other = passages[i], passages[i + 1][:prefix_len]
-            wrong, right, ref, ok = trial(hazard, model, p[:prefix_len], p[prefix_len], other, variants)
-            d = (wrong - right).abs()
+            r = trial(hazard, model, p[:prefix_len], p[prefix_len], other, variants)
+            d = (r["wrong"] - r["right"]).abs()
             deltas.append(d.median().item()), per_trial_max.append(d.max().item())
-            agree += int(wrong.argmax() == right.argmax())
-            kls.append(kl_divergence(right, wrong).item())
-            refused, correct = refused + ref, correct + ok
+            agree += int(r["wrong"].argmax() == r["right"].argmax())
+            kls.append(kl_divergence(r["right"], r["wrong"]).item())
+            by_cache, refused = by_cache + r["refused_by_cache"], refused + r["refused"]
+            correct += r["correct"]
         out[hazard] = dict(delta_median=statistics.median(deltas), delta_max=max(per_trial_max),
                            argmax_agree=agree, kl_median=statistics.median(kls), kl_max=max(kls),
-                           refused=refused, backend_correct=correct, trials=trials)
+                           refused_by_cache=by_cache, refused=refused, backend_correct=correct, trials=trials)
+    if "weights_in_place" in out:  # the size of the update, for the record
+        out["weights_in_place"] |= dict(lr=STEP_LR, relative_update=relative_update(model.weights, variants["signs"]))
     return out
 
 
@@ -183,31 +263,34 @@ def key_cost(model, lengths=(16, 512, 4096), reps=400, step_reps=9) -> dict:
 
     For each length T: `prefix_key` over T ids (identity and ids, from scratch); the CachedBackend's own
     check on a call that extends a state of T - 1 positions (`reusable_prefix`, then the key of the new
-    state, as `next_logits` does); and one decode step of the model through a StaticCache holding T - 1
-    positions. The check reads only the ids and the identity, never the tensors, so the backend's state
-    is set directly rather than prefilled; a step's time does not depend on the values in the cache.
+    state, as `next_logits` does: the manifest is read once, its weights-state comparison included);
+    and one decode step of the model through a StaticCache holding T - 1 positions (forward_cached's
+    owner check included). The check reads the ids, the identity and the cache's bookkeeping, never the
+    values in the cache, and a step's time does not depend on them: the backend's state is set by hand
+    (a cache of T - 1 positions, recorded as the backend records what it wrote) rather than prefilled.
     """
-    ident = identity_of(model, StaticCache(model.config, 1))
+    ident = identity_of(model, StaticCache(model.config, 1, dtype=model.dtype))  # the same at every length
     out = {}
     for T in lengths:
         ids = torch.randint(0, model.config.vocab_size, (T,), generator=torch.Generator().manual_seed(T)).tolist()
+        cache = StaticCache(model.config, T, dtype=model.dtype)
+        cache.length = T - 1                               # the state of ids[:-1], as the bookkeeping sees it
         key = time_call(lambda ids=ids: prefix_key(ident.manifest, ids, tokenizer=ident.tokenizer,
+                                                   compute_dtype=ident.compute_dtype, cache_dtype=ident.cache_dtype,
                                                    cache_kind=ident.cache_kind, rope_theta=ident.rope_theta,
                                                    max_positions=ident.max_positions), warmup=5, reps=reps)
-        backend = CachedBackend(model, static_for(model, 1))
-        backend.cache = StaticCache(model.config, 1)       # the state of ids[:-1], as the bookkeeping sees it
-        backend.cached_ids, backend.cached_identity = ids[:-1], ident
+        backend = CachedBackend(model, lambda cache=cache: cache)
+        backend.cache, backend.cached_ids, backend.cached_identity = cache, ids[:-1], ident
         backend.cached_key = key_for(ident, ids[:-1])
+        backend._held = (cache, cache.version)             # as next_logits records the cache it wrote
 
         def check(backend=backend, ids=ids):                # what next_logits adds to a hit, besides the step
             n = backend.reusable_prefix(ids, None)
-            key_for(identity_of(model, backend.cache, None), ids)
+            key_for(backend.cached_identity, ids)      # a hit reuses the identity it just compared
             return n
 
-        assert check() == T - 1, "the check must find the state of ids[:-1]"
+        assert backend.holds_its_state() and check() == T - 1, "the check must find the state of ids[:-1]"
         chk = time_call(check, warmup=5, reps=reps)
-        cache = StaticCache(model.config, T, dtype=model.dtype)
-        cache.length = T - 1
         token = torch.tensor([[ids[-1]]])
         step = time_steps(lambda cache=cache, T=T: cache.crop(T - 1),
                           lambda cache=cache, token=token: forward_cached(token, model.weights, model.config,
@@ -215,6 +298,26 @@ def key_cost(model, lengths=(16, 512, 4096), reps=400, step_reps=9) -> dict:
                           warmup=1, reps=step_reps)
         out[T] = dict(key=key, check=chk, step=step)
     return out
+
+
+def check_cost(model, reps=400, rehash_reps=5) -> dict:
+    """What noticing in-place weight changes costs. Per call: `Model.manifest` with the weights unchanged
+    (it compares every tensor's storage and version counter with the state it last hashed) and `owner`
+    (the identity forward_cached records in the cache and compares, on every call). Once per change: the
+    first `Model.manifest` after a weight changed in place, which hashes every tensor again.
+
+    The change is made to a private copy of one weight (the shared model is never changed): an in-place
+    add before each timed read, untimed."""
+    manifest = time_call(lambda: model.manifest, warmup=5, reps=reps)
+    own = time_call(lambda: owner(model.weights, model.config), warmup=5, reps=reps)
+    name = next(k for k, w in model.weights.items() if w.dim() == 2)
+    with torch.inference_mode(False):
+        weights = dict(model.weights) | {name: model.weights[name].clone()}  # the others shared, only read
+    copy = Model(model.name, model.config, weights, model.tokenizer, model.files)
+    before = copy.manifest
+    rehash = time_steps(lambda: weights[name].add_(STEP_LR), lambda: copy.manifest, warmup=0, reps=rehash_reps)
+    assert copy.manifest != before, "the manifest must change when a weight changes in place"
+    return dict(manifest=manifest, owner=own, rehash=rehash)
 
 
 def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
@@ -233,7 +336,7 @@ def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
 
 LABELS = {"other_prompt": "another prompt", "stale_offset": "stale offset", "static_not_reset": "not reset",
           "rollback_not_cropped": "not cropped", "adapter_weights": "MLP × 1.02",
-          "bf16_cache": "bfloat16 cache", "system_prompt": "system prompt"}
+          "weights_in_place": "weights in place", "bf16_cache": "bfloat16 cache", "system_prompt": "system prompt"}
 
 
 def plot_hazards(h: dict, path=None):
@@ -267,6 +370,7 @@ def measure(quick_mode=None) -> dict:
     return dict(settings=s, manifest=smol.manifest, hazards=hazards(smol, s["trials"], s["prefix"]),
                 refusal=refusal_cost(smol, s["prefix"]),
                 key_cost=key_cost(smol, s["key_lengths"], s["key_reps"], s["step_reps"]),
+                check_cost=check_cost(smol, s["key_reps"], s["rehash_reps"]),
                 engine=engine_check(smol, s["requests"], s["new_tokens"], s["prompt"]))
 
 
@@ -286,10 +390,19 @@ def record(m: dict, hazards_figure=None) -> dict:
             "delta_median": value(r["delta_median"], "logit"), "delta_max": value(r["delta_max"], "logit"),
             "argmax_agree": value(r["argmax_agree"], None, note=f"trials of {r['trials']} with the same top token"),
             "kl_median": value(r["kl_median"], "nats"), "kl_max": value(r["kl_max"], "nats"),
+            "refused_by_cache": value(r["refused_by_cache"], None,
+                                      note=f"trials of {r['trials']} in which forward_cached refused the wrong call "
+                                           "(CacheMismatchError: the cache records another model)"),
             "refused": value(r["refused"], None, note=f"trials of {r['trials']} the CachedBackend refused"),
             "backend_correct": value(r["backend_correct"], None, note="trials whose backend scores were correct"),
             "trials": value(r["trials"], "trials"), "what": value(HAZARDS[name], None),
             "identity_change": value(IDENTITY_CHANGES[name] or "none", None)}
+        if "lr" in r:
+            values["hazards"][name] |= {
+                "lr": value(r["lr"], None, note="learning rate of the one Adam step: every element of every "
+                                                "matrix moves by it"),
+                "relative_update": value(r["relative_update"], None,
+                                         note="median over matrices of |update| / |weight| (Frobenius norms)")}
     e = m["engine"]
     values["hazard_prefix"] = value(m["settings"]["prefix"], "tokens", note="held-out tokens before the next one")
     values["engine"] = {"requests": value(m["settings"]["requests"], "requests"),
@@ -323,14 +436,29 @@ def record(m: dict, hazards_figure=None) -> dict:
                                        note=f"backend check time at {hi} ids over {lo} ids")
         values["step_growth"] = value(c_hi["step"]["median"] / c_lo["step"]["median"], "x",
                                       note=f"decode step time at {hi} positions over {lo} positions")
+    if "check_cost" in m:
+        c = m["check_cost"]
+        man, own, re_ = c["manifest"], c["owner"], c["rehash"]
+        values["weights_check"] = {
+            "manifest_us": value(man["median"] * 1e6, "µs", iqr=man["iqr"] * 1e6, n=man["n"], threads=man["threads"],
+                                 note="Model.manifest, weights unchanged: every tensor's storage and version "
+                                      "compared with the state last hashed"),
+            "owner_us": value(own["median"] * 1e6, "µs", iqr=own["iqr"] * 1e6, n=own["n"], threads=own["threads"],
+                              note="lab.models.checks.owner(weights, config), which forward_cached computes and "
+                                   "the cache compares on every call"),
+            "rehash_s": value(re_["median"], "s", iqr=re_["iqr"], n=re_["n"], threads=re_["threads"],
+                              note="the first Model.manifest after a weight changed in place: every tensor hashed"),
+            "per_call_us": value((man["median"] + own["median"]) * 1e6, "µs",
+                                 note="a CachedBackend hit: the manifest read once (to decide; the new state's key "
+                                      "reuses that identity) and the owner once (forward_cached); inside check_us "
+                                      "and step_ms")}
+        if "key_cost" in m:
+            values["weights_check"]["share"] = {
+                f"T{T}": value(100 * (man["median"] + own["median"]) / kc["step"]["median"], "%",
+                               note=f"per_call_us as a share of one cached decode step at {T} positions")
+                for T, kc in m["key_cost"].items()}
     figures = {"hazards": {"path": figs / "ch04_hazards.png",
                            "caption": "Wrong reuse of a cache, hazard by hazard: logit error and the fraction "
                                       "of trials whose top token is still right"}}
     write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
     return values
-
-
-def run(quick_mode=None) -> dict:
-    m = measure(quick_mode)
-    record(m)
-    return m

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..fetch import cache_dir, extract
+from .checks import weights_state
 from .config import ModelConfig
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -39,14 +40,27 @@ class Model:
     weights: dict  # Hugging Face parameter names -> tensors
     tokenizer: object
     files: list = field(default_factory=list)  # weight and config files the manifest hashes
-    _manifest: str | None = None
+    _manifest: str | None = None               # the files' hash, valid while the weights are as loaded
+    _loaded: tuple = ()                        # weights_state() of the weights as loaded
+    _hashed: tuple = (None, None)              # (weights_state, hash of the tensors) computed last
+
+    def __post_init__(self):
+        self._loaded = weights_state(self.weights)
 
     @property
     def manifest(self) -> str:
-        """sha256 of the weight files and the config (for random models: of the tensors and the config)."""
-        if self._manifest is None:
-            self._manifest = _hash_files(self.files) if self.files else _hash_tensors(self.weights, self.config)
-        return self._manifest
+        """sha256 of the weight files and the config; of the tensors and the config for random models, and
+        once any weight was changed in place (an optimizer step, `w.mul_(3)`) or replaced, when the files no
+        longer describe them. Every call compares the weights' version counters and storages (about 50 us
+        for SmolLM2) and hashes the tensors again only when those changed."""
+        state = weights_state(self.weights)
+        if self.files and state == self._loaded:
+            if self._manifest is None:
+                self._manifest = _hash_files(self.files)
+            return self._manifest
+        if self._hashed[0] != state:
+            self._hashed = (state, _hash_tensors(self.weights, self.config))
+        return self._hashed[1]
 
     @property
     def dtype(self):
@@ -89,6 +103,19 @@ def load(name: str = "smollm2", dtype=torch.float32) -> Model:
         return load_folder(folder, name, dtype)
     raise ValueError(f"unknown model {name!r}. Known names: {', '.join(KNOWN)}; or a local folder with "
                      "config.json, *.safetensors and tokenizer.json; or a repo id in the local Hugging Face cache")
+
+
+def scaled_copy(model: Model, name: str, factor: float) -> Model:
+    """A variant of `model` whose weight `name` is multiplied by `factor`, every shape kept: what a fine-tune,
+    an adapter swap or a requantization does to a model. The scaled weight is a new tensor; the others are
+    shared with `model`, not copied. The variant has no files, so its manifest is the hash of its own
+    tensors: another model, for every identity check."""
+    if name not in model.weights:
+        raise KeyError(f"{model.name} has no weight {name!r}; its weights include "
+                       f"{', '.join(list(model.weights)[:4])}, ...")
+    weights = dict(model.weights)
+    weights[name] = weights[name] * factor
+    return Model(f"{model.name}-{name}x{factor:g}", model.config, weights, model.tokenizer)
 
 
 # ---- folders in Hugging Face format ------------------------------------------------------------------
