@@ -61,23 +61,29 @@ def token_ids(ids, vocab_size: int | None = None) -> torch.Tensor:
         t = ids.long().cpu()
     else:
         ids = list(ids)
-        if ids and all(isinstance(i, (list, tuple)) for i in ids) and len(ids) == 1:
-            ids = list(ids[0])                                   # [[1, 2, 3]]: one sequence as [1, T]
-        if any(isinstance(i, (list, tuple)) for i in ids):
-            raise InputError("one sequence of ids is a list, [tokens] or [1, tokens]; got a nested list "
-                             "(a batch of several sequences: call once per sequence)")
-        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
-                   or isinstance(i, torch.Tensor) and i.dim() == 0 and not i.dtype.is_floating_point
-                   and i.dtype != torch.bool for i in ids):
-            raise InputError(f"ids must be integers, got {[type(i).__name__ for i in ids][:5]}")
-        t = torch.tensor([int(i) for i in ids], dtype=torch.long)
+        # the usual case, all Python ints, checked at C speed (70 us for 4,096 ids); anything else is looked at
+        t = torch.tensor(ids, dtype=torch.long) if set(map(type, ids)) <= {int} else _unusual_ids(ids)
     if t.numel() == 0:
         raise InputError("ids is empty: at least one token is needed")
-    lo, hi = int(t.min()), int(t.max())
+    lo, hi = (int(x) for x in torch.aminmax(t))
     if lo < 0 or vocab_size is not None and hi >= vocab_size:
         valid = f"0 .. {vocab_size - 1}" if vocab_size is not None else "non-negative"
         raise InputError(f"token id {lo if lo < 0 else hi} is outside the vocabulary (valid ids are {valid})")
     return t
+
+
+def _unusual_ids(ids: list) -> torch.Tensor:
+    """A list that is not all Python ints: one sequence given as [[...]], 0-d integer tensors, NumPy ints."""
+    if ids and all(isinstance(i, (list, tuple)) for i in ids) and len(ids) == 1:
+        ids = list(ids[0])                                   # [[1, 2, 3]]: one sequence as [1, T]
+    if any(isinstance(i, (list, tuple)) for i in ids):
+        raise InputError("one sequence of ids is a list, [tokens] or [1, tokens]; got a nested list "
+                         "(a batch of several sequences: call once per sequence)")
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+               or isinstance(i, torch.Tensor) and i.dim() == 0 and not i.dtype.is_floating_point
+               and i.dtype != torch.bool for i in ids):
+        raise InputError(f"ids must be integers, got {[type(i).__name__ for i in ids][:5]}")
+    return torch.tensor([int(i) for i in ids], dtype=torch.long)
 
 
 def key_for(identity: StateIdentity, token_ids_) -> str:
