@@ -195,3 +195,14 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tiny, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch, "aminmax", no_read)
             check_paged_inputs(q, cache.k_pool[0], cache.v_pool[0], cache.block_tables, cache.lengths)
+
+
+def test_ragged_decode_positions_come_from_the_device_lengths(tiny):
+    cache = PagedCache(tiny.config, 256, page_size=4, batch_size=2)
+    forward_cached(ids(6).repeat(2, 1), tiny.weights, tiny.config, cache)
+    forward_cached(ids(1, seed=3), tiny.weights, tiny.config, cache.select([0]))  # a view: row 0 grows to 7
+    assert cache.next_positions(1).tolist() == [[7], [6]]          # rows changed through a view: from the host
+    forward_cached(torch.tensor([[5], [6]]), tiny.weights, tiny.config, cache)
+    positions = cache.next_positions(1)
+    assert positions.tolist() == [[8], [7]] and positions.dtype == torch.long
+    assert positions.untyped_storage().data_ptr() != cache.lengths.untyped_storage().data_ptr()  # a copy

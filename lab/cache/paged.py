@@ -22,7 +22,7 @@ import math
 import torch
 
 from . import checks
-from .base import CacheInputError, KVCache
+from .base import CacheInputError, CacheStateError, KVCache
 from .block_manager import BlockManager, OutOfPagesError
 
 
@@ -46,21 +46,22 @@ class PagedCache(KVCache):
         self.max_pages = round_up(math.ceil(longest / page_size), 16)  # padded table width
         self._ids = itertools.count()            # sequence ids in the manager, never reused
         self._rows([next(self._ids) for _ in range(batch_size)])
-    # endregion
 
     def _rows(self, seqs):
-        """This cache's rows: the manager's sequences `seqs` (new ones start empty), and their buffers."""
+        """The rows: the manager's sequences `seqs` (new ones start empty), and their buffers."""
         self.seqs = list(seqs)                   # the block manager's id of each batch row
         for s in self.seqs:
             if s not in self.manager:
                 self.manager.reserve(s, 0)       # a live, empty sequence
         self._tables = [self.manager.block_table(s) for s in self.seqs]  # host copy of block_tables
         tables = [t + [0] * (self.max_pages - len(t)) for t in self._tables]
-        self.block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)  # [B, max_pages]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.block_tables = torch.tensor(tables, **i32)              # [B, max_pages]
         self._lengths = [self.manager.length(s) for s in self.seqs]     # host copy of lengths
-        self.lengths = torch.tensor(self._lengths, dtype=torch.int32, device=self.device)  # [B], this step's
+        self.lengths = torch.tensor(self._lengths, **i32)            # [B], after the step in flight
         self.slot_mapping = None                 # [B * T] pool slots of the step in flight
         self._step_T = 0                         # and its T
+    # endregion
 
     def _sharing_pool(self, seqs):
         """A cache over sequences `seqs` of this cache's pool. Built explicitly: it shares the pools, the
@@ -105,7 +106,15 @@ class PagedCache(KVCache):
 
     @length.setter
     def length(self, n):
-        raise checks.CacheStateError("a paged cache's lengths live in its block manager: use crop(n) to shorten")
+        raise CacheStateError("a paged cache's lengths live in its block manager: use crop(n) to shorten")
+
+    def next_positions(self, T, device=None):
+        """As every cache's; a ragged decode step takes the positions from the lengths already on the device
+        (when no view changed a row since), so nothing is copied to it."""
+        lengths = self.seq_lengths()
+        if T == 1 and min(lengths) != max(lengths) and lengths == self._lengths:
+            return self.lengths[:, None].to(device=device, dtype=torch.long)             # [B, 1]
+        return super().next_positions(T, device)
 
     def capacity(self) -> int:
         """The most positions one sequence can hold: its block table's width, or the whole pool."""
