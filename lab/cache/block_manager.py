@@ -44,6 +44,9 @@ class BlockManager:
         self._tables = {}                     # seq -> [page ids], ceil(length / page_size) of them
         self._lengths = {}                    # seq -> positions reserved
         self._released = set()                # ids that were released: never valid again
+        self._cached = {}                     # prefix caching: digest -> page holding those tokens
+        self._keys = {}                       # page -> its (digest, parent digest, tokens)
+        self.evicted = 0                      # cached pages reused for other positions
 
     def block_table(self, seq) -> list[int]:
         """A copy of the sequence's page ids, in position order."""
@@ -107,6 +110,8 @@ class BlockManager:
         if n == 0:
             return []
         copies = []
+        if length % self.page_size and table[-1] in self._keys and self._refs[table[-1]] == 1:
+            self._forget(table[-1])               # named for prefix caching (ch. 6), cropped short
         if length % self.page_size and self._refs[table[-1]] > 1:   # copy on write
             old, new = table[-1], self._allocate()
             self._refs[old] -= 1                         # still >= 1: another sequence keeps it
@@ -118,7 +123,10 @@ class BlockManager:
         return copies
 
     def _allocate(self) -> int:
-        page = self._free.popleft()
+        page = self._free.popleft()           # the least recently freed page
+        if page in self._keys:                # a cached page nobody holds: evict it, forget its digest
+            del self._cached[self._keys.pop(page)[0]]
+            self.evicted += 1
         self._refs[page] = 1
         return page
     # endregion
@@ -152,6 +160,9 @@ class BlockManager:
         self._tables[dst] = list(self._tables[src])
         self._lengths[dst] = self._lengths[src]
 
+    def _forget(self, page):
+        del self._cached[self._keys.pop(page)[0]]
+
     def _drop(self, pages) -> list[int]:  # one reference less each; free those nobody holds
         freed = []
         for page in reversed(pages):
@@ -161,6 +172,46 @@ class BlockManager:
                 freed.append(page)
         return freed
     # endregion
+
+    # region block_manager_prefix
+    def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> bool:
+        """Name the full page `index` of `seq` by `digest` (of `parent` and the page's `tokens`), so that
+        later sequences starting with the same tokens take it instead of computing it. False when the
+        digest already names another page or this page has a name (the first page keeps it)."""
+        page = checks.registrable(self, self._live(seq), index, digest, parent, tokens)
+        if digest in self._cached or page in self._keys:
+            return False
+        self._cached[digest], self._keys[page] = page, (digest, parent, tuple(tokens))
+        return True
+
+    def reserve_prefix(self, seq, keys) -> int:
+        """Start the new sequence `seq` with the cached pages of its leading `keys`, (digest, parent, tokens)
+        per full page, as far as they are cached; returns how many pages it took. A page is taken only if
+        its stored parent and tokens equal the request's, so a hash collision is a miss, never wrong state."""
+        if self._new_or_live(seq):
+            raise CacheStateError(f"reserve_prefix({seq!r}): the sequence exists; a prefix starts a new one")
+        pages = []
+        for digest, parent, tokens in keys:
+            page = self._cached.get(digest)
+            if page is None or self._keys[page][1:] != (parent, tuple(tokens)):
+                break
+            pages.append(page)
+        for page in pages:
+            if self._refs[page] == 0:
+                self._free.remove(page)       # cached but free: now owned again
+            self._refs[page] += 1
+        self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
+        return len(pages)
+
+    def cached_pages(self) -> int:
+        """How many pages hold a registered prefix (owned, or free and evictable)."""
+        return len(self._keys)
+
+    def named_tokens(self) -> dict:
+        """page -> the tokens it was registered for, for every named page (for checking and teaching)."""
+        return {page: list(tokens) for page, (_, _, tokens) in self._keys.items()}
+    # endregion
+
 
     # ---- checking ----
     def check(self):

@@ -175,6 +175,21 @@ def writable(bm, seq, slot):
                               f"{bm._lengths[seq]} positions; reserve() it first")
 
 
+def registrable(bm, seq, index, digest, parent, tokens):
+    """register(): page `index` of `seq` is full, and `digest` is the digest of `parent` and its `tokens`."""
+    from .hashing import page_digest
+
+    int_arg("index", index)
+    table, length = bm._tables[seq], bm._lengths[seq]
+    if (index + 1) * bm.page_size > length:
+        raise CacheStateError(f"register({seq!r}, {index}): page {index} is not full ({length} positions held, "
+                              f"pages of {bm.page_size}); only a full page's positions are final")
+    if len(tokens) != bm.page_size or page_digest(parent, tokens) != digest:
+        raise CacheInputError(f"register({seq!r}, {index}): the digest is not that of the parent and the "
+                              f"{len(tokens)} tokens given (a page holds {bm.page_size})")
+    return table[index]
+
+
 def sequence_crop(seq, n, length):
     """BlockManager.crop(seq, n): 0 <= n <= the sequence's length."""
     int_arg("n", n, low=None)           # a negative n is a range error, below
@@ -204,6 +219,12 @@ def block_manager(bm):
             f"page {page} is {'both free and' if page in free else 'neither free nor'} owned "
             f"(reference count {counted[page]})")
     assert not bm._released & bm._tables.keys(), f"released ids are live again: {bm._released & bm._tables.keys()}"
+    from .hashing import page_digest
+
+    assert len(bm._cached) == len(bm._keys), "a digest names two pages, or a page two digests"
+    for page, (digest, parent, tokens) in bm._keys.items():
+        assert bm._cached.get(digest) == page, f"page {page} is registered under a digest that names another"
+        assert page_digest(parent, tokens) == digest, f"page {page}'s digest is not that of its tokens"
 
 
 def paged_sizes(max_tokens, page_size):

@@ -208,6 +208,14 @@ class PagedCache(KVCache):
         checks.between_steps(self, "select")
         return self._sharing_pool([self.seqs[r] for r in rows])
 
+    def new_id(self):
+        """A sequence id never used in this pool (for `manager.reserve` or `manager.reserve_prefix`)."""
+        return next(self._ids)
+
+    def view(self, seqs):
+        """A cache over the live sequences `seqs` of this pool, sharing its pages (one per request, say)."""
+        return self._sharing_pool(seqs)
+
     def fork(self):
         """Child sequences sharing every page of their parents; a shared partial page is copied on first write.
 

@@ -9,25 +9,19 @@ last page has no digest: its positions are not final, so it is never shared.
 """
 
 import hashlib
-import json
 
 import torch
 
 from ..cache import checks
+from ..cache.hashing import root_digest
 from .identity import token_ids
-
-
-def root_digest(extra=()) -> bytes:
-    """The chain's start: a sha256 over `extra`, a sequence of strings, numbers or objects with `digest()`
-    (a StateIdentity)."""
-    parts = [x.digest() if hasattr(x, "digest") else x for x in extra]
-    return hashlib.sha256(b"lab.block_hashes\0" + json.dumps(parts, default=repr).encode()).digest()
 
 
 def block_hashes(ids, page_size: int, extra=()) -> list[str]:
     """One hex digest per full page of `ids` (a list, `[T]` or `[1, T]`): `len(ids) // page_size` of them.
 
-    digest_i = sha256(digest_{i-1} || ids of page i as little-endian int64), digest_{-1} = root_digest(extra).
+    digest_i = sha256(digest_{i-1} || ids of page i as little-endian int64), digest_{-1} = root_digest(extra)
+    (lab.cache.hashing.page_digest, computed here over one buffer of all the ids).
     """
     checks.int_arg("page_size", page_size, low=1)
     if (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)) == 0:
