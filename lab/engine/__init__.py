@@ -1,6 +1,7 @@
 """The engine: backends that take ids and return scores, state identity, and the generation loop."""
 
 from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids
+from .chat import ChatSession, common_prefix
 from .generate import Generation, generate, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
@@ -8,4 +9,4 @@ from .prefix import PrefixCachingBackend
 
 __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
            "positions_cached", "positions_uncached", "IdentityError", "StateIdentity", "identity_of", "key_for",
-           "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend"]
+           "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend", "ChatSession", "common_prefix"]
