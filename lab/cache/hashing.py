@@ -8,6 +8,8 @@ digests of a whole sequence; the BlockManager checks a registered page against i
 import hashlib
 import json
 
+import numpy as np
+
 
 def root_digest(extra=()) -> bytes:
     """The chain's start: a sha256 over `extra`, a sequence of strings, numbers or objects with `digest()`
@@ -18,4 +20,4 @@ def root_digest(extra=()) -> bytes:
 
 def page_digest(parent: bytes, tokens) -> bytes:
     """The digest of a page holding `tokens` (ints) whose predecessor's digest is `parent`."""
-    return hashlib.sha256(parent + b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)).digest()
+    return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes()).digest()

@@ -1,7 +1,7 @@
 """The engine: backends that take ids and return scores, state identity, and the generation loop."""
 
-from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids
-from .chat import ChatSession, common_prefix
+from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids, common_prefix
+from .chat import ChatSession
 from .generate import Generation, generate, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key

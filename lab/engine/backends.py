@@ -11,6 +11,16 @@ from ..models import forward
 from .identity import identity_of, key_for, model_identity, token_ids
 
 
+def common_prefix(a: list, b: list) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def as_ids(ids, vocab_size: int) -> torch.Tensor:
     """Validate one sequence of token ids (a list, `[T]` or `[1, T]`) and return it as int64 `[1, T]`."""
     return token_ids(ids, vocab_size)[None]
@@ -73,12 +83,8 @@ class CachedBackend:
         n = len(self.cached_ids)
         if n < len(ids) and key_for(identity, ids[:n]) == self.cached_key:
             return n                                          # exactly the state of ids[:-k], k >= 1
-        if self.longest_prefix:
-            m = 0
-            limit = min(n, len(ids) - 1)                      # at least one token must be run
-            while m < limit and self.cached_ids[m] == ids[m]:
-                m += 1
-            return m
+        if self.longest_prefix:                               # at least one token must be run
+            return common_prefix(self.cached_ids, ids[:-1])
         return 0
 
     @torch.inference_mode()

@@ -8,15 +8,7 @@ can reuse of a turn's prompt is its longest common prefix with the sequence the 
 
 import torch
 
-
-def common_prefix(a: list, b: list) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+from .backends import common_prefix
 
 
 class ChatSession:

@@ -8,29 +8,25 @@ digests i, i + 1, ... change, none before; change the salt or the model and ever
 last page has no digest: its positions are not final, so it is never shared.
 """
 
-import hashlib
-
 import torch
 
 from ..cache import checks
-from ..cache.hashing import root_digest
+from ..cache.hashing import page_digest, root_digest
 from .identity import token_ids
 
 
 def block_hashes(ids, page_size: int, extra=()) -> list[str]:
     """One hex digest per full page of `ids` (a list, `[T]` or `[1, T]`): `len(ids) // page_size` of them.
 
-    digest_i = sha256(digest_{i-1} || ids of page i as little-endian int64), digest_{-1} = root_digest(extra)
-    (lab.cache.hashing.page_digest, computed here over one buffer of all the ids).
+    digest_i = page_digest(digest_{i-1}, ids of page i), digest_{-1} = root_digest(extra)
+    (lab.cache.hashing: sha256 of the parent and the ids as little-endian int64).
     """
     checks.int_arg("page_size", page_size, low=1)
     if (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)) == 0:
         return []                                                 # no token, no page
-    raw = token_ids(ids).numpy().astype("<i8").tobytes()         # 8 bytes a token
+    t, P = token_ids(ids).numpy(), page_size
     parent, out = root_digest(extra), []
-    for i in range(len(raw) // (8 * page_size)):
-        h = hashlib.sha256(parent)
-        h.update(raw[8 * page_size * i: 8 * page_size * (i + 1)])
-        parent = h.digest()
-        out.append(h.hexdigest())
+    for i in range(len(t) // P):
+        parent = page_digest(parent, t[i * P:(i + 1) * P])
+        out.append(parent.hex())
     return out
