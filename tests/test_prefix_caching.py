@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from lab.cache import BlockManager, CacheInputError, CacheStateError
+from lab.cache import BlockManager, CacheInputError, CacheStateError, OutOfPagesError
 from lab.cache.hashing import page_digest, root_digest
 from lab.engine import PrefixCachingBackend
 from lab.models import forward, load
@@ -52,16 +52,27 @@ def stream(seed, n=50):
                          ids=["page1", "page16", "page32", "page4-small-pool"])
 def test_scores_equal_recomputation_whatever_the_history(tiny, page_size, num_pages):
     backend = PrefixCachingBackend(tiny, num_pages, page_size)
+    dry = PrefixCachingBackend(tiny, num_pages, page_size)           # its twin, without the model
     for ids, salt in stream(seed=page_size):
         got = backend.next_logits(ids, salt=salt)
         want = forward(torch.tensor([ids]), tiny.weights, tiny.config)[0, -1]
         assert (got - want).abs().max() <= ATOL, f"{len(ids)} ids, salt {salt}, stats {backend.stats}"
         backend.pool.manager.check()
+        dry.dry_run(ids, salt=salt)
+        assert dry.stats == backend.stats                          # the hit-rate simulation is the real thing
+        assert dry.pool.manager.named_tokens() == backend.pool.manager.named_tokens()
     s = backend.stats
     assert s["cached_tokens"] > 0 and s["calls"] == 50
     assert backend.pool.manager.num_free == num_pages            # every request gave its pages back
     if num_pages == 14:
         assert s["evicted_pages"] > 0                             # the small pool evicted often
+
+
+def test_a_backend_that_ran_dry_refuses_to_score(tiny):
+    backend = PrefixCachingBackend(tiny, 8, 4)
+    assert backend.dry_run(list(range(10))) == 0 and backend.dry_run(list(range(10))) == 8
+    with pytest.raises(CacheStateError, match="dry_run"):
+        backend.next_logits(list(range(10)))
 
 
 def test_a_repeated_prompt_computes_only_its_last_token_page(tiny):
@@ -267,3 +278,39 @@ def test_prefix_machine(runs, at_least):
                                                               derandomize=True, database=None, deadline=None))
     assert STEPS["steps"] >= at_least, STEPS
     assert STEPS["prefix pages taken"] > 0 and STEPS["evicted"] > 0, STEPS   # both hard paths were exercised
+
+
+def pool_state(backend):
+    """Everything a request could change: pages, their order in the free queue, names, counts, stats."""
+    m = backend.pool.manager
+    return (list(m._free), list(m._refs), dict(m._cached), m.evicted, dict(backend.stats))
+
+
+@pytest.mark.parametrize("ids, salt, error, match", [
+    ([1, 2, 3], 7, TypeError, "salt must be a string"),
+    ([1, 2, 3], b"tenant", TypeError, "salt must be a string"),
+    ([[1, 2], [3, 4]], None, ValueError, "nested list"),
+    ([1, 320], None, ValueError, "outside the vocabulary"),
+    ([1, -1], None, ValueError, "outside the vocabulary"),
+    ([1.0, 2], None, ValueError, "integers"),
+    ([], None, ValueError, "empty"),
+    (list(range(300)) * 7, None, ValueError, "positions exceed"),
+    (list(range(320)) * 2, None, OutOfPagesError, "needs 40 pages of 16; the pool has 24"),
+], ids=["int-salt", "bytes-salt", "batch", "id-too-large", "negative-id", "float-ids", "empty", "too-long",
+        "pool-too-small"])
+def test_bad_input_gets_a_typed_error_and_leaves_the_pool_unchanged(tiny, ids, salt, error, match):
+    backend = PrefixCachingBackend(tiny, num_pages=24, page_size=16)
+    backend.next_logits(list(range(40)))                          # some named pages, cached and free
+    before = pool_state(backend)
+    with pytest.raises(error, match=match):
+        backend.next_logits(ids, salt=salt)
+    assert pool_state(backend) == before
+    backend.pool.manager.check()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_pages=0), "num_pages must be an int"), (dict(page_size=0), "page_size must be an int"),
+    (dict(page_size=3.5), "page_size must be an int"), (dict(salt=3), "salt must be a string")])
+def test_bad_construction_is_refused(tiny, kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        PrefixCachingBackend(tiny, **({"num_pages": 8} | kwargs))
