@@ -30,8 +30,9 @@ notebooks: setup
 
 # Quick mode, whatever the shell exports: shorter sweeps, a temporary results file, never results/results.json.
 # `make test` leaves out the tests marked slow (over ~8 s each; see pyproject.toml); `make test-slow` runs
-# only those, and `make test-all` both (CI does).
-test: lint notebooks
+# only those, and `make test-all` both (CI does). It builds vLLM's environment too (a few minutes, once):
+# chapter 6's agreement with vLLM runs in it.
+test: lint notebooks vllm
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow"
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
 
@@ -43,7 +44,7 @@ test-all: test test-slow
 
 # Full mode, the only target that writes results/results.json and results/figures/ (LAB_FULL=1). Then the
 # time of every notebook, run as a reader runs it (quick mode, a temporary results file), into "notebooks".
-results: setup
+results: setup vllm
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks

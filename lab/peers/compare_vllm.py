@@ -6,9 +6,12 @@ and only JSON crosses between them.
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,32 +22,47 @@ def available() -> bool:
     return VLLM_PYTHON.exists()
 
 
-def run(model_dir, prompts: list, block_size=32, max_tokens=32, timeout=900) -> dict:
-    """Greedy tokens and `num_cached_tokens` per request from vLLM with prefix caching, requests in order."""
+def run(model_dir, prompts: list, block_size=32, max_tokens=32, cores=None, timeout=900) -> dict:
+    """Greedy tokens, `num_cached_tokens` and wall seconds per request from vLLM with prefix caching, requests
+    in order. A prompt is a list of ids, or {"ids": [...], "salt": "..."} for vLLM's `cache_salt`.
+
+    cores: the CPU cores vLLM's engine computes on, e.g. "0-1" (VLLM_CPU_OMP_THREADS_BIND, none kept back
+    for the front end); by default vLLM keeps one core for its front end and computes on the others. The
+    result's "core_ids" are the cores its engine reported binding its threads to."""
+    if not isinstance(block_size, int) or block_size < 1 or block_size % 32:
+        raise ValueError(f"vLLM's CPU attention backend takes block sizes that are multiples of 32, "
+                         f"got {block_size!r}")
     if not available():
         raise FileNotFoundError(f"{VLLM_PYTHON} is missing: run `make vllm` to build vLLM's environment")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         request = dict(model=str(model_dir), block_size=block_size, max_tokens=max_tokens, prompts=prompts,
                        out=str(out))
-        done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_prefix.py"))],
+        env = os.environ | ({"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if cores
+                            else {})
+        done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_prefix.py"))], env=env,
                               input=json.dumps(request), capture_output=True, text=True, timeout=timeout)
+        log = done.stdout + done.stderr
         if done.returncode != 0 or not out.exists():
-            tail = (done.stdout + done.stderr)[-3000:]
-            raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{tail}")
-        return json.loads(out.read_text())
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{log[-3000:]}")
+        bound = re.search(r"core ids=\[([\d, ]*)\]", log)
+        return json.loads(out.read_text()) | {"core_ids": [int(c) for c in bound[1].split(",")] if bound else None}
 
 
 def lab_run(backend, prompts: list, max_tokens=32) -> list:
-    """The same requests through a lab backend with `stats`: greedy tokens and prompt tokens found cached."""
+    """The same requests through a lab backend with `stats`, as `run` sends them to vLLM: greedy tokens,
+    prompt tokens found cached, and the wall seconds of the whole request."""
     results = []
-    for ids in prompts:
+    for p in prompts:
+        p = p if isinstance(p, dict) else {"ids": p}
+        ids, salt, n = p["ids"], p.get("salt"), p.get("max_tokens", max_tokens)
+        t0 = time.perf_counter()
         before = backend.stats["cached_tokens"]
-        tokens = [int(backend.next_logits(ids).argmax())]
+        tokens = [int(backend.next_logits(ids, salt=salt).argmax())]
         cached = backend.stats["cached_tokens"] - before              # the prompt's call: what vLLM reports
-        while len(tokens) < max_tokens:
-            tokens.append(int(backend.next_logits(ids + tokens).argmax()))
-        results.append(dict(tokens=tokens, num_cached_tokens=cached))
+        while len(tokens) < n:
+            tokens.append(int(backend.next_logits(ids + tokens, salt=salt).argmax()))
+        results.append(dict(tokens=tokens, num_cached_tokens=cached, seconds=time.perf_counter() - t0))
     return results
 
 
