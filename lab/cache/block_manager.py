@@ -175,9 +175,10 @@ class BlockManager:
 
     # region block_manager_prefix
     def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> bool:
-        """Name the full page `index` of `seq` by `digest` (of `parent` and the page's `tokens`), so that
-        later sequences starting with the same tokens take it instead of computing it. False when the
-        digest already names another page or this page has a name (the first page keeps it)."""
+        """Name the full page `index` of `seq` by `digest` (of `parent` and the page's `tokens`),
+        so that later sequences starting with the same tokens take it instead of computing it.
+        False when the digest already names another page or this page has a name (the first
+        page keeps it)."""
         page = checks.registrable(self, self._live(seq), index, digest, parent, tokens)
         if digest in self._cached or page in self._keys:
             return False
@@ -185,11 +186,13 @@ class BlockManager:
         return True
 
     def reserve_prefix(self, seq, keys) -> int:
-        """Start the new sequence `seq` with the cached pages of its leading `keys`, (digest, parent, tokens)
-        per full page, as far as they are cached; returns how many pages it took. A page is taken only if
-        its stored parent and tokens equal the request's, so a hash collision is a miss, never wrong state."""
+        """Start the new sequence `seq` with the cached pages of its leading `keys`, (digest,
+        parent, tokens) per full page, as far as they are cached; returns how many pages it took.
+        A page is taken only if its stored parent and tokens equal the request's, so a hash
+        collision is a miss, never wrong state."""
         if self._new_or_live(seq):
-            raise CacheStateError(f"reserve_prefix({seq!r}): the sequence exists; a prefix starts a new one")
+            raise CacheStateError(f"reserve_prefix({seq!r}): the sequence exists; "
+                                  "a prefix starts a new one")
         pages = []
         for digest, parent, tokens in keys:
             page = self._cached.get(digest)
@@ -208,7 +211,7 @@ class BlockManager:
         return len(self._keys)
 
     def named_tokens(self) -> dict:
-        """page -> the tokens it was registered for, for every named page (for checking and teaching)."""
+        """page -> the tokens it was registered for, for every named page (to check and teach)."""
         return {page: list(tokens) for page, (_, _, tokens) in self._keys.items()}
     # endregion
 

@@ -16,7 +16,8 @@ from .identity import token_ids
 
 
 def block_hashes(ids, page_size: int, extra=()) -> list[str]:
-    """One hex digest per full page of `ids` (a list, `[T]` or `[1, T]`): `len(ids) // page_size` of them.
+    """One hex digest per full page of `ids` (a list, `[T]` or `[1, T]`): len(ids) // page_size
+    of them.
 
     digest_i = page_digest(digest_{i-1}, ids of page i), digest_{-1} = root_digest(extra)
     (lab.cache.hashing: sha256 of the parent and the ids as little-endian int64).

@@ -76,20 +76,21 @@ class PrefixCachingBackend:
 
     # region prefix_serve
     def _serve(self, ids: list, salt, run):
-        """Take the cached pages of the longest named prefix, run(seq, cached) the rest, name the new full
-        pages, release the sequence (its pages stay cached, free, in LRU order)."""
+        """Take the cached pages of the longest named prefix, run(seq, cached) the rest, name
+        the new full pages, release the sequence (its pages stay cached, free, in LRU order)."""
         P, manager = self.page_size, self.pool.manager
         keys, seq, evicted = self.page_keys(ids, salt), self.pool.new_id(), manager.evicted
-        n = P * manager.reserve_prefix(seq, keys[: (len(ids) - 1) // P])  # at least one token is run
+        n = P * manager.reserve_prefix(seq, keys[: (len(ids) - 1) // P])  # one token is run
         try:
             out = run(seq, n)
-            for i in range(n // P, len(keys)):                      # name the new full pages
+            for i in range(n // P, len(keys)):                  # name the new full pages
                 manager.register(seq, i, *keys[i])
         finally:
-            manager.release(seq)                                    # named pages stay cached, unowned
+            manager.release(seq)                                # named pages stay cached
         s = self.stats
-        s["calls"], s["cached_tokens"], s["computed_tokens"] = s["calls"] + 1, s["cached_tokens"] + n, \
-            s["computed_tokens"] + len(ids) - n
+        s["calls"] += 1
+        s["cached_tokens"] += n
+        s["computed_tokens"] += len(ids) - n
         s["evicted_pages"] += manager.evicted - evicted
         return out
     # endregion
