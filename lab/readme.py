@@ -62,9 +62,27 @@ HEADLINES = [
     ("Ch. 5 — the same, warm, on one thread",
      ("ch05.speed.B1.T4096.one_thread.ratio", "ch05.speed.B8.T4096.one_thread.ratio"), ".2f"),
     ("Ch. 5 — Triton kernel bandwidth on a GPU", "ch05_gpu.bandwidth", ""),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 (two CPU cores)",
+    ("Ch. 6 — prompt tokens served from cache by a pool that never evicts, synthetic workloads: system prompts "
+     "/ multi-turn chats / few-shot", tuple(f"ch06.workloads.{w}.hit_rate_best" for w in
+                                          ("system_prompts", "multi_turn_chats", "few_shot")), ".0f"),
+    ("Ch. 6 — time to first token, SmolLM2 on the CPU, 1,024 cached tokens + 16 new: hit / miss",
+     ("ch06.ttft.T1024.hit_ms", "ch06.ttft.T1024.miss_ms"), ""),
+    ("Ch. 6 — the same, miss over hit", "ch06.ttft.T1024.ratio", ".1f"),
+    ("Ch. 6 — naming pages (sha256 chain), per token", "ch06.hashing_us_per_token", ".2f"),
+    ("Ch. 6 — timing side channel, ROC AUC of guessing another tenant's first page: one shared cache / a salt "
+     "per tenant", ("ch06.side_channel.shared.auc", "ch06.side_channel.salted.auc"), ".2f"),
+    ("Ch. 6 — the lab against vLLM (pages of 32): cached tokens per request identical / 32 greedy tokens "
+     "identical", ("ch06.vllm.cached_identical", "ch06.vllm.tokens_identical"), ""),
+    ("Ch. 6 — time to first token, 528-token prompt, hit / miss: the lab / vLLM",
+     ("ch06.vllm.lab.ttft_hit_ms", "ch06.vllm.lab.ttft_miss_ms", "ch06.vllm.vllm.ttft_hit_ms",
+      "ch06.vllm.vllm.ttft_miss_ms"), ""),
+    ("Ch. 6 — input cost saved by prompt caching on a ten-turn conversation (synthetic): Anthropic 5-minute / "
+     "OpenAI gpt-4.1 / Gemini explicit", ("ch06.economics.anthropic_5_minute_cache.saving",
+                                          "ch06.economics.openai_automatic.saving",
+                                          "ch06.economics.gemini_explicit_cache.saving"), ".0f"),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 (two CPU cores)",
      tuple(f"notebooks.seconds.{name}" for name in
-           ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged")), ".0f"),
+           ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix")), ".0f"),
 ]
 
 

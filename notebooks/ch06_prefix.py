@@ -227,9 +227,10 @@ for text in ("What is a key-value cache?", "Why does it save time?", "And what d
 pd.DataFrame(chat.turns).rename_axis("turn")
 
 # %% [markdown]
-# From the second turn on, the common prefix is the whole earlier conversation, and the backend reuses
-# all of it but the part of a page the new turn fills. Pages written while the reply was decoded are
-# named too, so the reply itself is reused.
+# From the second turn on, the common prefix is the whole earlier conversation, the previous prompt and
+# its reply (the reply, decoded and rendered again, gives the same ids here), and the backend reuses it
+# rounded down to whole pages. Pages written while the reply was decoded are named too, so the reply
+# itself is reused.
 #
 # ## 4. Measuring
 #
