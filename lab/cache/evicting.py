@@ -1,0 +1,314 @@
+"""EvictingCache: keep at most `budget` positions per layer and KV head, and forget the rest.
+
+A full cache does not grow past the budget: after each forward step the cache chooses, for every layer and
+every KV head, which `budget` positions to keep. Four policies choose:
+
+- "window": the last `budget` positions (a sliding window).
+- "sinks" (StreamingLLM, Xiao et al., 2023): the first `sinks` positions, which soak up attention the
+  model has nowhere else to put, plus the most recent `budget - sinks`.
+- "h2o" (H2O, Zhang et al., 2023): a recent window (`window`, half the budget by default) plus the
+  "heavy hitters": the older positions that have received the most attention so far. A key's score is
+  the sum, over every query that has seen it, of the attention probability it received, summed over the
+  query heads that share its KV head. Scores are per layer and per KV head, so heads keep different
+  positions.
+- "snapkv" (SnapKV, Li et al., 2024): the last `observation` queries of the prompt vote. Their attention
+  to each earlier position is summed over the observation window, smoothed along positions by a pool of
+  width `pool` (avg or max, stride 1, padding pool // 2, summed over the group's query heads), and each
+  KV head keeps its `budget - observation` best-voted positions plus the observation window itself.
+
+When eviction happens. Inside a forward step nothing is evicted: the T new positions are appended, and
+every query of the step attends causally to everything held plus the new keys before it, so a prefill
+longer than the budget is an ordinary causal prefill. `advance(T)`, which the forward calls once every
+layer has attended, commits the step and then trims each layer to the budget. A prompt fed in one step
+therefore differs from the same prompt fed token by token: the latter evicts as it goes.
+
+SnapKV votes only in a step of several positions that overflows the budget (a prefill, or a chunk of
+one); its last min(observation, T) queries vote over every position held. Positions appended later
+(decode tokens, a chunk that fits) are protected like the observation window. When decoding overflows
+the budget, each head drops its worst-voted prompt position first; once only protected positions are
+left, it drops the oldest. A cache that never saw an overflowing multi-token step behaves as a window.
+
+Storage, per layer: `keys[i]`, `values[i]` `[B, H_kv, held, D]`, each head's positions in increasing
+order; `kept_positions[i]` `[B, H_kv, held]` the original position of every key (which token it was,
+0-based over everything the cache has seen); `scores[i]` `[B, H_kv, held]` float32, what the policy
+ranks by (h2o: accumulated attention; snapkv: pooled votes, inf for protected positions; None for window
+and sinks). Every head of a layer holds the same number of positions, `held = min(seen, budget)`.
+
+Positions and RoPE. Keys are stored after rotation. `length` counts every token the cache has seen,
+evicted or not, so the next token's position is its true position. With `rerotate=True` ("window" and
+"sinks" only, Llama-family models) the positions inside the cache are contiguous instead, as
+StreamingLLM does it: a new token is rotated at position `held`, and when positions are evicted the kept
+keys slide down to fill the gap and are turned back by the distance Delta they slid, R(p - Delta) =
+R(-Delta) R(p), a rotation computed in float64 and rounded once to the cache's dtype per eviction.
+Heads that keep different positions (h2o, snapkv) would each need their own renumbering, which the
+papers do not do: refused. GPT-2's positions are a learned table, not a rotation: refused.
+
+crop(n) forgets the tokens from n on. Evicted positions cannot come back, so it drops only positions
+every head still holds: n = 0, or n at or after the oldest position of the recent run every head holds.
+The positions before n are the ones that survived; had the cache seen only n tokens it might have kept
+others. H2O scores keep the attention the dropped queries paid.
+
+nbytes() counts the keys and values, which a budget bounds; the positions and scores are 12 bytes per
+kept key per head on top.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import checks
+from .base import CacheInputError, CacheStateError, KVCache, offset_causal_mask
+
+POLICIES = ("window", "sinks", "h2o", "snapkv")
+POOLINGS = ("avg", "max")
+INF = float("inf")
+
+
+def check_arguments(config, budget, policy, sinks, window, rerotate, observation, pool, pooling):
+    """Every constructor argument of EvictingCache, checked before anything is built."""
+    if policy not in POLICIES:
+        raise CacheInputError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
+    checks.at_least_one("budget", budget)
+    if policy == "sinks":
+        checks.int_arg("sinks", sinks)
+        if budget <= sinks:
+            raise CacheInputError(f"budget {budget} must be larger than the {sinks} sinks: the rest of the "
+                                  "budget is the recent window")
+    if window is not None:
+        if policy != "h2o":
+            raise CacheInputError(f"window sets H2O's recent window; policy {policy!r} fixes its own (window: the "
+                                  "budget, sinks: budget - sinks, snapkv: observation)")
+        checks.int_arg("window", window)
+        if window > budget:
+            raise CacheInputError(f"window {window} must be at most the budget {budget}")
+    if policy == "snapkv":
+        checks.at_least_one("observation", observation)
+        if observation > budget:
+            raise CacheInputError(f"observation window {observation} must be at most the budget {budget}: the "
+                                  "observation window is always kept")
+        checks.at_least_one("pool", pool)
+        if pool % 2 == 0:
+            raise CacheInputError(f"pool must be odd (a window centred on each position), got {pool}")
+        if pooling not in POOLINGS:
+            raise CacheInputError(f"pooling must be one of {', '.join(map(repr, POOLINGS))}, got {pooling!r}")
+    if not isinstance(rerotate, bool):
+        raise CacheInputError(f"rerotate must be True or False, got {rerotate!r}")
+    if rerotate and policy not in ("window", "sinks"):
+        raise CacheInputError(f"rerotate=True renumbers the positions every head keeps; policy {policy!r} keeps "
+                              "different positions in different heads: use 'window' or 'sinks'")
+    if rerotate and config.arch != "llama":
+        raise CacheInputError(f"rerotate=True turns RoPE keys back; {config.arch} has learned absolute positions, "
+                              "which a stored key cannot be moved out of")
+
+
+def rotate(x, delta, theta):
+    """Turn the keys x `[B, H, n, D]` by delta `[n]` positions: pair (j, j + D/2) by the angle
+    delta * theta^(-2j/D), RoPE's rotation (lab.models.llama.rope), in float64, rounded once."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D)  # [D/2]
+    angles = delta.to(torch.float64)[:, None] * inv_freq                                       # [n, D/2]
+    angles = torch.cat([angles, angles], dim=-1)                                               # [n, D]
+    x64 = x.to(torch.float64)
+    x1, x2 = x64[..., : D // 2], x64[..., D // 2:]
+    return (x64 * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()).to(x.dtype)      # [B, H, n, D]
+
+
+def gather(x, index):  # x [B, H, N, ...], index [B, H, n] -> x at those positions of each head
+    if x.dim() == 3:
+        return x.gather(2, index)                                                  # [B, H, n]
+    return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))           # [B, H, n, D]
+
+
+class EvictingCache(KVCache):
+    def __init__(self, config, budget: int, policy: str = "window", batch_size: int = 1, dtype=torch.float32,
+                 device="cpu", sinks: int = 4, window: int | None = None, rerotate: bool = False,
+                 observation: int = 32, pool: int = 7, pooling: str = "avg"):
+        check_arguments(config, budget, policy, sinks, window, rerotate, observation, pool, pooling)
+        super().__init__(config, batch_size, dtype, device)
+        self._args = dict(budget=budget, policy=policy, sinks=sinks, window=window, rerotate=rerotate,
+                          observation=observation, pool=pool, pooling=pooling)
+        self.budget, self.policy, self.rerotate = budget, policy, rerotate
+        self.sinks = sinks if policy == "sinks" else 0            # StreamingLLM keeps 4
+        self.window = (budget // 2 if window is None else window) if policy == "h2o" else None  # H2O: half
+        self.observation, self.pool, self.pooling = observation, pool, pooling  # SnapKV: 32 queries vote
+        L = self.n_layers
+        self.keys = [None] * L            # per layer [B, H_kv, held (+ T pending), D], None while empty
+        self.values = [None] * L
+        self.kept_positions = [None] * L  # per layer [B, H_kv, held] int64: which token each key belongs to
+        self.scores = [None] * L          # per layer [B, H_kv, held] float32 (h2o, snapkv), else None
+        self._step = [None] * L           # this step's statistics until advance: [B, H_kv, held + T] float32
+        self._held = 0                    # committed positions each head holds
+
+    @property
+    def held(self) -> int:
+        """Positions each layer and head holds: min(tokens seen, budget) between steps."""
+        return self._held
+
+    # region attention
+    def attend(self, layer, q, k, v):
+        """Store k, v and attend, as every cache does; h2o also records the attention each key received,
+        and snapkv, in a step that will overflow, the votes of its observation window."""
+        if self.policy == "h2o":
+            return self._attend_and_score(layer, q, k, v)
+        out = super().attend(layer, q, k, v)
+        T = q.shape[2]
+        if self.policy == "snapkv" and T > 1 and self._held + T > self.budget:
+            self._step[layer] = self._votes(q, self.keys[layer])
+        return out
+
+    def _grouped_logits(self, q, keys):  # q [B, H_q, T, D], keys [B, H_kv, N, D] -> [B, H_kv, G, T, N]
+        B, H_q, T, D = q.shape
+        q = q.reshape(B, self.n_kv_heads, H_q // self.n_kv_heads, T, D)   # query head h uses KV head h // G
+        return q @ keys[:, :, None].transpose(-1, -2) / math.sqrt(D)
+
+    def _attend_and_score(self, layer, q, k, v):
+        keys, values = self.update(layer, k, v)                   # [B, H_kv, N, D], N = held + T
+        B, H_q, T, D = q.shape
+        N = keys.shape[2]
+        logits = self._grouped_logits(q, keys)                    # [B, H_kv, G, T, N]
+        if T > 1:
+            logits = logits.masked_fill(~offset_causal_mask(N - T, T, q.device), -INF)
+        probs = logits.float().softmax(dim=-1)                    # [B, H_kv, G, T, N]
+        self._step[layer] = probs.sum(dim=(2, 3))                 # [B, H_kv, N]: received this step
+        out = probs.to(values.dtype) @ values[:, :, None]         # [B, H_kv, G, T, D]
+        return out.reshape(B, H_q, T, D)
+
+    def _votes(self, q, keys):
+        """SnapKV's priorities for the N held + new positions: pooled votes of the last queries, inf for the
+        observation window itself. `[B, H_kv, N]` float32."""
+        B, _, T, _ = q.shape
+        N, obs = keys.shape[2], min(self.observation, T)
+        logits = self._grouped_logits(q[:, :, T - obs:], keys)   # [B, H_kv, G, obs, N]
+        logits = logits.masked_fill(~offset_causal_mask(N - obs, obs, q.device), -INF)
+        votes = logits.float().softmax(dim=-1)[..., : N - obs].sum(dim=-2)       # [B, H_kv, G, N - obs]
+        pool1d = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
+        flat = votes.reshape(-1, 1, N - obs)                                    # [B * H_kv * G, 1, N - obs]
+        pooled = pool1d(flat, self.pool, stride=1, padding=self.pool // 2).reshape(votes.shape).sum(dim=2)
+        protected = torch.full((B, self.n_kv_heads, obs), INF, device=q.device)
+        return torch.cat([pooled, protected], dim=-1)                           # [B, H_kv, N]
+    # endregion
+
+    # region design
+    def _write(self, layer, k, v):
+        old_k, old_v = self.keys[layer], self.values[layer]
+        # the first store copies: k, v may be views into a larger tensor (GPT-2's fused q|k|v)
+        self.keys[layer] = k.clone() if old_k is None else torch.cat([old_k, k], dim=2)    # [B, H_kv, N, D]
+        self.values[layer] = v.clone() if old_v is None else torch.cat([old_v, v], dim=2)
+
+    def _read(self, layer):
+        return self.keys[layer], self.values[layer]               # [B, H_kv, held + T, D]
+
+    def _commit(self, t):
+        """Commit the t new positions of every layer, then evict down to the budget."""
+        B, H, seen = self.batch_size, self.n_kv_heads, self._length
+        new = torch.arange(seen, seen + t, device=self.device).expand(B, H, t).contiguous()  # [B, H_kv, t]
+        for i in range(self.n_layers):
+            old = self.kept_positions[i]
+            positions = new if old is None else torch.cat([old, new], dim=-1)        # [B, H_kv, N]
+            scores, keys, values = self._new_scores(i, t), self.keys[i], self.values[i]
+            if positions.shape[-1] > self.budget:
+                keep = self._keep(positions, scores)                                  # [B, H_kv, budget]
+                keys, values, positions = gather(keys, keep), gather(values, keep), gather(positions, keep)
+                scores = None if scores is None else gather(scores, keep)
+                if self.rerotate:  # every head keeps the same slots: slot keep[j] slides down to slot j
+                    slid = keep[0, 0] - torch.arange(self.budget, device=self.device)  # [budget]
+                    keys = rotate(keys, -slid, self.config.rope_theta)
+            self.keys[i], self.values[i], self.kept_positions[i], self.scores[i] = keys, values, positions, scores
+        self._step = [None] * self.n_layers
+        self._length, self._held = seen + t, min(self._held + t, self.budget)
+
+    def _new_scores(self, layer, t):
+        """A layer's scores after this step, for its held + t positions (None for window and sinks)."""
+        old, step = self.scores[layer], self._step[layer]
+        if self.policy == "h2o":
+            zeros = torch.zeros(self.batch_size, self.n_kv_heads, t, device=self.device)
+            grown = zeros if old is None else torch.cat([old, zeros], dim=-1)      # [B, H_kv, N]
+            return grown if step is None else grown + step
+        if self.policy == "snapkv":
+            if step is not None:          # this step's observation window voted
+                return step
+            fresh = torch.full((self.batch_size, self.n_kv_heads, t), INF, device=self.device)
+            return fresh if old is None else torch.cat([old, fresh], dim=-1)
+        return None
+
+    def _keep(self, positions, scores):
+        """Which `budget` of the N positions each head keeps: `[B, H_kv, budget]` indices, increasing.
+        Highest priority first; ties go to the more recent position."""
+        N = positions.shape[-1]
+        if self.policy == "window":
+            priority = torch.zeros(positions.shape, device=self.device)
+        elif self.policy == "sinks":
+            priority = torch.where(positions < self.sinks, INF, 0.0)
+        elif self.policy == "h2o":
+            recent = torch.arange(N, device=self.device) >= N - self.window       # [N]
+            priority = torch.where(recent, INF, scores)
+        else:
+            priority = scores
+        # a stable sort of the reversed row puts the more recent of two equal priorities first
+        order = torch.sort(priority.flip(-1), dim=-1, descending=True, stable=True).indices
+        return (N - 1 - order[..., : self.budget]).sort(dim=-1).values
+
+    def _truncate(self, n):
+        drop = self._length - n           # committed positions n .. length-1, all held (crop checked)
+        keep = self._held - drop if n else 0
+        for i in range(self.n_layers):
+            for store in (self.keys, self.values, self.kept_positions, self.scores):
+                if store[i] is not None:
+                    store[i] = store[i][:, :, :keep].clone() if keep else None
+        self._step = [None] * self.n_layers
+        self._length, self._held = n, keep
+
+    def fork(self):
+        """An independent cache that shares the parent's tensors (no step writes into a tensor: every
+        change builds a new one)."""
+        checks.between_steps(self, "fork")
+        child = EvictingCache(self.config, batch_size=self.batch_size, dtype=self.dtype, device=self.device,
+                              **self._args)
+        for name in ("keys", "values", "kept_positions", "scores"):
+            setattr(child, name, list(getattr(self, name)))
+        child._held = self._held
+        return self._copy_state_to(child)
+
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held (at most the budget's, between steps)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.keys + self.values if t is not None}
+        return sum(storages.values())
+    # endregion
+
+    # region positions
+    def next_positions(self, T: int, device=None) -> torch.Tensor:
+        """The positions the next T tokens are rotated at: their true positions (tokens seen), or with
+        rerotate the slots after the held ones."""
+        if not self.rerotate:
+            return super().next_positions(T, device)
+        return torch.arange(self._held, self._held + T, device=device)              # [T]
+
+    def crop(self, n: int):
+        """Forget the tokens from n on: n = 0, or only positions every head still holds (see the module)."""
+        checks.crop(self, n)
+        lowest = self.lowest_crop()
+        if n and n < lowest:
+            raise CacheStateError(f"crop({n}): position {lowest - 1} was evicted; an evicting cache drops only "
+                                  f"positions it still holds: n must be 0 or in {lowest}..{self._length}")
+        super().crop(n)
+
+    def lowest_crop(self) -> int:
+        """The smallest n > 0 that crop(n) takes: the oldest position of the recent run every head holds."""
+        seen, held = self._length, self._held
+        if not held:
+            return seen
+        run = torch.arange(seen - held, seen, device=self.device)     # the positions of an unbroken tail
+        tails = [(p == run).sum(dim=-1).min().item() for p in self.kept_positions]  # positions are increasing
+        return seen - min(tails)
+
+    @property
+    def length(self) -> int:
+        """Tokens seen: the position of the next token (held positions: `held`)."""
+        return KVCache.length.fget(self)
+
+    @length.setter
+    def length(self, n):
+        raise CacheStateError("an evicting cache's length is the number of tokens it has seen; it cannot be set")
+    # endregion
