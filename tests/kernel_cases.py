@@ -6,6 +6,10 @@ file in a fresh Python process. Without a GPU the kernel runs in Triton's interp
 process that has imported torch._dynamo (see tests/conftest.py), so these results must not depend on
 what other tests ran before them in the same process. `pytest tests/kernel_cases.py` works too.
 
+The INT8 kernel (lab/kernels/triton_paged_int8.py) is checked twice: against its reference (the pages
+dequantized, then paged_attention_reference) to ATOL, and that reference against the float oracle within
+the error quantization can cause, a bound worked out at the INT8 tests.
+
 The oracle never sees a page: plain softmax(q k^T * scale) v, in float64, over each sequence's keys and
 values as they were before being written into randomly permuted pages. Every slot of the pool that holds
 none of a sequence's positions (page 0, which the zero padding of the block tables points at, and the
@@ -29,7 +33,10 @@ from lab.kernels import (
     decode_attention,
     paged_attention,
     paged_attention_cpu,
+    paged_attention_int8,
+    paged_attention_int8_reference,
     paged_attention_reference,
+    quantize_pages,
     triton_paged,
 )
 
@@ -294,6 +301,97 @@ def test_triton_kernel_matches_dense_attention_property(page_size, lengths, kv_h
                                                                head_dim, seed=seed)
     out = paged_attention(*on(KERNEL_DEVICE, q, k_pool, v_pool, block_tables, lens))
     torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
+
+
+# INT8 pages. (page_size, lengths, q_heads, kv_heads, head_dim): pages of 1, 16 and 64; lengths of 1, a page
+# and a page + 1; groups of 1, 3 and 4. Few and small: without a GPU the interpreter runs every one.
+INT8_CASES = [
+    (1, [1, 2, 7], 4, 4, 16),
+    (16, [1, 16, 17], 9, 3, 64),
+    (64, [64, 65, 1], 8, 2, 16),
+]
+
+
+def make_int8_paged(lengths, page_size, q_heads, kv_heads, head_dim, seed=0, q_dtype=torch.float32):
+    """make_paged's float pools quantized to int8 pages (quantize_pages). The HUGE slots become codes 127
+    with scale HUGE / 127: read by mistake, they are as loud as before. Returns q [B, H_q, D], k_codes,
+    v_codes int8 [num_pages, page_size, H_kv, D], k_scale, v_scale [num_pages, page_size, H_kv], block_tables,
+    lengths, and the unpaged float keys and values per sequence."""
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged(lengths, page_size, q_heads, kv_heads, head_dim,
+                                                               seed=seed)
+    return (q.to(q_dtype), *quantize_pages(k_pool, v_pool), block_tables, lens, ks, vs)
+
+
+@needs_triton
+@pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", INT8_CASES)
+def test_int8_kernel_matches_the_int8_reference(page_size, lengths, q_heads, kv_heads, head_dim):
+    # ATOL, as for the float kernel: both compute in float32 from the same codes and scales. They differ in
+    # where a scale multiplies (the reference dequantizes each element, the kernel scales each score and
+    # probability once) and in the order of the sums: each a rounding of about 6e-8 relative, on values
+    # as large as the standard-normal ones the float tests use (|code * scale| <= max |x|).
+    *args, ks, vs = make_int8_paged(lengths, page_size, q_heads, kv_heads, head_dim)
+    expected = paged_attention_int8_reference(*args)
+    out = paged_attention_int8(*on(KERNEL_DEVICE, *args))
+    assert out.shape == args[0].shape and out.dtype == torch.float32 and out.device.type == KERNEL_DEVICE
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+
+@needs_triton
+def test_int8_kernel_at_the_gpu_scripts_shape():
+    # What lab/experiments/gpu.py times: a float16 query, 32 query and 8 kv heads, head_dim 128, pages of
+    # 16, lengths of 1, a page + 1 and two pages + 1. Output float32: ATOL as above.
+    *args, _, _ = make_int8_paged([1, 17, 33], 16, 32, 8, 128, seed=5, q_dtype=torch.float16)
+    out = paged_attention_int8(*on(KERNEL_DEVICE, *args))
+    torch.testing.assert_close(out.cpu(), paged_attention_int8_reference(*args), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", INT8_CASES)
+def test_int8_reference_is_within_the_quantization_error_of_float_attention(page_size, lengths, q_heads,
+                                                                            kv_heads, head_dim):
+    # Rounding to the nearest code errs by at most s/2 per element, s the vector's scale. For query head h
+    # (kv head j) of sequence b, a score q . k_t * c (c = 1/sqrt(D)) then moves by at most
+    #     eps = c * ||q||_1 * max_t s_k[t, j] / 2.
+    # Scores that each move by at most eps change each probability by a factor within exp(+-2 eps), so the
+    # probabilities move by at most exp(2 eps) - 1 in total (L1), and the output by at most that times
+    # max |v|; the values' own rounding adds at most max_t s_v[t, j] / 2 (a convex combination of errors
+    # each within it). Plus ATOL for float32. A bound, not an estimate: in these cases the errors are near
+    # 1e-2 and the bounds 0.06 to 0.6, while a HUGE slot read by mistake moves the output by 1e27 or more.
+    q, k_codes, v_codes, k_scale, v_scale, block_tables, lens, ks, vs = make_int8_paged(
+        lengths, page_size, q_heads, kv_heads, head_dim)
+    assert k_codes.dtype == torch.int8 and int(k_codes.abs().max()) <= 127 and k_scale.shape == k_codes.shape[:3]
+    error = (paged_attention_int8_reference(q, k_codes, v_codes, k_scale, v_scale, block_tables, lens).double()
+             - dense_oracle(q, ks, vs)).abs()                                       # [B, H_q, D]
+    group = q_heads // kv_heads
+    c = 1 / math.sqrt(head_dim)
+    for b, (k, v) in enumerate(zip(ks, vs, strict=True)):            # k, v [n, H_kv, D]
+        *_, s_k, s_v = quantize_pages(k[None], v[None])               # [1, n, H_kv]: the scales in the pool
+        s_k, s_v = (s.double()[0].amax(dim=0).repeat_interleave(group) for s in (s_k, s_v))   # [H_q]
+        v_max = v.double().abs().amax(dim=(0, 2)).repeat_interleave(group)                  # [H_q]
+        eps = c * q[b].double().abs().sum(dim=-1) * s_k / 2                                  # [H_q]
+        bound = torch.expm1(2 * eps) * v_max + s_v / 2 + ATOL                               # [H_q]
+        assert (error[b] <= bound[:, None]).all(), (error[b].amax(dim=-1), bound)
+
+
+INT8_BAD_INPUTS = [
+    ("float pools", lambda a: a.update(k_pool=a["k_pool"].float()), TypeError, r"k_pool must hold int8 codes"),
+    ("scale shape", lambda a: a.update(v_scale=a["v_scale"][..., None]), ValueError,
+     r"v_scale must be \[num_pages, page_size, kv_heads\]"),
+    ("scale dtype", lambda a: a.update(k_scale=a["k_scale"].to(torch.int32)), TypeError,
+     r"k_scale must be a floating-point"),
+    ("a float check", lambda a: a.update(lengths=a["lengths"].long()), TypeError, r"lengths must be int32"),
+]
+
+
+@pytest.mark.parametrize("kernel", [paged_attention_int8_reference,
+                                    pytest.param(paged_attention_int8, marks=needs_triton)])
+@pytest.mark.parametrize("mutate, error, message", [b[1:] for b in INT8_BAD_INPUTS],
+                         ids=[b[0] for b in INT8_BAD_INPUTS])
+def test_int8_bad_inputs_raise_typed_errors(kernel, mutate, error, message):
+    names = ("q", "k_pool", "v_pool", "k_scale", "v_scale", "block_tables", "lengths")
+    args = dict(zip(names, make_int8_paged([5, 9], 4, 4, 2, 16)[:7], strict=True))
+    mutate(args)
+    with pytest.raises(error, match=message):
+        kernel(**args)
 
 
 def test_a_length_that_fills_the_block_table_is_accepted():

@@ -32,13 +32,19 @@ def test_dry_run_measures_on_cpu(results_file):
     assert values["memory"]["tiny-llama"]["static"]["B2"]["cache_mib"]["value"] > 0
     kernel = doc["sections"]["gpu_dryrun_ch05"]["values"]["bandwidth"]["B2"]["T40"]  # the kernel, interpreted
     assert kernel["kernel_ms"]["value"] > 0 and kernel["bandwidth_gb_s"]["value"] > 0
+    # The INT8 kernel beside it: codes (1 byte) and one float32 scale per token per kv head, batch 2, 40
+    # positions, 2 kv heads, head_dim 16, keys and values.
+    assert kernel["int8_kernel_ms"]["value"] > 0 and kernel["int8_over_float"]["value"] > 0
+    assert kernel["int8_bandwidth_gb_s"]["bytes"] == 2 * 2 * 40 * 2 * (16 + 4)
 
 
 def test_without_cuda_records_not_run(results_file, monkeypatch):
     monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
     assert gpu.run() is None
-    leaf = results.get("ch03_gpu.step_ms")
-    assert leaf["value"] == "NOT_RUN" and "CUDA" in leaf["reason"]
+    for key in ("ch03_gpu.step_ms", "ch05_gpu.bandwidth", "ch05_gpu.kernel_over_sdpa", "ch05_gpu.int8_bandwidth",
+                "ch05_gpu.int8_over_float"):
+        leaf = results.get(key)
+        assert leaf["value"] == "NOT_RUN" and "CUDA" in leaf["reason"], key
 
 
 def test_not_run_never_overwrites_gpu_measurements(results_file, monkeypatch):

@@ -4,7 +4,9 @@ mode and writes a temporary results file.
 
 On a machine with a GPU it runs chapter 3's step-time sweep and memory probe on CUDA (section `ch03_gpu`
 of results.json) and chapter 5's paged-attention kernel: achieved bandwidth at contexts 4k-32k and batch
-1-64, and the kernel against SDPA on a contiguous cache (section `ch05_gpu`), with the GPU's provenance.
+1-64, and the kernel against SDPA on a contiguous cache (section `ch05_gpu`), with the GPU's provenance;
+beside it, at the same shapes, the INT8 kernel over the same pages quantized (int8 codes and a float32
+scale per token per kv head) and its time against the float kernel's.
 Without one, it records NOT_RUN with the reason — unless a section already holds measurements, which a
 CPU-only run must never overwrite.
 
@@ -50,11 +52,12 @@ def peak_bandwidth(name: str):
 
 @torch.inference_mode()
 def kernel_case(B, L, s, gpu) -> dict:
-    """One (batch, context): the kernel's time and bandwidth, and SDPA over a contiguous cache."""
+    """One (batch, context): the kernel's time and bandwidth, SDPA over a contiguous cache, and the INT8
+    kernel's time and bandwidth over the same pages quantized."""
     import torch.nn.functional as F
 
     from ..bench import time_call
-    from ..kernels import paged_attention
+    from ..kernels import paged_attention, paged_attention_int8, quantize_pages
     from ..kernels.pages import paged_copy
 
     (Hq, Hkv), D, dtype, device = s["kernel_heads"], s["kernel_head_dim"], s["kernel_dtype"], s["device"]
@@ -67,18 +70,27 @@ def kernel_case(B, L, s, gpu) -> dict:
     sdpa = time_call(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True), 2,
                      s["kernel_reps"], device=device)
     bandwidth = 2 * B * L * Hkv * D * k.element_size() / kernel["median"]              # every key and value once
+    codes_k, codes_v, scale_k, scale_v = quantize_pages(pool_k, pool_v)                 # int8 [pages, 16, H_kv, D]
+    int8 = time_call(lambda: paged_attention_int8(q, codes_k, codes_v, scale_k, scale_v, tables, lengths), 2,
+                     s["kernel_reps"], device=device)
+    int8_bytes = 2 * B * L * Hkv * (D * codes_k.element_size() + scale_k.element_size())  # codes and scales once
+    int8_bandwidth = int8_bytes / int8["median"]
     peak = peak_bandwidth(gpu)
     return {"kernel_ms": value(kernel["median"] * 1e3, "ms", n=kernel["n"]),
             "sdpa_contiguous_ms": value(sdpa["median"] * 1e3, "ms"),
             "kernel_over_sdpa": value(kernel["median"] / sdpa["median"], "x"),
             "bandwidth_gb_s": value(bandwidth / 1e9, "GB/s"),
             "fraction_of_peak": (value(bandwidth / peak * 100, "%") if peak
-                                 else value("unknown", None, note=f"no peak bandwidth known for {gpu}"))}
+                                 else value("unknown", None, note=f"no peak bandwidth known for {gpu}")),
+            "int8_kernel_ms": value(int8["median"] * 1e3, "ms", n=int8["n"]),
+            "int8_bandwidth_gb_s": value(int8_bandwidth / 1e9, "GB/s", bytes=int8_bytes),
+            "int8_over_float": value(int8["median"] / kernel["median"], "x")}
 
 
 def kernel_bandwidth(s: dict) -> dict:
     """The Triton paged-attention kernel's achieved bandwidth (bytes of K and V read / time), and its time
-    against scaled_dot_product_attention over a contiguous cache, per (batch, context)."""
+    against scaled_dot_product_attention over a contiguous cache, per (batch, context); the INT8 kernel's
+    bandwidth (bytes of codes and scales read / time) and its time against the float kernel's."""
     gpu = torch.cuda.get_device_name(0) if s["device"] == "cuda" else "cpu (interpreter)"
     return {f"B{B}": {f"T{L}": kernel_case(B, L, s, gpu) for L in s["kernel_contexts"]} for B in s["kernel_batches"]}
 
@@ -102,7 +114,8 @@ def record_not_run(reason: str):
     blanks = {SECTION: {"step_ms": not_run(reason, "ms"), "speedup": not_run(reason, "x"),
                         "memory": {"allocated_extra_mib": not_run(reason, "MiB"),
                                    "reserved_extra_mib": not_run(reason, "MiB")}},
-              SECTION5: {"bandwidth": not_run(reason, "GB/s"), "kernel_over_sdpa": not_run(reason, "x")}}
+              SECTION5: {"bandwidth": not_run(reason, "GB/s"), "kernel_over_sdpa": not_run(reason, "x"),
+                         "int8_bandwidth": not_run(reason, "GB/s"), "int8_over_float": not_run(reason, "x")}}
     for section, values in blanks.items():
         if has_measurements(section):
             print(f"{section}: keeping the GPU measurements already in {results_path()} ({reason})")

@@ -4,18 +4,23 @@
     out = paged_attention_reference(...)                              # gather + SDPA: the oracle
     out = paged_attention_cpu(...)                                    # the same, tuned for a CPU
     out = decode_attention(...)                                       # the kernel on a GPU, else the CPU one
+    out = paged_attention_int8(q, k_codes, v_codes, k_scale, v_scale, block_tables, lengths)  # INT8 pages
+    out = paged_attention_int8_reference(...)                         # dequantize, then the reference
 
 q [batch, q_heads, head_dim]; k_pool, v_pool [num_pages, page_size, kv_heads, head_dim]; block_tables
 int32 [batch, max_pages]; lengths int32 [batch]; out [batch, q_heads, head_dim] in q's dtype.
 Every version checks shapes, dtypes and devices; with `check_values=True` (the default) also that the
 lengths and page ids are in range, which reads them back to the host. A PagedCache, whose block manager
 built the tables, passes check_values=False so that a decode step never waits for the device.
+The INT8 versions take int8 pools and one float scale per token per kv head, k_scale and v_scale
+[num_pages, page_size, kv_heads] (x ~ scale * code; `quantize_pages` builds them), and return float32.
 """
 
 from . import triton_paged
 from .checks import check_paged_inputs
-from .reference import paged_attention_cpu, paged_attention_reference
+from .reference import paged_attention_cpu, paged_attention_int8_reference, paged_attention_reference
 from .triton_paged import paged_attention
+from .triton_paged_int8 import paged_attention_int8, quantize_pages
 
 
 def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
@@ -30,4 +35,4 @@ def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_cpu", "decode_attention",
-           "check_paged_inputs"]
+           "check_paged_inputs", "paged_attention_int8", "paged_attention_int8_reference", "quantize_pages"]

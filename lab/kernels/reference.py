@@ -9,6 +9,8 @@ page `block_table[t // page_size]` at offset `t % page_size`.
 - `paged_attention_cpu` computes the same thing faster on a CPU (it is what a PagedCache uses there):
   it copies only the key pages, pads the query group to a power of two, and sums the values straight
   from the pool with `embedding_bag`. Chapter 5's speed section explains each choice.
+- `paged_attention_int8_reference` is the oracle of the INT8 kernel: dequantize the pools (code * scale,
+  in float32), then `paged_attention_reference`.
 
 The argument checks both share live in `checks.py`.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_paged_inputs
+from .triton_paged_int8 import check_int8_pages
 
 
 def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=None,
@@ -76,3 +79,17 @@ def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, ch
         out[b] = F.embedding_bag(row_ids.reshape(-1), v_rows, bag_starts * length, mode="sum",
                                  per_sample_weights=weights)          # [H_q, D]
     return out
+
+
+def paged_attention_int8_reference(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, scale=None,
+                                   check_values=True):
+    """Decode attention over INT8 pages: dequantize every page, then `paged_attention_reference`.
+
+    k_pool, v_pool int8 [num_pages, page_size, H_kv, D]; k_scale, v_scale [num_pages, page_size, H_kv];
+    the rest as for `paged_attention_reference`. Returns float32 [B, H_q, D]. Dequantizes the whole pool:
+    an oracle, not a way to run.
+    """
+    check_int8_pages(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, check_values)
+    k = k_pool.float() * k_scale.float()[..., None]                   # [num_pages, page_size, H_kv, D]
+    v = v_pool.float() * v_scale.float()[..., None]
+    return paged_attention_reference(q.float(), k, v, block_tables, lengths, scale, check_values=False)
