@@ -52,3 +52,27 @@ def test_fewer_bits_and_fewer_positions_cost_more(tiny):
     assert large["kl"] < small["kl"]
     whole = ch07.quality(tiny, ids, ch07.evicting(200, "sinks"), 16)       # the budget holds everything
     assert whole["kl"] < 1e-9
+
+
+def test_the_heat_map_marks_exactly_the_kept_positions(tiny):
+    ids = text(120)
+    m = ch07.kept_positions(tiny, ids, "sinks", 40, prefill=16)
+    want = set(range(4)) | set(range(120 - 36, 120))                     # 4 sinks and the recent window
+    assert m.shape == (tiny.config.n_kv_heads, 120)
+    assert all({i for i, k in enumerate(row.tolist()) if k} == want for row in m)
+
+
+def test_the_figures_draw_legibly(tiny, tmp_path):
+    ids = text(80)
+    runs = {name: ch07.quality(tiny, ids, ch07.quantized(**s), 16)
+            for name, s in (("per_token_8", dict(bits=8)), ("per_token_4", dict(bits=4)))}
+    ch07.plot_kl_bytes(runs, ch07.quality(tiny, ids, lambda c: ch07.ConcatCache(c), 16)["nbytes"],
+                       tmp_path / "kl.png")
+    budgets = {f"{p}_{b}": ch07.quality(tiny, ids, ch07.evicting(b, p), 16) for p in ("window", "sinks")
+               for b in (16, 32)}
+    ch07.plot_loss_budget(budgets, ("window", "sinks"), ref_loss=runs["per_token_8"]["ref_loss"],
+                          path=tmp_path / "loss.png")
+    ch07.plot_kept({p: ch07.kept_positions(tiny, ids, p, 24, prefill=16, **kw) for p, kw in
+                    (("h2o", {}), ("snapkv", dict(observation=8)))},
+                   tmp_path / "kept.png")
+    assert all((tmp_path / f).stat().st_size > 0 for f in ("kl.png", "loss.png", "kept.png"))

@@ -79,3 +79,63 @@ def sweep(model, ids, prefill=64, budgets=(64, 128, 256), schemes=QUANTIZED, pol
     cases |= {name: quantized(**s) for name, s in schemes.items()}
     cases |= {f"{p}_{b}": evicting(b, p) for p in policies for b in budgets}
     return {name: quality(model, ids, make, prefill) for name, make in tqdm(cases.items(), desc="caches")}
+
+
+@torch.inference_mode()
+def kept_positions(model, ids: list, policy: str, budget: int, layer: int = 0, prefill: int = 64, **settings):
+    """Which original positions each KV head of `layer` holds after `ids` went through an EvictingCache:
+    a bool map `[H_kv, len(ids)]` (the heat map of what H2O and SnapKV keep)."""
+    cache = EvictingCache(model.config, budget, policy, **settings)
+    teacher_forced(model, ids, cache, prefill)
+    kept = cache.kept_positions[layer][0]                                     # [H_kv, held]
+    out = torch.zeros(kept.shape[0], len(ids), dtype=torch.bool)
+    out.scatter_(1, kept, True)
+    return out
+
+
+def plot_kl_bytes(results: dict, float_bytes: float, path=None):
+    """KL against bytes per position (as a share of the float cache's) for every quantized scheme."""
+    from . import plots
+    from .plots import finish
+
+    fig, ax = plots.figure(height=3.6)
+    for name, r in results.items():
+        share = r["nbytes"] / float_bytes
+        ax.plot(share, max(r["kl"], 1e-12), "o")
+        ax.annotate(name.replace("_", " "), (share, max(r["kl"], 1e-12)), textcoords="offset points",
+                    xytext=(4, 4))
+    ax.margins(0.15)                                                     # room for the labels
+    ax.set(yscale="log", xlabel="bytes held / the float cache's", ylabel="KL to the float cache (nats)",
+           title="Fewer bits: quality against memory")
+    return finish(fig, path)
+
+
+def plot_loss_budget(results: dict, policies=POLICIES, ref_loss=None, path=None):
+    """Held-out loss against the budget, a line per eviction policy; `results` keyed "{policy}_{budget}"."""
+    from . import plots
+    from .plots import finish
+
+    fig, ax = plots.figure(height=3.6)
+    for p in policies:
+        budgets = sorted(int(k.rsplit("_", 1)[1]) for k in results if k.rsplit("_", 1)[0] == p)
+        ax.plot(budgets, [results[f"{p}_{b}"]["loss"] for b in budgets], "o-", label=p)
+    if ref_loss is not None:
+        ax.axhline(ref_loss, ls=":", color="gray", label="every position kept")
+    ax.set(xscale="log", xlabel="budget (positions kept per head)", ylabel="next-token loss (nats)",
+           title="Fewer positions: loss against budget")
+    ax.legend()
+    return finish(fig, path)
+
+
+def plot_kept(maps: dict, path=None):
+    """maps {policy: [H_kv, T] bool}: which positions each head keeps, one panel per policy."""
+    from . import plots
+    from .plots import finish
+
+    fig, axes = plots.figure(nrows=len(maps), height=1.4 * len(maps) + 0.8)
+    for ax, (name, m) in zip([axes] if len(maps) == 1 else axes, maps.items(), strict=True):
+        ax.imshow(m.float().numpy(), aspect="auto", interpolation="nearest", cmap="Greys")
+        ax.set(ylabel="KV head", title=f"{name}: positions kept (black)")
+        ax.set_yticks(range(m.shape[0]))
+    (axes if len(maps) == 1 else axes[-1]).set_xlabel("position in the text")
+    return finish(fig, path)
