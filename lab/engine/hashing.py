@@ -31,3 +31,12 @@ def block_hashes(ids, page_size: int, extra=()) -> list[str]:
         parent = page_digest(parent, t[i * P:(i + 1) * P])
         out.append(parent.hex())
     return out
+
+
+def page_keys(ids: list, page_size: int, extra=()) -> list:
+    """(digest, parent digest, tokens) of every full page of `ids` (a list), as raw bytes: what the
+    BlockManager registers a page under and checks a hit against."""
+    P = page_size
+    digests = [bytes.fromhex(d) for d in block_hashes(ids, P, extra=extra)]
+    parents = ([root_digest(extra)] + digests)[:len(digests)]
+    return [(d, p, ids[i * P:(i + 1) * P]) for i, (d, p) in enumerate(zip(digests, parents, strict=True))]

@@ -9,10 +9,9 @@ pool still named: they are reused until a fresh page is needed, least recently f
 import torch
 
 from ..cache import CacheInputError, CacheStateError, OutOfPagesError, PagedCache
-from ..cache.hashing import root_digest
 from ..models import check_ids, forward_cached
 from .backends import as_ids
-from .hashing import block_hashes
+from .hashing import page_keys
 from .identity import identity_of, model_identity
 
 
@@ -37,10 +36,8 @@ class PrefixCachingBackend:
 
     def page_keys(self, ids: list, salt=None) -> list:
         """(digest, parent digest, tokens) of every full page of `ids` under this model and salt."""
-        P, identity = self.page_size, identity_of(self.model, self.pool, self.salt if salt is None else salt)
-        digests = [bytes.fromhex(d) for d in block_hashes(ids, P, extra=(identity,))]
-        parents = ([root_digest((identity,))] + digests)[:len(digests)]
-        return [(d, p, ids[i * P:(i + 1) * P]) for i, (d, p) in enumerate(zip(digests, parents, strict=True))]
+        identity = identity_of(self.model, self.pool, self.salt if salt is None else salt)
+        return page_keys(ids, self.page_size, extra=(identity,))
 
     @torch.inference_mode()
     def next_logits(self, ids, salt=None) -> torch.Tensor:

@@ -5,20 +5,12 @@ import dataclasses
 import random
 
 from ..cache import BlockManager
-from ..engine import PrefixCachingBackend, block_hashes, identity_of, root_digest
+from ..engine import PrefixCachingBackend, identity_of
+from ..engine.hashing import page_keys
 from ..models import load
 from .rules import functions_raise
 
 # ---- exercise 1: least-frequently-used eviction ----------------------------------------------------------
-
-
-def _page_keys(ids, page_size, extra=()) -> list:
-    """(digest, parent digest, tokens) of every full page of `ids`, chained from root_digest(extra), as
-    PrefixCachingBackend.page_keys names them (there `extra` is the state identity)."""
-    P = page_size
-    digests = [bytes.fromhex(d) for d in block_hashes(ids, P, extra=extra)]
-    parents = ([root_digest(extra)] + digests)[:len(digests)]
-    return [(d, p, list(ids[i * P:(i + 1) * P])) for i, (d, p) in enumerate(zip(digests, parents, strict=True))]
 
 
 class _LFUBlockManager(BlockManager):
@@ -149,7 +141,7 @@ class _FrozenIdentityBackend(PrefixCachingBackend):
 
     def page_keys(self, ids, salt=None) -> list:
         identity = dataclasses.replace(self._identity, salt=self.salt if salt is None else salt)
-        return _page_keys(ids, self.page_size, (identity,))
+        return page_keys(ids, self.page_size, (identity,))
 
 
 class _FirstPageOnlyBackend(PrefixCachingBackend):
@@ -158,7 +150,7 @@ class _FirstPageOnlyBackend(PrefixCachingBackend):
 
     def page_keys(self, ids, salt=None) -> list:
         first = super().page_keys(ids, salt)[:1]
-        return first + _page_keys(ids, self.page_size, (self.salt if salt is None else salt,))[1:]
+        return first + page_keys(ids, self.page_size, (self.salt if salt is None else salt,))[1:]
 
 
 INVALIDATION_PAGES = (64, 4)  # (num_pages, page_size) of the backends make_backend builds

@@ -117,6 +117,18 @@ else:
     INTERPRETED = False
 
 
+def require_triton(name: str, device) -> None:
+    """Raise RuntimeError unless the kernel `name` can launch on `device`: Triton installed, and a GPU or
+    Triton's interpreter (TRITON_INTERPRET=1). Its oracle, `name`_reference, runs anywhere."""
+    if triton is None:
+        raise RuntimeError(f"{name} needs Triton, which is not installed: pip install triton==3.9.0 "
+                           f"(the `gpu` extra), or use {name}_reference")
+    if torch.device(device).type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"{name} compiles a Triton kernel for a GPU, but the inputs are on {device}: "
+                           "set TRITON_INTERPRET=1 before Python starts to run it in Triton's interpreter, "
+                           f"or use {name}_reference")
+
+
 def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
     """Decode attention over paged keys and values with the Triton kernel. Returns [B, H_q, D] in q's dtype.
 
@@ -125,13 +137,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_
     to 1/sqrt(D). Always launches the kernel: CUDA tensors, or any tensors under TRITON_INTERPRET=1.
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
-    if triton is None:
-        raise RuntimeError("paged_attention needs Triton, which is not installed: pip install triton==3.9.0 "
-                           "(the `gpu` extra), or use paged_attention_reference")
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(f"paged_attention compiles a Triton kernel for a GPU, but the inputs are on {q.device}: "
-                           "set TRITON_INTERPRET=1 before Python starts to run it in Triton's interpreter, "
-                           "or use paged_attention_reference")
+    require_triton("paged_attention", q.device)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     group = H_q // H_kv

@@ -20,9 +20,8 @@ import math
 import torch
 
 from ..cache.quant import offset, quantize_symmetric  # absmax codes, as QuantizedCache stores them
-from . import triton_paged
 from .checks import check_paged_inputs
-from .triton_paged import _next_power_of_2
+from .triton_paged import _next_power_of_2, require_triton
 
 try:  # decorated with the TRITON_INTERPRET the process started with, as in triton_paged.py
     import triton
@@ -141,13 +140,7 @@ def paged_attention_int8(q, k_pool, v_pool, k_scale, v_scale, block_tables, leng
     scale defaults to 1/sqrt(D). The oracle is `paged_attention_int8_reference`.
     """
     check_int8_pages(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, check_values)
-    if triton_paged.triton is None:                                    # the float kernel's switches, shared
-        raise RuntimeError("paged_attention_int8 needs Triton, which is not installed: pip install triton==3.9.0 "
-                           "(the `gpu` extra), or use paged_attention_int8_reference")
-    if q.device.type != "cuda" and not triton_paged.INTERPRETED:
-        raise RuntimeError(f"paged_attention_int8 compiles a Triton kernel for a GPU, but the inputs are on "
-                           f"{q.device}: set TRITON_INTERPRET=1 before Python starts to run it in Triton's "
-                           "interpreter, or use paged_attention_int8_reference")
+    require_triton("paged_attention_int8", q.device)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     group = H_q // H_kv
