@@ -29,7 +29,7 @@ def run(model_dir, press: str, compression_ratio: float, contexts: list, continu
     window_size and kernel_size (SnapKV); rerotate=True wraps the press in KeyRerotationPress. How the loss
     is counted is in `kvpress_run.py`'s docstring.
 
-    Returns {"kvpress", "transformers", "torch", "threads", "load_seconds", "results": [{"loss", "tokens",
+    Returns {"kvpress", "transformers", "torch", "threads", "load_seconds", "results": [{"loss", "kl", "tokens",
     "cache_length", "kept", "seconds"}, ...]}; "kept" is, per layer and KV head, the context positions kept."""
     if press not in PRESSES:
         raise ValueError(f"press must be one of {', '.join(PRESSES)}, got {press!r}")

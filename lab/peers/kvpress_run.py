@@ -13,8 +13,8 @@ only kvpress, transformers, torch and the standard library. Reads a request on s
      "contexts": [[ids], ...], "continuations": [[ids], ...], "out": "<path>"}
 
 and writes {"kvpress": version, "transformers": version, "torch": version, "threads": n,
-"load_seconds": s, "results": [{"loss": ..., "tokens": n, "cache_length": n, "kept": ..., "seconds": s},
-...]} to `out`, one result per (context, continuation) pair, in order.
+"load_seconds": s, "results": [{"loss": ..., "kl": ..., "tokens": n, "cache_length": n, "kept": ...,
+"seconds": s}, ...]} to `out`, one result per (context, continuation) pair, in order.
 
 The protocol is kvpress's own (README, and `KVPressTextGenerationPipeline` in kvpress/pipeline.py):
 
@@ -27,7 +27,9 @@ The protocol is kvpress's own (README, and `KVPressTextGenerationPipeline` in kv
    - c[0] from the last context position's logits (step 1; unaffected by the press);
    - c[1..n-1] from the logits of feeding c[0..n-2] on the compressed cache, with `position_ids` that
      continue the context's own numbering, len(context) + i, as kvpress's pipeline does for a question.
-   "loss" is the mean of the n values -log p(c[i] | context, c[:i]), in nats; "tokens" is n. With press
+   "loss" is the mean of the n values -log p(c[i] | context, c[:i]), in nats; "tokens" is n. "kl" is the mean
+   over the same n positions of KL(uncompressed || compressed), in nats, the uncompressed distributions from
+   one plain forward over context + c[:n-1] in the same process. With press
    "none" it is the plain model's loss on context + continuation, restricted to the continuation.
 
 The kept keys keep the rotation of their original positions (kvpress's default). With "rerotate": true
@@ -103,8 +105,12 @@ def score_one(model, press, rerotate, kept, context, continuation):
             logits.append(model(cont[:, :-1], past_key_values=cache, position_ids=positions).logits)
         logits = torch.cat(logits, dim=1)[0]                              # [n, V]
         nll = torch.nn.functional.cross_entropy(logits.float(), cont[0], reduction="mean")
-    seconds = time.perf_counter() - t0
-    return dict(loss=float(nll), tokens=int(cont.shape[1]), cache_length=int(cache_length),
+        seconds = time.perf_counter() - t0
+        # the same positions without the press: one forward over context + continuation, no cache
+        whole = torch.cat([ctx, cont[:, :-1]], dim=1)
+        reference = model(whole, logits_to_keep=cont.shape[1]).logits[0].double().log_softmax(-1)   # [n, V]
+        kl = (reference.exp() * (reference - logits.double().log_softmax(-1))).sum(-1).mean()
+    return dict(loss=float(nll), kl=float(kl), tokens=int(cont.shape[1]), cache_length=int(cache_length),
                 kept=[kept[i] for i in sorted(kept)] if kept else None, seconds=seconds)
 
 
