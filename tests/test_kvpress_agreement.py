@@ -64,6 +64,28 @@ def test_kvpress_without_a_press_equals_the_labs_loss_and_streaming_llm_forgets_
     assert streaming["loss"] > plain["results"][1]["loss"] + 1.0                   # measured: 1.6-4.0 nats more
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.skipif(not kvpress.available(), reason="kvpress's environment is not built here (make peers)")
+def test_the_labs_evicting_cache_keeps_what_kvpress_keeps_at_the_same_ratio(smollm2):
+    """The lab's sinks and SnapKV policies (SnapKV with kvpress's window of 64 and pooling width 5) against
+    kvpress's StreamingLLM and SnapKV presses at ratio 0.5, kvpress's own protocol (ch07.against_kvpress):
+    every layer and KV head keeps the same positions (Jaccard 1), so the continuation's loss and its KL to
+    the uncompressed model agree to float32 rounding (the 1e-4 of the module docstring; 1e-5 measured)."""
+    from lab.experiments import ch07_compress as ch07
+
+    ids = data.passages(smollm2.tokenizer, CONTEXT + CONTINUATION, count=2, seed=1)
+    contexts, continuations = [x[:CONTEXT] for x in ids], [x[CONTEXT:] for x in ids]
+    r = ch07.against_kvpress(smollm2, contexts, continuations, 0.5)
+    for press in ("streaming_llm", "snapkv"):
+        x = r[press]
+        assert x["overlap"] == [1.0, 1.0], press
+        assert x["budget"] == x["peer_cache_length"] == [CONTEXT // 2] * 2
+        for ours, theirs in zip(x["lab_loss"] + x["lab_kl"], x["peer_loss"] + x["peer_kl"], strict=True):
+            assert abs(ours - theirs) < 1e-4, (press, ours, theirs)
+    assert all(kl > 1e-3 for kl in r["snapkv"]["lab_kl"])                   # the press did change something
+
+
 def test_a_missing_kvpress_environment_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setattr(kvpress, "PEERS_PYTHON", tmp_path / "missing" / "python")
     with pytest.raises(FileNotFoundError, match="make peers"):

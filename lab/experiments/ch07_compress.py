@@ -1,10 +1,16 @@
 """Chapter 7, "A smaller cache": what fewer bits per value, or fewer positions kept, cost in model quality.
 
-The measurement every comparison of the chapter shares: feed held-out text through a cache the way decoding
-does (a prefill, then one token per step, each step's own key and value joining the cache at `advance`,
-where a QuantizedCache quantizes and an EvictingCache evicts), and compare each next-token distribution
-with the one the uncompressed model gives at the same position: KL divergence, change in loss, top-1
-agreement. The oracle is the plain forward over the whole text, no cache at all.
+The measurement every comparison of the chapter shares, `quality`: held-out passages go through a cache the
+way serving feeds them, a prompt in one prefill step and then one token per step, each step's own key and
+value joining the cache at `advance`, where a QuantizedCache quantizes and an EvictingCache evicts. Every
+next-token distribution from the prefill's last position on is compared with the one the uncompressed
+model gives at the same position: KL divergence, change in loss and perplexity, top-1 agreement. The
+oracle is the plain forward over the whole passage, no cache at all.
+
+The peers, each on the same model and text: transformers' QuantizedCache (quanto and FP8 backends, run
+teacher-forced the same way, `hf_quantized.py`) and NVIDIA's kvpress (`against_kvpress`: kvpress's own
+protocol, a context compressed once after its prefill and a continuation scored on it, which the lab
+repeats with an EvictingCache of the same size).
 """
 
 import math
@@ -13,112 +19,328 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import data
+from ..bench import time_rounds
 from ..cache import ConcatCache, EvictingCache, QuantizedCache
-from ..models import forward, forward_cached
+from ..models import forward, forward_cached, load
+from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from . import plots
+from .plots import finish
 
 SECTION = "ch07"
-
-# name -> QuantizedCache settings: the schemes and bit widths the chapter compares
+BF16 = torch.bfloat16
+# name -> QuantizedCache settings: the schemes and bit widths the chapter compares. Scales and zero points
+# are stored in bfloat16, as a 16-bit cache would store them; the model itself runs in float32.
 QUANTIZED = {
-    "per_token_8": dict(bits=8, scheme="per_token"),
-    "per_token_8_smooth": dict(bits=8, scheme="per_token", smooth=True),
-    "per_token_4": dict(bits=4, scheme="per_token"),
-    "per_token_4_smooth": dict(bits=4, scheme="per_token", smooth=True),
-    "kivi_4": dict(bits=4, scheme="kivi", group_size=32, residual=128),
-    "kivi_2": dict(bits=2, scheme="kivi", group_size=32, residual=128),
+    "per_token_8": dict(bits=8, scheme="per_token", scale_dtype=BF16),
+    "per_token_8_smooth": dict(bits=8, scheme="per_token", smooth=True, scale_dtype=BF16),
+    "per_token_4": dict(bits=4, scheme="per_token", scale_dtype=BF16),
+    "per_token_4_smooth": dict(bits=4, scheme="per_token", smooth=True, scale_dtype=BF16),
+    "kivi_4": dict(bits=4, scheme="kivi", group_size=32, residual=128, scale_dtype=BF16),
+    "kivi_2": dict(bits=2, scheme="kivi", group_size=32, residual=128, scale_dtype=BF16),
 }
 POLICIES = ("window", "sinks", "h2o", "snapkv")
 
 
+def settings(quick_mode: bool) -> dict:
+    """Passages of `tokens` ids, `decode` of them fed one per step after a prefill of the rest; `groups`:
+    2-bit KIVI's (key group, value group) sizes tried beside its default (32, 64)."""
+    if quick_mode:
+        return dict(tokens=384, passages=2, decode=32, budgets=(48, 128), rerotate_budgets=(48,),
+                    residuals=(0, 128), groups=((32, 16),), ratios=(0.5,), continuation=64, step_context=256,
+                    step_rounds=5, peers=False)
+    return dict(tokens=2048, passages=4, decode=128, budgets=(64, 128, 256, 512, 1024),
+                rerotate_budgets=(64, 256, 1024), residuals=(0, 32, 128, 256),
+                groups=((16, 16), (32, 16), (8, 8)),
+                ratios=(0.5, 0.75), continuation=256, step_context=1024, step_rounds=15, peers=True)
+
+
+# ---- the measurement: a prefill, then one token per step, against the plain forward -----------------------
+
+def as_batch(ids) -> torch.Tensor:
+    """ids: one passage (a list of ids), several of equal length, or a LongTensor -> `[B, T]`."""
+    x = torch.as_tensor(ids)
+    return x[None] if x.dim() == 1 else x
+
+
 @torch.inference_mode()
-def teacher_forced(model, ids: list, cache, prefill: int) -> torch.Tensor:
-    """Next-token logits at every position from `prefill - 1` on, `[len(ids) - prefill + 1, V]`: the prompt's
-    first `prefill` tokens in one step, then one token per step through `cache`."""
-    w, cfg, x = model.weights, model.config, torch.tensor([ids])
-    rows = [forward_cached(x[:, :prefill], w, cfg, cache, last_only=True)[0, -1]]
-    for t in range(prefill, len(ids)):
-        rows.append(forward_cached(x[:, t:t + 1], w, cfg, cache)[0, -1])
-    return torch.stack(rows)
+def teacher_forced(model, ids, cache, prefill: int) -> torch.Tensor:
+    """Next-token logits at every position from `prefill - 1` on, `[B, T - prefill + 1, V]`: the passages'
+    first `prefill` tokens in one step, then one token per step through `cache` (batch size B)."""
+    w, cfg, x = model.weights, model.config, as_batch(ids)
+    rows = [forward_cached(x[:, :prefill], w, cfg, cache, last_only=True)[:, -1]]
+    for t in range(prefill, x.shape[1]):
+        rows.append(forward_cached(x[:, t:t + 1], w, cfg, cache)[:, -1])
+    return torch.stack(rows, dim=1)
+
+
+@torch.inference_mode()
+def reference(model, ids, prefill: int) -> torch.Tensor:
+    """The oracle: the plain forward's logits at the same positions, `[B, T - prefill + 1, V]`, a passage
+    at a time (a [B, T, V] tensor of logits would be gigabytes at T = 2,048)."""
+    return torch.stack([forward(row[None], model.weights, model.config)[0, prefill - 1:] for row in as_batch(ids)])
 
 
 def compare(logits, reference, targets) -> dict:
-    """logits, reference `[N, V]` at the same positions, targets `[N]` the tokens that follow (the last row
-    has none: it is left out). Mean KL(reference || logits) in nats, the change in mean next-token loss,
-    top-1 agreement."""
-    logits, reference = logits[:len(targets)].double(), reference[:len(targets)].double()
+    """logits, reference `[..., N + 1, V]` at the same positions, targets `[..., N]` the tokens that follow
+    (the last position has none: it is left out). Mean KL(reference || logits) in nats, the change in mean
+    next-token loss and perplexity, top-1 agreement, and each passage's loss (the spread gives the noise)."""
+    n, V = targets.shape[-1], logits.shape[-1]
+    logits, reference = logits[..., :n, :].double(), reference[..., :n, :].double()
     logp, logq = reference.log_softmax(-1), logits.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)                               # [N]
-    loss = F.cross_entropy(logits, targets)
-    ref_loss = F.cross_entropy(reference, targets)
-    return dict(kl=float(kl.mean()), kl_max=float(kl.max()), loss=float(loss), ref_loss=float(ref_loss),
+    kl = (logp.exp() * (logp - logq)).sum(-1)                                       # [..., N]
+    nll = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="none").view(targets.shape)
+    ref_nll = F.cross_entropy(reference.reshape(-1, V), targets.reshape(-1), reduction="none")
+    loss, ref_loss = float(nll.mean()), float(ref_nll.mean())
+    return dict(kl=float(kl.mean()), kl_max=float(kl.max()), loss=loss, ref_loss=ref_loss,
                 delta_ppl=math.exp(loss) - math.exp(ref_loss),
-                top1=float((logits.argmax(-1) == reference.argmax(-1)).double().mean()), positions=len(targets))
+                top1=float((logits.argmax(-1) == reference.argmax(-1)).double().mean()),
+                passage_loss=nll.reshape(-1, n).mean(-1).tolist(), positions=targets.numel())
 
 
 @torch.inference_mode()
-def quality(model, ids: list, make_cache, prefill: int = 64) -> dict:
-    """`compare` for the cache `make_cache(config)` against the plain forward over the whole text."""
-    reference = forward(torch.tensor([ids]), model.weights, model.config)[0, prefill - 1:]   # [N + 1, V]
-    cache = make_cache(model.config)
-    got = teacher_forced(model, ids, cache, prefill)
-    return compare(got, reference, torch.tensor(ids[prefill:])) | dict(nbytes=cache.nbytes(), length=len(ids))
+def quality(model, ids, make_cache, prefill: int = 64, ref=None) -> dict:
+    """`compare` for the cache `make_cache(config, batch_size)` against the plain forward (`ref`, if already
+    computed by `reference`), with the bytes the cache held at the end."""
+    x = as_batch(ids)
+    ref = reference(model, x, prefill) if ref is None else ref
+    cache = make_cache(model.config, x.shape[0])
+    got = teacher_forced(model, x, cache, prefill)
+    return compare(got, ref, x[:, prefill:]) | dict(nbytes=cache.nbytes(), length=x.shape[1], batch=x.shape[0])
 
 
 def quantized(**settings):
-    return lambda config: QuantizedCache(config, **settings)
+    return lambda config, batch_size=1: QuantizedCache(config, batch_size=batch_size, **settings)
 
 
 def evicting(budget, policy, **settings):
-    return lambda config: EvictingCache(config, budget, policy, **settings)
+    return lambda config, batch_size=1: EvictingCache(config, budget, policy, batch_size=batch_size, **settings)
 
 
-def sweep(model, ids, prefill=64, budgets=(64, 128, 256), schemes=QUANTIZED, policies=POLICIES) -> dict:
-    """Every quantized scheme and every eviction policy at every budget, and the float cache itself (whose
-    KL must be rounding only): {name: quality}."""
-    cases = {"float": lambda config: ConcatCache(config)}
-    cases |= {name: quantized(**s) for name, s in schemes.items()}
-    cases |= {f"{p}_{b}": evicting(b, p) for p in policies for b in budgets}
-    return {name: quality(model, ids, make, prefill) for name, make in tqdm(cases.items(), desc="caches")}
+def float_cache(config, batch_size=1):
+    return ConcatCache(config, batch_size)
+
+
+def float_bytes(config, dtype=torch.float32) -> int:
+    """Bytes one position takes in an uncompressed cache: keys and values of every layer and KV head."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def sweep(model, ids, prefill, cases: dict, ref=None, desc="caches") -> dict:
+    """{name: quality} for {name: make_cache}, the oracle computed once."""
+    ref = reference(model, ids, prefill) if ref is None else ref
+    return {name: quality(model, ids, make, prefill, ref) for name, make in tqdm(cases.items(), desc=desc)}
+
+
+# ---- why one scale per tensor is worse: a simulated INT8 cache, and how far apart key channels are ---------
+
+class PerTensorCache(ConcatCache):
+    """SIMULATED INT8 with one scale per layer for all keys (and one for all values), set by the first step
+    (the prefill) and frozen, later values clipped to its range, as transformers' FP8 cache fixes its scale.
+    It stores the rounded values in float: a what-if for accuracy, not a way to save memory."""
+
+    def __init__(self, config, batch_size=1, bits=8):
+        super().__init__(config, batch_size)
+        self.qmax, self.scales = 2 ** (bits - 1) - 1, [None] * self.n_layers
+
+    def _commit(self, t):
+        super()._commit(t)
+        for i in range(self.n_layers):
+            k, v = self.keys[i][:, :, -t:], self.values[i][:, :, -t:]              # the new positions
+            if self.scales[i] is None:
+                self.scales[i] = [x.abs().amax() / self.qmax for x in (k, v)]
+            for x, s in zip((k, v), self.scales[i], strict=True):
+                x.copy_((x / s).round().clamp(-self.qmax, self.qmax) * s)           # in place: views
+
+
+OUTLIER_FACTOR, OUTLIER_PAIRS = 16.0, (3,)
+
+
+def with_outlier_channels(model, factor=OUTLIER_FACTOR, pairs=OUTLIER_PAIRS):
+    """The same function with keys that have outlier channels: in every layer and KV head, the key
+    projection's rows for channels i and i + D/2 (a pair RoPE rotates together) times `factor`, the
+    matching rows of every query head of the group divided by it. q . k is unchanged (exactly, for a power
+    of two), the keys' range is not: what a model whose keys have outlier channels gives a quantizer."""
+    from ..models.load import Model
+
+    cfg, weights = model.config, dict(model.weights)
+    D = cfg.head_dim
+    channels = torch.tensor([c for i in pairs for c in (i, i + D // 2)])
+    for i in range(cfg.n_layers):
+        k_name, q_name = (f"model.layers.{i}.self_attn.{x}_proj.weight" for x in "kq")
+        k, q = weights[k_name].clone(), weights[q_name].clone()                 # [H_kv * D, d], [H_q * D, d]
+        k.view(cfg.n_kv_heads, D, -1)[:, channels] *= factor
+        q.view(cfg.n_heads, D, -1)[:, channels] /= factor
+        weights[k_name], weights[q_name] = k, q
+    return Model(f"{model.name}-outlier-keys", cfg, weights, model.tokenizer)
+
+
+@torch.inference_mode()
+def key_spread(model, ids) -> dict:
+    """How unevenly the keys fill their range, over every layer and KV head of one prefill: the largest
+    channel's absmax over the median channel's (outlier channels make it large), and how much larger one
+    scale for the whole tensor is than a token's own (the resolution a per-tensor scale gives up)."""
+    cache = ConcatCache(model.config)
+    forward_cached(as_batch(ids)[:1], model.weights, model.config, cache, last_only=True)
+    channel, token = [], []
+    for k in cache.keys:                                                            # [1, H_kv, T, D]
+        per_channel = k[0].abs().amax(dim=1)                                        # [H_kv, D]
+        channel.append(per_channel.amax(-1) / per_channel.median(-1).values)
+        per_token = k[0].abs().amax(dim=-1)                                         # [H_kv, T]
+        token.append(k.abs().amax() / per_token.median())
+    channel = torch.cat(channel)
+    return dict(channel_max=float(channel.max()), channel_median=float(channel.median()),
+                tensor_over_token=float(torch.stack(token).median()))
+
+
+# ---- kvpress's protocol: compress a context once, score a continuation on it ------------------------------
+
+@torch.inference_mode()
+def pressed(model, context, continuation, cache):
+    """Logits for every token of `continuation` `[n, V]` on `cache` after it took `context` in one prefill
+    step (an EvictingCache evicts at its end), and the positions the cache kept then (or None)."""
+    w, cfg = model.weights, model.config
+    first = forward_cached(torch.tensor([context]), w, cfg, cache, last_only=True)[0, -1:]
+    kept = [k.clone() for k in cache.kept_positions] if hasattr(cache, "kept_positions") else None
+    rest = forward_cached(torch.tensor([continuation[:-1]]), w, cfg, cache)[0]
+    return torch.cat([first, rest]), kept
+
+
+def _overlap(lab_kept, peer_kept) -> float:
+    """Mean over layers and KV heads of |lab ∩ peer| / |lab ∪ peer| of the kept context positions."""
+    shares = []
+    for lab_layer, peer_layer in zip(lab_kept, peer_kept, strict=True):
+        for a, b in zip(lab_layer[0].tolist(), peer_layer, strict=True):
+            a, b = set(a), set(b)
+            shares.append(len(a & b) / len(a | b))
+    return sum(shares) / len(shares)
+
+
+LAB_PRESS = {"streaming_llm": ("sinks", dict(sinks=4)), "snapkv": ("snapkv", dict(observation=64, pool=5))}
+PEER_PRESS = {"streaming_llm": dict(n_sink=4), "snapkv": dict(window_size=64, kernel_size=5)}
+
+
+def against_kvpress(model, contexts, continuations, ratio, rerotate=False, presses=("streaming_llm", "snapkv")):
+    """Each press at `ratio` (the fraction of the context removed), kvpress's and the lab's EvictingCache
+    with the same settings and budget, on the same (context, continuation) pairs: loss and KL per pair,
+    the difference and its standard error over the pairs, and how many kept positions the two share."""
+    from ..models.load import smollm2_folder
+    from ..peers import compare_kvpress
+
+    out = {}
+    for press in presses:
+        peer = compare_kvpress.run(smollm2_folder(), press, ratio, contexts, continuations,
+                                   threads=torch.get_num_threads(), rerotate=rerotate, **PEER_PRESS[press])
+        policy, kw = LAB_PRESS[press]
+        lab, overlap = [], []
+        for c, x, p in zip(contexts, continuations, peer["results"], strict=True):
+            budget = int(len(c) * (1 - ratio))                     # kvpress's compute_n_kept
+            logits, kept = pressed(model, c, x, EvictingCache(model.config, budget, policy, rerotate=rerotate, **kw))
+            ref = reference(model, [c + x[:-1]], len(c))[0]
+            r = compare(logits[None], ref[None], torch.tensor([x]))
+            lab.append(r)
+            overlap.append(_overlap(kept, p["kept"]) if p["kept"] else None)
+        diff = [a["loss"] - p["loss"] for a, p in zip(lab, peer["results"], strict=True)]
+        mean = sum(diff) / len(diff)
+        se = (sum((d - mean) ** 2 for d in diff) / max(1, len(diff) - 1) / len(diff)) ** 0.5
+        spread = [p["loss"] for p in peer["results"]]
+        out[press] = dict(lab_loss=[r["loss"] for r in lab], lab_kl=[r["kl"] for r in lab],
+                          peer_loss=spread, peer_kl=[p["kl"] for p in peer["results"]],
+                          ref_loss=[r["ref_loss"] for r in lab], diff=mean, diff_se=se, overlap=overlap,
+                          budget=[int(len(c) * (1 - ratio)) for c in contexts],
+                          peer_cache_length=[p["cache_length"] for p in peer["results"]])
+    out["versions"] = dict(kvpress=peer["kvpress"], transformers=peer["transformers"], torch=peer["torch"])
+    return out
+
+
+# ---- transformers' QuantizedCache on the same passages ------------------------------------------------------
+
+HF_QUANTIZED = {"quanto_4": dict(backend="quanto", nbits=4, q_group_size=32, residual_length=128),
+                "quanto_2": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128),
+                "quanto_2_channel_keys": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128,
+                                              axis_key=-1),
+                "fp8": dict(backend="fp8")}
+
+
+def against_transformers(model, ids, prefill, ref, cases=HF_QUANTIZED) -> dict:
+    """transformers' own model and QuantizedCache, teacher-forced like `quality`, against the same oracle."""
+    from ..models.hf import to_transformers
+    from . import hf_quantized
+
+    hf, x, out = to_transformers(model), as_batch(ids), {}
+    for name, kw in tqdm(cases.items(), desc="transformers"):
+        cache = hf_quantized.make_cache(hf, **kw)
+        got = hf_quantized.teacher_forced(hf, x, prefill, cache)
+        out[name] = compare(got, ref, x[:, prefill:]) | dict(nbytes=hf_quantized.stored_bytes(cache),
+                                                             length=x.shape[1], batch=x.shape[0], settings=kw)
+    return out
+
+
+# ---- step time --------------------------------------------------------------------------------------------
+
+def step_times(model, context: int, cases: dict, rounds=9, seed=0) -> dict:
+    """Seconds per decode step after a prompt of `context` tokens, one cache per design, timed in rounds
+    (each design once per round) so a slow spell of a shared machine hits all alike. Each step appends a
+    position: over 2 + rounds steps the caches grow by under 2% at context 1,024."""
+    w, cfg = model.weights, model.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=g)
+    token = prompt[:, -1:]
+    caches = {name: make(cfg, 1) for name, make in cases.items()}
+    with torch.inference_mode():
+        for cache in caches.values():
+            forward_cached(prompt, w, cfg, cache, last_only=True)
+    fns = {name: (lambda c=cache: forward_cached(token, w, cfg, c)) for name, cache in caches.items()}
+    return time_rounds(fns, warmup=2, rounds=rounds)
+
+
+# ---- which positions the eviction policies keep -------------------------------------------------------------
+
+def kept_map(cache, layer: int, length: int, row: int = 0) -> torch.Tensor:
+    """Which original positions each KV head of `layer` holds in an EvictingCache: bool `[H_kv, length]`."""
+    kept = cache.kept_positions[layer][row]                                   # [H_kv, held]
+    out = torch.zeros(kept.shape[0], length, dtype=torch.bool)
+    return out.scatter_(1, kept, True)
 
 
 @torch.inference_mode()
 def kept_positions(model, ids: list, policy: str, budget: int, layer: int = 0, prefill: int = 64, **settings):
-    """Which original positions each KV head of `layer` holds after `ids` went through an EvictingCache:
-    a bool map `[H_kv, len(ids)]` (the heat map of what H2O and SnapKV keep)."""
+    """`kept_map` after one passage `ids` went through an EvictingCache as `quality` feeds it (the heat map
+    of what H2O and SnapKV keep)."""
     cache = EvictingCache(model.config, budget, policy, **settings)
     teacher_forced(model, ids, cache, prefill)
-    kept = cache.kept_positions[layer][0]                                     # [H_kv, held]
-    out = torch.zeros(kept.shape[0], len(ids), dtype=torch.bool)
-    out.scatter_(1, kept, True)
-    return out
+    return kept_map(cache, layer, len(ids))
 
 
-def plot_kl_bytes(results: dict, float_bytes: float, path=None):
-    """KL against bytes per position (as a share of the float cache's) for every quantized scheme."""
-    from . import plots
-    from .plots import finish
+# ---- figures ----------------------------------------------------------------------------------------------
 
-    fig, ax = plots.figure(height=3.6)
-    for name, r in results.items():
-        share = r["nbytes"] / float_bytes
-        ax.plot(share, max(r["kl"], 1e-12), "o")
-        ax.annotate(name.replace("_", " "), (share, max(r["kl"], 1e-12)), textcoords="offset points",
-                    xytext=(4, 4))
-    ax.margins(0.15)                                                     # room for the labels
-    ax.set(yscale="log", xlabel="bytes held / the float cache's", ylabel="KL to the float cache (nats)",
-           title="Fewer bits: quality against memory")
+def plot_kl_bytes(points: dict, path=None):
+    """KL against bytes held (a share of the float32 cache's), one marker per family of points:
+    points {family: {name: (share, kl)}}."""
+    fig, ax = plots.figure(height=3.8)
+    markers = iter("os^Dvx")
+    for family, named in points.items():
+        xs, ys = zip(*[(share, max(kl, 1e-6)) for share, kl in named.values()], strict=True)
+        ax.plot(xs, ys, next(markers), label=family, alpha=0.8)
+        for name, x, y in zip(named, xs, ys, strict=True):
+            ax.annotate(name.replace("_", " "), (x, y), textcoords="offset points", xytext=(4, 3))
+    ax.margins(0.12)                                                          # room for the labels
+    ax.set(xscale="log", yscale="log", xlabel="bytes held / the float32 cache's",
+           ylabel="KL to the uncompressed model (nats)", title="Quality against memory")
+    ax.legend(loc="lower left")
     return finish(fig, path)
 
 
-def plot_loss_budget(results: dict, policies=POLICIES, ref_loss=None, path=None):
-    """Held-out loss against the budget, a line per eviction policy; `results` keyed "{policy}_{budget}"."""
-    from . import plots
-    from .plots import finish
-
+def plot_loss_budget(results: dict, policies=POLICIES, ref_loss=None, rerotated=None, path=None):
+    """Held-out loss against the budget, a line per eviction policy; `results` keyed "{policy}_{budget}",
+    `rerotated` {budget: quality} for sinks with keys re-rotated."""
     fig, ax = plots.figure(height=3.6)
     for p in policies:
         budgets = sorted(int(k.rsplit("_", 1)[1]) for k in results if k.rsplit("_", 1)[0] == p)
         ax.plot(budgets, [results[f"{p}_{b}"]["loss"] for b in budgets], "o-", label=p)
+    if rerotated:
+        budgets = sorted(rerotated)
+        ax.plot(budgets, [rerotated[b]["loss"] for b in budgets], "x--", label="sinks, re-rotated")
     if ref_loss is not None:
         ax.axhline(ref_loss, ls=":", color="gray", label="every position kept")
     ax.set(xscale="log", xlabel="budget (positions kept per head)", ylabel="next-token loss (nats)",
@@ -128,14 +350,215 @@ def plot_loss_budget(results: dict, policies=POLICIES, ref_loss=None, path=None)
 
 
 def plot_kept(maps: dict, path=None):
-    """maps {policy: [H_kv, T] bool}: which positions each head keeps, one panel per policy."""
-    from . import plots
-    from .plots import finish
-
+    """maps {title: [H_kv, T] bool}: which positions each head keeps, one panel per map."""
     fig, axes = plots.figure(nrows=len(maps), height=1.4 * len(maps) + 0.8)
-    for ax, (name, m) in zip([axes] if len(maps) == 1 else axes, maps.items(), strict=True):
+    axes = [axes] if len(maps) == 1 else list(axes)
+    for ax, (name, m) in zip(axes, maps.items(), strict=True):
         ax.imshow(m.float().numpy(), aspect="auto", interpolation="nearest", cmap="Greys")
         ax.set(ylabel="KV head", title=f"{name}: positions kept (black)")
         ax.set_yticks(range(m.shape[0]))
-    (axes if len(maps) == 1 else axes[-1]).set_xlabel("position in the text")
+    axes[-1].set_xlabel("position in the passage")
     return finish(fig, path)
+
+
+def plot_residual(results: dict, path=None):
+    """KL against the residual window (positions kept in float) for 2-bit KIVI: results {window: quality}."""
+    fig, ax = plots.figure(height=3.2)
+    windows = sorted(results)
+    ax.plot([max(w, 1) for w in windows], [results[w]["kl"] for w in windows], "o-")
+    ax.set(xscale="log", yscale="log", xlabel="residual window (positions; 0 drawn at 1)",
+           ylabel="KL (nats)", title="2-bit KIVI: the float window's worth")
+    return finish(fig, path)
+
+
+# ---- measure and record -----------------------------------------------------------------------------------
+
+def held_out(model, s: dict):
+    """The passages `[B, T]`, the prefill length and the oracle's logits for settings `s`."""
+    ids = torch.tensor(data.passages(model.tokenizer, s["tokens"], s["passages"]))          # [B, T]
+    prefill = s["tokens"] - s["decode"]
+    return ids, prefill, reference(model, ids, prefill)
+
+
+def measure_bits(model, ids, prefill, ref, s: dict) -> dict:
+    """Every quantized scheme, the per-tensor what-if, 2-bit KIVI's residual window and group sizes, and
+    the smoothing question on keys with outlier channels."""
+    cfg = model.config
+    cases = {"float": float_cache} | {n: quantized(**q) for n, q in QUANTIZED.items()}
+    cases["per_tensor_8"] = lambda config, b: PerTensorCache(config, b)
+    m = dict(key_spread=key_spread(model, ids), quantized=sweep(model, ids, prefill, cases, ref, "quantized"),
+             bytes_per_position={n: QuantizedCache(cfg, **q).bytes_per_position() for n, q in QUANTIZED.items()})
+    kivi_2 = QUANTIZED["kivi_2"]
+    m["residual"] = sweep(model, ids, prefill, {r: quantized(**kivi_2 | dict(residual=r)) for r in s["residuals"]},
+                          ref, "residual window")
+    groups = {(g, vg): kivi_2 | dict(group_size=g, value_group_size=vg) for g, vg in s["groups"]}
+    m["groups"] = sweep(model, ids, prefill, {k: quantized(**q) for k, q in groups.items()}, ref, "group sizes")
+    m["groups_bytes"] = {k: QuantizedCache(cfg, **q).bytes_per_position() for k, q in groups.items()}
+    outlying = with_outlier_channels(model)
+    ref_outlying = reference(outlying, ids, prefill)
+    m["outliers"] = dict(key_spread=key_spread(outlying, ids), factor=OUTLIER_FACTOR, pairs=list(OUTLIER_PAIRS),
+                         same_function=float((ref_outlying - ref).abs().max()))
+    smoothing = {n: cases[n] for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")}
+    m["outliers"] |= sweep(outlying, ids, prefill, smoothing, ref_outlying, "outlier keys")
+    return m
+
+
+def measure_positions(model, ids, prefill, ref, s: dict) -> dict:
+    """Every eviction policy at every budget (and which positions each kept, in the middle layer), and
+    sinks with keys re-rotated."""
+    cfg, layer = model.config, model.config.n_layers // 2
+    m = dict(kept_layer=layer, kept={}, eviction={})
+    cases = [(p, b) for p in POLICIES for b in s["budgets"]]
+    for p, b in tqdm(cases, desc="eviction"):
+        cache = evicting(b, p)(cfg, len(ids))
+        got = teacher_forced(model, ids, cache, prefill)
+        m["eviction"][f"{p}_{b}"] = compare(got, ref, ids[:, prefill:]) | dict(nbytes=cache.nbytes())
+        m["kept"][f"{p}_{b}"] = kept_map(cache, layer, ids.shape[1])
+    m["rerotate"] = sweep(model, ids, prefill, {b: evicting(b, "sinks", rerotate=True) for b in s["rerotate_budgets"]},
+                          ref, "sinks, re-rotated")
+    return m
+
+
+def kvpress_comparison(model, ids, s: dict):
+    """against_kvpress at every ratio, and StreamingLLM re-rotated at the first; the passages cut into a
+    context and the last `continuation` tokens. A string saying why, where it does not run."""
+    from ..peers import compare_kvpress
+
+    if not s["peers"]:
+        return "quick mode: kvpress loads its own model per press; `make results` runs the comparison"
+    if not compare_kvpress.available():
+        return "kvpress's environment is not built here (make peers)"
+    T, n = s["tokens"], s["continuation"]
+    contexts, continuations = ids[:, :T - n].tolist(), ids[:, T - n:].tolist()
+    out = {r: against_kvpress(model, contexts, continuations, r) for r in s["ratios"]}
+    out["rerotate"] = against_kvpress(model, contexts, continuations, s["ratios"][0], rerotate=True,
+                                      presses=("streaming_llm",))
+    return out
+
+
+def measure_steps(model, s: dict) -> dict:
+    """Decode step times: the float cache, three quantized schemes, each policy at the middle budget."""
+    b = sorted(s["budgets"])[len(s["budgets"]) // 2]
+    timed = {"float": float_cache} | {n: quantized(**QUANTIZED[n]) for n in ("per_token_8", "kivi_4", "kivi_2")}
+    timed |= {f"{p}_{b}": evicting(b, p) for p in POLICIES}
+    return step_times(model, s["step_context"], timed, s["step_rounds"])
+
+
+def measure(quick_mode=None) -> dict:
+    s = settings(quick() if quick_mode is None else quick_mode)
+    smol = load("smollm2")
+    ids, prefill, ref = held_out(smol, s)
+    m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
+             float_bytes=float_bytes(smol.config), bf16_bytes=float_bytes(smol.config, BF16))
+    m |= measure_bits(smol, ids, prefill, ref, s)
+    m |= measure_positions(smol, ids, prefill, ref, s)
+    m["transformers"] = against_transformers(smol, ids, prefill, ref)
+    m["kvpress"] = kvpress_comparison(smol, ids, s)
+    m["steps"] = measure_steps(smol, s)
+    return m
+
+
+def kl_bytes_points(m: dict) -> dict:
+    """The KL-against-bytes figure's points: {family: {name: (share of the float32 cache held, KL)}}."""
+    full = lambda r: r["batch"] * r["length"] * m["float_bytes"]             # noqa: E731
+    q = m["quantized"]
+    points = {"lab, quantized": {n: (q[n]["nbytes"] / full(q[n]), q[n]["kl"]) for n in q if n != "float"},
+              "transformers": {n: (r["nbytes"] / full(r), r["kl"]) for n, r in m["transformers"].items()}}
+    if isinstance(m["kvpress"], dict):
+        ratio = m["settings"]["ratios"][0]
+        r, share = m["kvpress"][ratio], 1 - ratio
+        points["lab, evicting (context halved)" if ratio == 0.5 else f"lab, evicting ({ratio:.0%} removed)"] = {
+            LAB_PRESS[p][0]: (share, sum(r[p]["lab_kl"]) / len(r[p]["lab_kl"])) for p in LAB_PRESS}
+        points["kvpress"] = {p: (share, sum(r[p]["peer_kl"]) / len(r[p]["peer_kl"])) for p in LAB_PRESS}
+    return points
+
+
+def _quality_values(r: dict, **extra) -> dict:
+    return {"kl": value(r["kl"], "nats", positions=r["positions"], **extra),
+            "delta_ppl": value(r["delta_ppl"], None, loss=r["loss"], ref_loss=r["ref_loss"]),
+            "top1": value(100 * r["top1"], "%")}
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch07 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
+    {"kl_bytes", "loss_budget", "kept", "residual"}."""
+    figs, drawn, s = figures_dir(), drawn or {}, m["settings"]
+    mid = sorted(s["budgets"])[len(s["budgets"]) // 2]
+    ref_loss = m["quantized"]["float"]["ref_loss"]
+    draw = {"kl_bytes": lambda p: plot_kl_bytes(kl_bytes_points(m), p),
+            "loss_budget": lambda p: plot_loss_budget(m["eviction"], ref_loss=ref_loss, rerotated=m["rerotate"],
+                                                      path=p),
+            "kept": lambda p: plot_kept({f"{x}, budget {mid}": m["kept"][f"{x}_{mid}"] for x in ("h2o", "snapkv")},
+                                        p),
+            "residual": lambda p: plot_residual(m["residual"], p)}
+    for name, plot in draw.items():
+        path = figs / f"ch07_{name}.png"
+        finish(drawn[name], path) if name in drawn else plot(path)
+    passage = dict(passages=s["passages"], tokens=s["tokens"], decoded=s["decode"])
+    v = {"passages": value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"],
+                           decoded=s["decode"], note="held-out Shakespeare, SmolLM2, float32"),
+         "float_bytes": value(m["float_bytes"], "bytes", note="per position, K and V, every layer"),
+         "bf16_bytes": value(m["bf16_bytes"], "bytes"),
+         "ref_loss": value(ref_loss, "nats", note="the uncompressed model's mean loss on the decoded positions"),
+         "key_spread": {k: value(x, "x") for k, x in m["key_spread"].items()}, "quantized": {}}
+    for name, r in m["quantized"].items():
+        v["quantized"][name] = _quality_values(r, **passage)
+        v["quantized"][name]["held_share"] = value(100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]),
+                                                   "%", note="bytes held at the end / the float32 cache's")
+        if name in m["bytes_per_position"]:
+            bpp = m["bytes_per_position"][name]
+            v["quantized"][name]["bytes_per_position"] = value(bpp, "bytes", note="codes, scales, zero points")
+            v["quantized"][name]["over_bf16"] = value(bpp / m["bf16_bytes"], "x")
+    v["residual"] = {f"r{w}": _quality_values(r) for w, r in m["residual"].items()}
+    v["groups"] = {f"g{g}_v{vg}": _quality_values(r) | {"over_bf16": value(m["groups_bytes"][g, vg] / m["bf16_bytes"],
+                                                                         "x")} for (g, vg), r in m["groups"].items()}
+    o = m["outliers"]
+    v["outliers"] = {n: _quality_values(o[n]) for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")}
+    v["outliers"]["factor"] = value(o["factor"], "x", pairs=", ".join(map(str, o["pairs"])),
+                                    note="key channels scaled up, the matching query channels down")
+    v["outliers"]["same_function"] = value(o["same_function"], None, note="max |logit difference| to SmolLM2")
+    v["outliers"]["key_spread"] = {k: value(x, "x") for k, x in o["key_spread"].items()}
+    v["eviction"] = {name: {"loss": value(r["loss"], "nats", ref_loss=r["ref_loss"]),
+                            "kl": value(r["kl"], "nats"), "top1": value(100 * r["top1"], "%")}
+                     for name, r in m["eviction"].items()}
+    v["rerotate"] = {f"sinks_{b}": {"loss": value(r["loss"], "nats"), "kl": value(r["kl"], "nats"),
+                                    "kept_positions_loss": value(m["eviction"][f"sinks_{b}"]["loss"], "nats")}
+                     for b, r in m["rerotate"].items()}
+    v["transformers"] = {name: _quality_values(r) | {"held_share": value(
+        100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]), "%",
+        settings=", ".join(f"{k}={x}" for k, x in r["settings"].items()))} for name, r in m["transformers"].items()}
+    kv = m["kvpress"]
+    if isinstance(kv, str):
+        v["kvpress"] = {"sinks_diff": not_run(kv), "snapkv_diff": not_run(kv)}
+    else:
+        versions = next(iter(kv.values()))["versions"]
+        v["kvpress"] = {"versions": value(", ".join(f"{k} {x}" for k, x in versions.items()), None)}
+        for key, r in kv.items():
+            label = "rerotate" if key == "rerotate" else f"ratio_{round(100 * key)}"
+            v["kvpress"][label] = {}
+            for press, x in ((p, x) for p, x in r.items() if p != "versions"):
+                mean = lambda xs: sum(xs) / len(xs)                            # noqa: E731
+                overlap = [o for o in x["overlap"] if o is not None]
+                v["kvpress"][label][press] = {
+                    "lab_loss": value(mean(x["lab_loss"]), "nats", pairs=len(x["lab_loss"])),
+                    "peer_loss": value(mean(x["peer_loss"]), "nats"), "ref_loss": value(mean(x["ref_loss"]), "nats"),
+                    "diff": value(x["diff"], "nats", se=x["diff_se"]),
+                    "within_noise": value(abs(x["diff"]) <= 2 * x["diff_se"] + 1e-4, None,
+                                          note="|lab - kvpress| <= 2 standard errors over pairs (+1e-4)"),
+                    "lab_kl": value(mean(x["lab_kl"]), "nats"), "peer_kl": value(mean(x["peer_kl"]), "nats"),
+                    "overlap": value(100 * mean(overlap), "%", note="kept positions shared (Jaccard)")
+                    if overlap else not_run("no kept positions to compare")}
+    st = m["steps"]
+    v["steps"] = {name: {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
+                         "over_float": value(t["median"] / st["float"]["median"], "x")} for name, t in st.items()}
+    v["steps"]["context"] = value(s["step_context"], "tokens", threads=m["threads"])
+    v["steps"]["int8_kernel_gpu"] = not_run("the INT8 Triton kernel's bandwidth is measured by the GPU script "
+                                            "(section ch05_gpu)")
+    figures = {"kl_bytes": {"path": figs / "ch07_kl_bytes.png",
+                            "caption": "KL to the uncompressed model against the bytes held"},
+               "loss_budget": {"path": figs / "ch07_loss_budget.png",
+                               "caption": "Held-out loss against budget, per eviction policy"},
+               "kept": {"path": figs / "ch07_kept.png", "caption": "Positions H2O and SnapKV keep, per KV head"},
+               "residual": {"path": figs / "ch07_residual.png", "caption": "2-bit KIVI: KL against residual window"}}
+    write_section(SECTION, v, provenance(manifest=m["manifest"]), figures=figures)
+    return v
