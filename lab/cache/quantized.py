@@ -220,18 +220,21 @@ class QuantizedCache(KVCache):
         return out.reshape(B, Hq, T, D).to(q.dtype)
 
     def _prefix_scores(self, layer, qw):
-        """q . k for every quantized key, from its codes: qw `[B, H_kv, rep, T, D]` -> `[B, H_kv, rep, T, Q]`."""
+        """q . k for every quantized key, from its codes:
+        qw `[B, H_kv, rep, T, D]` -> `[B, H_kv, rep, T, Q]`."""
         B, H, _, _, D = qw.shape
-        k_int = unpack(self.k_codes[layer], self.bits).to(self.compute) - self.offset   # [B, H_kv, Q, D]
+        k_int = unpack(self.k_codes[layer], self.bits).to(self.compute) - self.offset  # [B,H_kv,Q,D]
         s, z = self.k_scale[layer].to(self.compute), self.k_zero[layer]
-        if self.scheme == "per_token":                                 # s, z [B, H_kv, Q, 1]: one per key
+        if self.scheme == "per_token":                       # s, z [B, H_kv, Q, 1]: one per key
             scores = (qw @ k_int[:, :, None].transpose(-1, -2)) * s[:, :, None].transpose(-1, -2)
             if z is not None:                                          # + sum(q) * z
-                scores = scores + qw.sum(-1, keepdim=True) * z.to(self.compute)[:, :, None].transpose(-1, -2)
+                z = z.to(self.compute)[:, :, None].transpose(-1, -2)
+                scores = scores + qw.sum(-1, keepdim=True) * z
             if self.smooth:                                            # + q . mu, one per query row
-                scores = scores + qw @ self.k_mean[layer].to(self.compute)[:, :, None].transpose(-1, -2)
+                mu = self.k_mean[layer].to(self.compute)[:, :, None].transpose(-1, -2)
+                scores = scores + qw @ mu
             return scores                                              # [B, H_kv, rep, T, Q]
-        G = self.group                                                 # kivi: s, z [B, H_kv, Q / G, D]
+        G = self.group                                       # kivi: s, z [B, H_kv, Q / G, D]
         k_int = k_int.view(B, H, -1, G, D)                             # [B, H_kv, Q / G, G, D]
         q_s = qw[:, :, :, :, None, :] * s[:, :, None, None]            # [B, H_kv, rep, T, Q / G, D]
         scores = torch.einsum("bhrtgd,bhgkd->bhrtgk", q_s, k_int)      # [B, H_kv, rep, T, Q / G, G]

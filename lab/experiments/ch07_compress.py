@@ -15,6 +15,7 @@ repeats with an EvictingCache of the same size).
 
 import math
 
+import matplotlib.ticker
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -316,17 +317,27 @@ def kept_positions(model, ids: list, policy: str, budget: int, layer: int = 0, p
 
 def plot_kl_bytes(points: dict, path=None):
     """KL against bytes held (a share of the float32 cache's), one marker per family of points:
-    points {family: {name: (share, kl)}}."""
-    fig, ax = plots.figure(height=3.8)
-    markers = iter("os^Dvx")
-    for family, named in points.items():
+    points {family: {name: (share, kl)}}. Labels alternate sides by family, so that families whose
+    points coincide (the lab's evicting cache and kvpress's) stay readable."""
+    fig, ax = plots.figure(height=4.0)
+    styles = [dict(marker="o"), dict(marker="s"), dict(marker="^", markersize=12, markerfacecolor="none"),
+              dict(marker="x", markersize=8)]
+    sides = [(5, 3, "left"), (-5, 3, "right"), (7, 4, "left"), (-7, -11, "right")]
+    for (family, named), style, (dx, dy, ha) in zip(points.items(), styles[:len(points)], sides[:len(points)],
+                                                    strict=True):
         xs, ys = zip(*[(share, max(kl, 1e-6)) for share, kl in named.values()], strict=True)
-        ax.plot(xs, ys, next(markers), label=family, alpha=0.8)
-        for name, x, y in zip(named, xs, ys, strict=True):
-            ax.annotate(name.replace("_", " "), (x, y), textcoords="offset points", xytext=(4, 3))
-    ax.margins(0.12)                                                          # room for the labels
+        ax.plot(xs, ys, ls="none", label=family, alpha=0.85, **style)
+        placed = []
+        for name, x, y in sorted(zip(named, xs, ys, strict=True), key=lambda t: -t[2]):
+            near = any(abs(math.log10(y / y0)) < 0.2 and abs(math.log10(x / x0)) < 0.1 for x0, y0 in placed)
+            ax.annotate(name.replace("_", " "), (x, y), textcoords="offset points", ha=ha,
+                        xytext=(dx, dy - 12 if near else dy))       # a label under a close neighbour's
+            placed.append((x, y))
     ax.set(xscale="log", yscale="log", xlabel="bytes held / the float32 cache's",
            ylabel="KL to the uncompressed model (nats)", title="Quality against memory")
+    ax.set_xlim(0.06, 0.8)                                                    # room for the labels
+    ax.set_xticks([0.1, 0.2, 0.3, 0.5], ["0.1", "0.2", "0.3", "0.5"])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(loc="lower left")
     return finish(fig, path)
 
@@ -361,13 +372,13 @@ def plot_kept(maps: dict, path=None):
     return finish(fig, path)
 
 
-def plot_residual(results: dict, path=None):
-    """KL against the residual window (positions kept in float) for 2-bit KIVI: results {window: quality}."""
+def plot_residual(kl: dict, path=None):
+    """KL against the residual window (positions kept in float) for 2-bit KIVI: kl {window: KL}."""
     fig, ax = plots.figure(height=3.2)
-    windows = sorted(results)
-    ax.plot([max(w, 1) for w in windows], [results[w]["kl"] for w in windows], "o-")
-    ax.set(xscale="log", yscale="log", xlabel="residual window (positions; 0 drawn at 1)",
-           ylabel="KL (nats)", title="2-bit KIVI: the float window's worth")
+    windows = sorted(kl)
+    ax.plot(windows, [kl[w] for w in windows], "o-")
+    ax.set(xlabel="residual window (positions kept in float)", ylabel="KL (nats)",
+           title="2-bit KIVI: what the float window buys", ylim=(0, None))
     return finish(fig, path)
 
 
@@ -458,18 +469,21 @@ def measure(quick_mode=None) -> dict:
     return m
 
 
-def kl_bytes_points(m: dict) -> dict:
-    """The KL-against-bytes figure's points: {family: {name: (share of the float32 cache held, KL)}}."""
-    full = lambda r: r["batch"] * r["length"] * m["float_bytes"]             # noqa: E731
-    q = m["quantized"]
-    points = {"lab, quantized": {n: (q[n]["nbytes"] / full(q[n]), q[n]["kl"]) for n in q if n != "float"},
-              "transformers": {n: (r["nbytes"] / full(r), r["kl"]) for n, r in m["transformers"].items()}}
-    if isinstance(m["kvpress"], dict):
-        ratio = m["settings"]["ratios"][0]
-        r, share = m["kvpress"][ratio], 1 - ratio
-        points["lab, evicting (context halved)" if ratio == 0.5 else f"lab, evicting ({ratio:.0%} removed)"] = {
-            LAB_PRESS[p][0]: (share, sum(r[p]["lab_kl"]) / len(r[p]["lab_kl"])) for p in LAB_PRESS}
-        points["kvpress"] = {p: (share, sum(r[p]["peer_kl"]) / len(r[p]["peer_kl"])) for p in LAB_PRESS}
+def kl_bytes_points(v: dict) -> dict:
+    """The KL-against-bytes figure's points, from the recorded values `v` (`values(m)`, or section ch07 of a
+    results file): {family: {name: (share of the float32 cache held, KL)}}. The simulated per-tensor cache
+    stores floats, so it has no place on the bytes axis."""
+    kl = lambda x: x["kl"]["value"]                                          # noqa: E731
+    share = lambda x: x["held_share"]["value"] / 100                         # noqa: E731
+    points = {"lab, quantized": {n: (share(x), kl(x)) for n, x in v["quantized"].items()
+                                 if n not in ("float", "per_tensor_8")},
+              "transformers": {n: (share(x), kl(x)) for n, x in v["transformers"].items()}}
+    ratios = sorted(k for k in v["kvpress"] if k.startswith("ratio_"))
+    if ratios:
+        r, kept = v["kvpress"][ratios[0]], 1 - int(ratios[0].split("_")[1]) / 100
+        label = "half the context" if kept == 0.5 else f"{kept:.0%} of the context"
+        points[f"lab, evicting ({label} kept)"] = {LAB_PRESS[p][0]: (kept, r[p]["lab_kl"]["value"]) for p in LAB_PRESS}
+        points["kvpress (the same)"] = {p.replace("_", "-"): (kept, r[p]["peer_kl"]["value"]) for p in LAB_PRESS}
     return points
 
 
@@ -479,21 +493,9 @@ def _quality_values(r: dict, **extra) -> dict:
             "top1": value(100 * r["top1"], "%")}
 
 
-def record(m: dict, drawn: dict | None = None) -> dict:
-    """Write section ch07 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
-    {"kl_bytes", "loss_budget", "kept", "residual"}."""
-    figs, drawn, s = figures_dir(), drawn or {}, m["settings"]
-    mid = sorted(s["budgets"])[len(s["budgets"]) // 2]
-    ref_loss = m["quantized"]["float"]["ref_loss"]
-    draw = {"kl_bytes": lambda p: plot_kl_bytes(kl_bytes_points(m), p),
-            "loss_budget": lambda p: plot_loss_budget(m["eviction"], ref_loss=ref_loss, rerotated=m["rerotate"],
-                                                      path=p),
-            "kept": lambda p: plot_kept({f"{x}, budget {mid}": m["kept"][f"{x}_{mid}"] for x in ("h2o", "snapkv")},
-                                        p),
-            "residual": lambda p: plot_residual(m["residual"], p)}
-    for name, plot in draw.items():
-        path = figs / f"ch07_{name}.png"
-        finish(drawn[name], path) if name in drawn else plot(path)
+def values(m: dict) -> dict:
+    """The measurements `m` as section ch07 records them (results.value leaves)."""
+    s, ref_loss = m["settings"], m["quantized"]["float"]["ref_loss"]
     passage = dict(passages=s["passages"], tokens=s["tokens"], decoded=s["decode"])
     v = {"passages": value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"],
                            decoded=s["decode"], note="held-out Shakespeare, SmolLM2, float32"),
@@ -554,6 +556,24 @@ def record(m: dict, drawn: dict | None = None) -> dict:
     v["steps"]["context"] = value(s["step_context"], "tokens", threads=m["threads"])
     v["steps"]["int8_kernel_gpu"] = not_run("the INT8 Triton kernel's bandwidth is measured by the GPU script "
                                             "(section ch05_gpu)")
+    return v
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch07 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
+    {"kl_bytes", "loss_budget", "kept", "residual"}."""
+    figs, drawn, v = figures_dir(), drawn or {}, values(m)
+    budgets = m["settings"]["budgets"]
+    mid = sorted(budgets)[len(budgets) // 2]
+    draw = {"kl_bytes": lambda p: plot_kl_bytes(kl_bytes_points(v), p),
+            "loss_budget": lambda p: plot_loss_budget(m["eviction"], ref_loss=v["ref_loss"]["value"],
+                                                      rerotated=m["rerotate"], path=p),
+            "kept": lambda p: plot_kept({f"{x}, budget {mid}": m["kept"][f"{x}_{mid}"] for x in ("h2o", "snapkv")},
+                                        p),
+            "residual": lambda p: plot_residual({w: r["kl"] for w, r in m["residual"].items()}, p)}
+    for name, plot in draw.items():
+        path = figs / f"ch07_{name}.png"
+        finish(drawn[name], path) if name in drawn else plot(path)
     figures = {"kl_bytes": {"path": figs / "ch07_kl_bytes.png",
                             "caption": "KL to the uncompressed model against the bytes held"},
                "loss_budget": {"path": figs / "ch07_loss_budget.png",
