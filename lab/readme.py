@@ -80,9 +80,27 @@ HEADLINES = [
      "OpenAI gpt-4.1 / Gemini explicit", ("ch06.economics.anthropic_5_minute_cache.saving",
                                           "ch06.economics.openai_automatic.saving",
                                           "ch06.economics.gemini_explicit_cache.saving"), ".0f"),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 (two CPU cores)",
+    ("Ch. 7 — KL to the uncompressed model (nats), SmolLM2, held-out text: per-token INT8 / the same, keys smoothed / "
+     "KIVI 4-bit / KIVI 2-bit", tuple(f"ch07.quantized.{n}.kl" for n in
+                                     ("per_token_8", "per_token_8_smooth", "kivi_4", "kivi_2")), ".2g|number"),
+    ("Ch. 7 — bytes per position over a bfloat16 cache's: per-token INT8 / KIVI 4-bit / KIVI 2-bit",
+     tuple(f"ch07.quantized.{n}.over_bf16" for n in ("per_token_8", "kivi_4", "kivi_2")), ".3f|number"),
+    ("Ch. 7 — KL (nats) with one INT8 scale per tensor (simulated): SmolLM2 / the same function with outlier key "
+     "channels", ("ch07.quantized.per_tensor_8.kl", "ch07.outliers.per_tensor_8.kl"), ".2g|number"),
+    ("Ch. 7 — KL (nats) of transformers' QuantizedCache on the same text: quanto 4-bit / quanto 2-bit / FP8",
+     tuple(f"ch07.transformers.{n}.kl" for n in ("quanto_4", "quanto_2", "fp8")), ".2g|number"),
+    ("Ch. 7 — held-out loss keeping 256 positions: window / sinks / H2O / SnapKV; the uncompressed model",
+     tuple(f"ch07.eviction.{p}_256.loss" for p in ("window", "sinks", "h2o", "snapkv")) + ("ch07.ref_loss",),
+     ".2f|number"),
+    ("Ch. 7 — the lab against kvpress, half the context removed, loss: StreamingLLM lab / kvpress, SnapKV lab / "
+     "kvpress", ("ch07.kvpress.ratio_50.streaming_llm.lab_loss", "ch07.kvpress.ratio_50.streaming_llm.peer_loss",
+                 "ch07.kvpress.ratio_50.snapkv.lab_loss", "ch07.kvpress.ratio_50.snapkv.peer_loss"), ".4f|number"),
+    ("Ch. 7 — decode step after 1,024 tokens, CPU, PyTorch: float cache / per-token INT8 / KIVI 2-bit",
+     tuple(f"ch07.steps.{n}.ms" for n in ("float", "per_token_8", "kivi_2")), ".1f"),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 (two CPU cores)",
      tuple(f"notebooks.seconds.{name}" for name in
-           ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix")), ".0f"),
+           ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix",
+            "ch07_compress")), ".0f"),
 ]
 
 

@@ -1,0 +1,408 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 7 — A smaller cache
+#
+# Pages removed the waste around the cache; what is left is the cache itself, and it is the memory that
+# limits how many requests fit and how long they may be. There are two ways to make it smaller: store
+# each value in **fewer bits**, or keep **fewer positions**. Both change what attention sees, so both
+# cost some quality; this chapter measures how much, on held-out text, against the uncompressed model.
+#
+# The notebook builds the two central ideas by hand: per-token INT8 quantization with the scale folded
+# into attention, and a cache that keeps a few "sink" positions plus a recent window. Each is checked
+# against `lab`. Then it measures every scheme and policy, beside transformers' own quantized cache and
+# NVIDIA's kvpress.
+
+# %%
+import platform
+
+import pandas as pd
+import torch
+import transformers
+from IPython.display import display
+
+from lab import data, results
+from lab.experiments import ch07_compress as ch07
+
+print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"threads {torch.get_num_threads()}")
+QUICK = results.quick()
+S = ch07.settings(QUICK)
+print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
+
+# %% [markdown]
+# ## 1. Eight bits per value, by hand
+#
+# Take one layer's keys of a real prompt, `[B, H_kv, T, D]`. **Per-token** quantization gives every
+# token of every head its own scale, `s = max|k| / 127`, and stores `round(k / s)` as an int8 code in
+# −127..127. Dequantized, `k̂ = s · code`, and no element is off by more than half a step, `s / 2`.
+
+# %%
+from lab.cache import ConcatCache, QuantizedCache
+from lab.models import forward_cached, load
+
+smol = load("smollm2")
+cfg = smol.config
+prompt = torch.tensor(data.passages(smol.tokenizer, 96, count=1, seed=3))      # [1, 96]
+cache = ConcatCache(cfg)
+forward_cached(prompt, smol.weights, cfg, cache)
+k = cache.keys[15]                                                              # [1, H_kv, 96, D], layer 15
+
+
+def quantize(x):
+    """x [..., D] -> int8 codes [..., D] and one scale per vector [..., 1]."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+codes, scale = quantize(k)
+k_hat = codes * scale
+print(f"largest error {float((k_hat - k).abs().max()):.4f}, largest half step {float(scale.max() / 2):.4f}")
+assert ((k_hat - k).abs() <= scale / 2 + 1e-6).all()
+
+# %% [markdown]
+# ### The scale comes out of the dot product
+#
+# Attention needs `q · k̂` for every cached key. Since `k̂ = s · code` with one `s` per key,
+# `q · k̂ = s · (q · code)`: the dot products can run on the codes and each key's score be scaled once
+# afterwards, instead of dequantizing the whole cache first. The two orders agree up to float rounding
+# (the same products, summed and scaled in another order). And the error the codes leave in a score is
+# bounded by the error in each element: `|q · k̂ − q · k| ≤ Σ |q_d| · s / 2 = ‖q‖₁ · s / 2`.
+
+# %%
+q = torch.randn(1, 3, 1, cfg.head_dim)                                          # one query per KV head
+folded = (q @ codes.float().transpose(-1, -2)) * scale.transpose(-1, -2)       # [1, H_kv, 1, T]
+dequantized_first = q @ k_hat.transpose(-1, -2)
+exact = q @ k.transpose(-1, -2)
+bound = q.abs().sum(-1, keepdim=True) * scale.transpose(-1, -2) / 2
+print(f"folded vs dequantized first: {float((folded - dequantized_first).abs().max()):.1e}")
+print(f"score error {float((folded - exact).abs().max()):.4f}, never above its bound: "
+      f"{bool(((folded - exact).abs() <= bound + 1e-5).all())}")
+
+# %% [markdown]
+# ### The same with `lab`
+#
+# `QuantizedCache(config, bits=8, scheme="per_token")` does this for keys and values at every `advance`
+# and attends with the scales folded in. Quantize a cache of the prompt by hand (every layer, keys and
+# values), decode one token through it, and decode the same token through `lab`'s cache: the logits
+# agree to float rounding.
+
+# %%
+next_token = torch.tensor([[smol.tokenizer.encode(" the")[0]]])
+by_hand = ConcatCache(cfg)
+forward_cached(prompt, smol.weights, cfg, by_hand)
+for i in range(cfg.n_layers):
+    for store in (by_hand.keys, by_hand.values):
+        c, s = quantize(store[i])
+        store[i] = c * s
+mine = forward_cached(next_token, smol.weights, cfg, by_hand)[0, -1]
+lab_cache = QuantizedCache(cfg, bits=8, scheme="per_token")
+forward_cached(prompt, smol.weights, cfg, lab_cache)
+theirs = forward_cached(next_token, smol.weights, cfg, lab_cache)[0, -1]
+print(f"largest |Δ logit|: {float((mine - theirs).abs().max()):.1e}")
+assert torch.allclose(mine, theirs, atol=1e-3)      # float32, different summation order: ~1e-5 on logits ~10
+
+# %% [markdown]
+# What it saves: a position holds `2 · layers · H_kv · D` values. In bfloat16 that is 2 bytes each; in
+# INT8 it is 1 byte each plus a 2-byte scale per vector, so the cache shrinks to `(D + 2) / 2D` of
+# bfloat16's, 0.516 at D = 64.
+
+# %%
+bf16 = ch07.float_bytes(cfg, torch.bfloat16)
+int8 = QuantizedCache(cfg, bits=8, scale_dtype=torch.bfloat16).bytes_per_position()
+print(f"bytes per position: bfloat16 {bf16:,}, INT8 with bfloat16 scales {int8:,.0f} ({int8 / bf16:.3f}×)")
+assert int8 / bf16 == (cfg.head_dim + 2) / (2 * cfg.head_dim)
+
+# %% [markdown]
+# ## 2. Sinks and a window, by hand
+#
+# The simplest way to keep fewer positions is a sliding window: keep the last `budget`. It fails in a
+# way worth seeing. Language models put much of their attention on the very first tokens, whatever
+# they say (StreamingLLM calls them **attention sinks**); once a window evicts them, that attention has
+# nowhere to go. Keeping the first four positions plus a window of recent ones fixes it. Here is such a
+# cache, in a dozen lines on top of the plain one: after each step, every layer keeps its first `sinks`
+# positions and its most recent ones. The cache's length still counts every token seen, so each new
+# token is rotated at its true position.
+
+# %%
+class SinkCache(ConcatCache):
+    """Keep the first `sinks` positions and the most recent ones: at most `budget` per layer."""
+
+    def __init__(self, config, budget, sinks=4):
+        super().__init__(config)
+        self.budget, self.sinks = budget, sinks
+
+    def _commit(self, t):
+        super()._commit(t)                       # length counts every token seen: RoPE keeps true positions
+        for i in range(self.n_layers):
+            held = self.keys[i].shape[2]
+            if held > self.budget:
+                keep = list(range(self.sinks)) + list(range(held - self.budget + self.sinks, held))
+                self.keys[i], self.values[i] = self.keys[i][:, :, keep], self.values[i][:, :, keep]
+
+
+# %% [markdown]
+# `lab`'s `EvictingCache(config, budget, policy="sinks")` keeps the same positions. Feed a passage the
+# way decoding does, a prompt and then one token per step, through both:
+
+# %%
+from lab.cache import EvictingCache
+
+passage = torch.tensor(data.passages(smol.tokenizer, 160, count=1, seed=4))     # [1, 160]
+ours = ch07.teacher_forced(smol, passage, SinkCache(cfg, 32), prefill=32)
+theirs = ch07.teacher_forced(smol, passage, EvictingCache(cfg, 32, "sinks"), prefill=32)
+assert torch.equal(ours, theirs)
+print("SinkCache and EvictingCache(policy='sinks') give identical logits at all", ours.shape[1], "positions")
+
+# %% [markdown]
+# ## 3. Measuring quality
+#
+# Held-out Shakespeare passages (SmolLM2 never trained on these plays), fed the way serving feeds them:
+# the first part as a prompt in one step, the rest one token per step. At every decoded position the
+# cache's next-token distribution is compared with the plain model's over the whole passage, with no
+# cache at all:
+#
+# - **KL divergence** (nats): how far the distributions are apart, 0 if identical;
+# - **Δ perplexity**: the change in exp(mean loss) on the real next tokens;
+# - **top-1 agreement**: how often the most likely token is the same.
+
+# %%
+ids, prefill, ref = ch07.held_out(smol, S)
+print(f"{ids.shape[0]} passages of {ids.shape[1]} tokens: a {prefill}-token prompt, then "
+      f"{ids.shape[1] - prefill} decoded positions each")
+bits = ch07.measure_bits(smol, ids, prefill, ref, S)
+
+
+def table(runs: dict, extra=None):
+    rows = {name: {"KL (nats)": r["kl"], "Δ perplexity": r["delta_ppl"], "top-1 (%)": 100 * r["top1"]} |
+            (extra(name, r) if extra else {}) for name, r in runs.items()}
+    return pd.DataFrame(rows).T.style.format("{:.3g}")
+
+
+bf16_share = {n: b / bf16 for n, b in bits["bytes_per_position"].items()}
+table(bits["quantized"], lambda n, r: {"bytes / bfloat16's": bf16_share.get(n, float("nan"))})
+
+# %% [markdown]
+# The float cache's KL is rounding only. Per-token INT8 changes the distributions very little at half
+# of bfloat16's bytes; **smoothing** keys (subtracting each channel's mean over the prompt, kept in
+# float, before quantizing) takes a little more off. At 4 bits per-token keys fall apart, while
+# **KIVI** (keys quantized per *channel* over groups of 32 tokens, values per token, the newest 128
+# positions kept in float) holds at 4 bits and degrades at 2.
+#
+# ### One scale per tensor, and keys with outlier channels
+#
+# A published INT8 design reported KL 0.030 without smoothing and 0.005 with it, far above what
+# per-token INT8 gives here (`research/ch07/sources.md`). Two things raise the error. **One scale per
+# tensor**: a token whose values are small gets only the few codes near zero that the largest value in
+# the whole layer leaves it (`per_tensor_8` above: a simulated INT8 cache whose one scale per layer is
+# set by the prompt and then frozen). And **outlier channels**: a few key channels much larger than the
+# rest take the range of every token's scale. SmolLM2's keys are fairly even:
+
+# %%
+pd.DataFrame({"SmolLM2": bits["key_spread"], "with outlier channels": bits["outliers"]["key_spread"]}
+             ).rename(index={"channel_max": "largest channel / median channel (worst head)",
+                             "channel_median": "largest channel / median channel (median head)",
+                             "tensor_over_token": "a tensor's scale / a token's (median)"}).style.format("{:.3g}")
+
+# %% [markdown]
+# To see what outliers do, `with_outlier_channels` builds the *same function* with uneven keys: in every
+# layer one RoPE pair of key channels is multiplied by 16 and the matching query channels divided by 16,
+# so every q · k, and every logit, is unchanged (checked below), while the keys' range is not.
+
+# %%
+o = bits["outliers"]
+print(f"largest |Δ logit| against SmolLM2: {o['same_function']:.1e}")
+table({n: o[n] for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")})
+
+# %% [markdown]
+# With outlier channels, one scale per tensor lands near the published figure, and per-token INT8 gets
+# several times worse. Subtracting the mean helps only as far as the outliers are an offset that every
+# token shares; outliers that are large in *spread* need their scale divided out per channel instead,
+# which is what smoothing by a model's key-norm weights does.
+#
+# ### KIVI at 2 bits: the float window and the group sizes
+#
+# KIVI keeps the newest positions in float until a whole group of them can be quantized together. The
+# longer that residual window, the more of the recent context (the part attention uses most) is exact:
+
+# %%
+fig_residual = ch07.plot_residual({window: r["kl"] for window, r in bits["residual"].items()})
+table({f"key group {g}, value group {vg}": r for (g, vg), r in bits["groups"].items()},
+      lambda n, r: {})
+
+# %% [markdown]
+# Smaller groups give each scale fewer values to cover, at the price of more scales per position.
+#
+# ### Against transformers' QuantizedCache
+#
+# transformers ships its own quantized cache, run here on the same weights, passages and protocol. Its
+# `quanto` backend quantizes in groups of consecutive elements (per token, along the head dimension, for
+# keys as well as values, unless `axis_key=-1` groups keys per channel, as KIVI does); when its float
+# residual fills, it re-quantizes the whole cache. Its `fp8` backend stores float8 with one scale per
+# layer, frozen after the prompt.
+
+# %%
+hf = ch07.against_transformers(smol, ids, prefill, ref)
+full_bytes = ch07.float_bytes(cfg) * ids.numel()
+table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes})
+
+# %% [markdown]
+# ## 4. Keeping fewer positions
+#
+# Four policies, each at several budgets (positions kept per layer and KV head):
+#
+# - **window**: the last `budget` positions;
+# - **sinks** (StreamingLLM): the first four, plus a window;
+# - **h2o** (Heavy-Hitter Oracle): a recent window plus the older positions that have received the most
+#   attention so far, per head;
+# - **snapkv**: at the end of the prompt, its last queries vote (their attention, pooled along
+#   positions) on which prompt positions each head keeps.
+
+# %%
+positions = ch07.measure_positions(smol, ids, prefill, ref, S)
+ref_loss = bits["quantized"]["float"]["ref_loss"]                  # the uncompressed model's loss
+fig_loss_budget = ch07.plot_loss_budget(positions["eviction"], ref_loss=ref_loss, rerotated=positions["rerotate"])
+pd.DataFrame({name: {"loss": r["loss"], "KL": r["kl"], "top-1 (%)": 100 * r["top1"]}
+              for name, r in positions["eviction"].items()}).T.style.format("{:.3g}")
+
+# %% [markdown]
+# A window alone loses the sinks as soon as the prompt is longer than the budget, and its loss jumps;
+# the same budget with four sinks holds far better. Beyond the sinks, choosing by attention is no sure
+# gain on this model: compare H2O with the sinks budget by budget. SnapKV chooses once, at the end of
+# the prompt; the tokens decoded afterwards push its choices out, and a small budget ends up as a plain
+# window (a budget no larger than its observation window is one from the start).
+#
+# ### Positions and RoPE
+#
+# Keys are stored rotated by their position. After eviction the cache can either keep every key's
+# original position, as above, or **re-rotate** the kept keys so that positions inside the cache are
+# contiguous, as StreamingLLM does (`EvictingCache(..., rerotate=True)`): new tokens are then numbered
+# from the cache's length, and a key that slides down by Δ positions is turned back by Δ.
+
+# %%
+pd.DataFrame({b: {"original positions": positions["eviction"][f"sinks_{b}"]["loss"], "re-rotated": r["loss"]}
+              for b, r in positions["rerotate"].items()}).T.rename_axis("budget").style.format("{:.4g}")
+
+# %% [markdown]
+# Re-rotation keeps every distance inside the cache within the range the model was trained on, but
+# tells the model that text far back was adjacent; keeping original positions tells the truth about
+# distances but leaves a gap. The table above says which this model prefers, budget by budget.
+#
+# ### Which positions H2O and SnapKV keep
+#
+# Black marks a kept position, one row per KV head of the middle layer, after the whole passage went
+# through the cache:
+
+# %%
+mid = sorted(S["budgets"])[len(S["budgets"]) // 2]
+fig_kept = ch07.plot_kept({f"{p}, budget {mid}": positions["kept"][f"{p}_{mid}"] for p in ("h2o", "snapkv")})
+
+# %% [markdown]
+# H2O's running scores spread its choices over the whole passage, differently in each head, beside its
+# recent window (half the budget). SnapKV keeps what the prompt's last queries voted for, mostly recent
+# text and a few earlier passages, and the decoded tokens after them.
+#
+# ### Against kvpress
+#
+# NVIDIA's kvpress compresses a context once, after its prefill, and scores a continuation on what is
+# left. `make results` runs kvpress (in its own environment, `make peers`) and the lab's EvictingCache
+# with the same settings and budget on the same contexts. Starting kvpress loads its own model per
+# press, so quick mode reads the book's run:
+
+# %%
+book = results.read(results.COMMITTED)["sections"].get("ch07", {}).get("values", {}).get("kvpress", {})
+if "ratio_50" not in book:
+    print("the book's results have no kvpress comparison yet: run `make results`")
+else:
+    display(pd.DataFrame({f"{ratio} {press}": {k: x[k]["value"] for k in ("lab_loss", "peer_loss", "diff",
+                                                                          "overlap", "lab_kl", "peer_kl")}
+                          for ratio, presses in book.items() if ratio != "versions"
+                          for press, x in presses.items()}).T.style.format("{:.3g}"))
+    print(book["versions"]["value"])
+
+# %% [markdown]
+# ## 5. The time a step takes
+
+# %% [markdown]
+# A decode step after a long prompt, timed in rounds on this CPU:
+
+# %%
+steps = ch07.measure_steps(smol, S)
+pd.DataFrame({n: {"ms per step": t["median"] * 1e3, "× float": t["median"] / steps["float"]["median"]}
+              for n, t in steps.items()}).T.style.format("{:.3g}")
+
+# %% [markdown]
+# On a CPU in PyTorch, a quantized cache is *slower* per step: the codes are converted to float before
+# each matrix product, and the saving in bytes read does not pay for that. The speed comes from kernels
+# that read the small codes and scale in registers, like the INT8 Triton kernel in `lab.kernels`, which
+# the GPU script measures. Evicting caches attend over fewer positions; at this context the weights,
+# not the cache, dominate a step.
+#
+# ## Record
+#
+# Everything measured above, as the results file records it, and the one figure that sets quantization
+# and eviction, the lab and its peers, on the same axes (quick mode has no kvpress points):
+
+# %%
+m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
+         float_bytes=ch07.float_bytes(cfg), bf16_bytes=bf16, transformers=hf, steps=steps,
+         kvpress=ch07.kvpress_comparison(smol, ids, S)) | bits | positions
+fig_kl_bytes = ch07.plot_kl_bytes(ch07.kl_bytes_points(ch07.values(m)))
+
+# %%
+ch07.record(m, drawn={"kl_bytes": fig_kl_bytes, "loss_budget": fig_loss_budget, "kept": fig_kept,
+                      "residual": fig_residual})
+print("wrote section ch07 to", results.results_path())
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **Smooth the keys.** Write `smooth_and_quantize(keys)` for keys `[B, H, T, D]` with outlier
+#    channels: subtract each channel's mean over the positions (kept in float), quantize per token to
+#    INT8, and return `(codes, scales, mean)`; and `dequantize(codes, scales, mean)`. The rules are in
+#    `help(ex.check_smoothing)`; the lab's quantizers raise while your functions run, and a mean per
+#    token, a mean over the channels, or one scale per tensor fail.
+# 2. **The smallest budget.** Write `smallest_budget(model, ids, policy, budgets)`: the smallest budget
+#    whose loss, with the text fed through an `EvictingCache` as decoding feeds it (`ex.decoding_loss`),
+#    stays within 1% of the full cache's. The loss need not fall steadily as the budget grows. Then run
+#    it on SmolLM2 and a real passage for each policy.
+# 3. **Open-ended: where do the sinks come from?** Measure, per layer, the share of attention the first
+#    position receives on a held-out passage (a forward with `ConcatCache`, then softmax of q · k by
+#    hand). Which layers rely on it most?
+
+# %%
+from lab.exercises import ch07 as ex
+
+
+def smooth_and_quantize(keys):
+    raise NotImplementedError("your answer")
+
+
+def dequantize(codes, scales, mean):
+    raise NotImplementedError("your answer")
+
+
+def smallest_budget(model, ids, policy, budgets):
+    raise NotImplementedError("your answer")
+
+
+for check, answer in ((ex.check_smoothing, (smooth_and_quantize, dequantize)),
+                      (ex.check_smallest_budget, (smallest_budget,))):
+    try:
+        check(*answer)
+    except NotImplementedError:
+        print(check.__name__, ": not attempted yet")
+
+# %% [markdown]
+# Reference solutions are in `lab/exercises/ch07_solutions.py`; the test suite runs every check on them.
