@@ -6,7 +6,9 @@ from .generate import Generation, generate, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 from .prefix import PrefixCachingBackend
+from .serving import ServingEngine
 
 __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
            "positions_cached", "positions_uncached", "IdentityError", "StateIdentity", "identity_of", "key_for",
-           "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend", "ChatSession", "common_prefix"]
+           "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend", "ChatSession", "common_prefix",
+           "ServingEngine"]

@@ -62,11 +62,12 @@ def forward(ids, w, config, last_only=False):
     return head(x[:, -1:] if last_only else x, w, config)
 
 
-def forward_cached(ids, w, config, cache, last_only=False, positions=None):
+def forward_cached(ids, w, config, cache, last_only=False, positions=None, logits_at=None):
     """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
 
     ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
-    `[B, T, V]`. The differences from `forward` are marked NEW.
+    `[B, T, V]` (`[B, K, V]` for `logits_at`, K token indices). The differences from `forward` are
+    marked NEW.
     """
     cache.check_model(config, owner(w, config))           # NEW: the cache holds this model's state
     ids = check_ids(ids, config, offset=cache.max_length)
@@ -76,4 +77,6 @@ def forward_cached(ids, w, config, cache, last_only=False, positions=None):
     for i in range(config.n_layers):
         x = block(x, w, i, config, cache.attend)           # NEW: keys and values via the cache
     cache.advance(ids.shape[1])                           # NEW: commit the T positions
+    if logits_at is not None:                             # a serving step's sampled tokens (ch. 8)
+        x = x[:, logits_at]
     return head(x[:, -1:] if last_only else x, w, config)

@@ -1,0 +1,381 @@
+"""ServingEngine: many requests decoded together over one pool of pages (continuous batching).
+
+The engine keeps a queue of waiting requests and a list of running ones, and moves them along one `step()`
+at a time, under a budget of `max_batch_tokens` tokens per step:
+
+1. Schedule the running requests: first every one with a single token left to compute (a decode), then
+   the next chunk of every prompt still being prefilled. A long prompt is prefilled a budget's worth per
+   step (chunked prefill), so it never holds the decodes up. A request whose pages cannot grow takes them
+   from the youngest running request, which is preempted: its pages go back to the pool, and it waits at
+   the head of the queue to be recomputed (its prompt and the tokens it has generated so far).
+2. Admit waiting requests, first come first served, while the budget and the pages last (and no request
+   was preempted in this step). A new request first takes the cached pages of its longest named prefix
+   (chapter 6's page names), then reserves its first chunk.
+3. Run one forward over every token scheduled, laid end to end as one row `[1, N]`: each token attends to
+   the pages of its own sequence (decode tokens through the paged decode kernel, prefill chunks through
+   the offset causal mask). Append the greedy token of every request whose last known token was in the
+   step, name the pages that became full, and release the requests that finished.
+
+Time is counted in steps: a request's events (admitted, chunks, first token, preempted, finished) are step
+numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so every run is deterministic.
+"""
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedCache, offset_causal_mask
+from ..cache.hashing import page_digest, root_digest
+from ..kernels import decode_attention
+from ..models import InputError, PositionLimitError, forward_cached, owner
+from .identity import identity_of, token_ids
+
+
+@dataclass(eq=False)                       # compared by identity: a request is one object
+class Request:
+    """One request: its prompt, what it generated so far, where it stands, and when things happened to it."""
+
+    id: int
+    prompt: list                           # the ids given
+    max_new_tokens: int
+    eos_id: int | None = None              # stop after this token (it is kept in the output)
+    output: list = field(default_factory=list)  # the tokens generated so far
+    state: str = "waiting"                 # waiting, running, finished or cancelled
+    seq: int | None = None                 # its sequence in the block manager, while it holds pages
+    computed: int = 0                      # leading positions of prompt + output held in its pages
+    keys: list = field(default_factory=list)    # (digest, parent, tokens) of its full pages, as far as known
+    named: int = 0                         # its leading pages named in the manager (or taken from its cache)
+    cached_tokens: int = 0                 # positions taken from cached pages, over every admission
+    events: dict = field(default_factory=dict)  # step numbers, for a timeline (see ServingEngine.timeline)
+
+    @property
+    def tokens(self) -> list:              # everything its next token depends on
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "cancelled")
+
+
+class ServingEngine:
+    """Greedy decoding of many requests at once over one pool of `num_pages` pages of `page_size` positions.
+
+    `add_request(ids, max_new_tokens)` queues a request and returns its id; `step()` runs one scheduler
+    iteration; `generate(prompts, max_new_tokens)` does both until its requests finish; `cancel(id)` frees
+    a request's pages. `stats` holds running totals: steps, preemptions, cached_tokens (positions taken from
+    named pages), computed_tokens (positions run through the model, recomputation included), evicted_pages,
+    and per step batch_sizes (sequences in the forward) and batch_tokens (tokens in it).
+    """
+
+    def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
+                 prefix_caching: bool = True):
+        cfg = model.config
+        for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise CacheInputError(f"{name} must be an int of at least 1, got {n!r}")
+        if max_batch_tokens > cfg.max_positions:     # a step's tokens go through the forward as one row
+            raise CacheInputError(f"max_batch_tokens {max_batch_tokens} exceeds the model's "
+                                  f"{cfg.max_positions} positions")
+        self.model, self.page_size, self.max_batch_tokens = model, page_size, max_batch_tokens
+        self.prefix_caching = bool(prefix_caching)
+        self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
+        self.manager = self.pool.manager             # which page holds which position, with reference counts
+        self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
+        # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)
+        self.root = root_digest((identity_of(model, self.pool),)) if self.prefix_caching else None
+        self.requests = {}                           # id -> Request, every request ever added
+        self.waiting = deque()                       # first come, first served
+        self.running = []                            # in order of admission: the last is the youngest
+        self._ids = itertools.count()
+        self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
+                          batch_sizes=[], batch_tokens=[])
+
+    # ---- requests in and out ----
+    def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None) -> int:
+        """Queue one request (ids: a list, `[T]` or `[1, T]`); returns its id. Checked before anything
+        changes: a bad request raises and leaves the engine as it was."""
+        return self._add(self._check(ids, max_new_tokens, eos_id))
+
+    def cancel(self, rid: int) -> bool:
+        """Drop a request and free its pages; False if it had already finished or been cancelled."""
+        if rid not in self.requests:
+            raise KeyError(f"no request with id {rid!r}")
+        req = self.requests[rid]
+        if req.done:
+            return False
+        if req.state == "running":
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+        req.state, req.events["cancelled"] = "cancelled", self.stats["steps"]
+        return True
+
+    def output(self, rid: int) -> list:
+        """The tokens request `rid` has generated so far."""
+        return list(self.requests[rid].output)
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens, arrivals=None, eos_id=None) -> list[list[int]]:
+        """Greedy continuations of `prompts` (a list of id lists), each up to `max_new_tokens` tokens (an int,
+        or one per prompt). `arrivals[i]` = s adds prompt i before the s-th step of this call (0: at once),
+        so requests can arrive while others decode. Steps until these requests finish; returns their tokens."""
+        n = len(prompts)
+        news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+        arrivals = [0] * n if arrivals is None else list(arrivals)
+        if len(news) != n or len(arrivals) != n:
+            raise ValueError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
+        for a in arrivals:
+            if not isinstance(a, int) or isinstance(a, bool) or a < 0:
+                raise ValueError(f"an arrival is a step number, an int of at least 0, got {a!r}")
+        checked = [self._check(p, m, eos_id) for p, m in zip(prompts, news, strict=True)]  # all, before any is added
+        order = sorted(range(n), key=lambda i: arrivals[i])
+        start, rids, k = self.stats["steps"], [None] * n, 0
+        while k < n or not all(self.requests[r].done for r in rids):
+            while k < n and arrivals[order[k]] <= self.stats["steps"] - start:
+                rids[order[k]] = self._add(checked[order[k]])
+                k += 1
+            self.step()
+            if self.waiting and not self.running and not self.stats["batch_sizes"][-1]:  # a bug, never a wait
+                raise RuntimeError(f"the scheduler admitted nothing into an idle engine: {self!r}")
+        return [self.output(r) for r in rids]
+
+    def timeline(self) -> list[dict]:
+        """Per request, what happened at which step: arrived, admitted [steps], chunks [(step, tokens)] of
+        prefill (recomputation included), first_token, preempted [steps], finished or cancelled."""
+        return [dict(id=r.id, prompt_tokens=len(r.prompt), output_tokens=len(r.output), state=r.state,
+                     cached_tokens=r.cached_tokens, **r.events) for r in self.requests.values()]
+
+    def _check(self, ids, max_new_tokens, eos_id) -> Request:
+        """A request checked against the model and the pool (not yet added, so with no id)."""
+        cfg = self.model.config
+        if isinstance(ids, int):
+            raise InputError(f"a prompt is a sequence of token ids, got the single int {ids}")
+        prompt = token_ids(ids, cfg.vocab_size).tolist()          # InputError: empty, not ints, out of vocab
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if eos_id is not None and (not isinstance(eos_id, int) or not 0 <= eos_id < cfg.vocab_size):
+            raise InputError(f"eos_id must be None or a token id in 0 .. {cfg.vocab_size - 1}, got {eos_id!r}")
+        positions = len(prompt) + max_new_tokens - 1              # the last token is never fed back
+        if positions > cfg.max_positions:
+            raise PositionLimitError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {positions} "
+                                     f"positions; the model has {cfg.max_positions}")
+        pages = -(-positions // self.page_size)
+        if pages > self.manager.num_pages:                        # could never run, even alone
+            raise OutOfPagesError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {pages} pages of "
+                                  f"{self.page_size}; the pool has {self.manager.num_pages}")
+        return Request(-1, prompt, max_new_tokens, eos_id)
+
+    def _add(self, req: Request) -> int:
+        req.id = next(self._ids)
+        req.events = dict(arrived=self.stats["steps"], admitted=[], chunks=[], first_token=None, preempted=[],
+                          finished=None, cancelled=None)
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req.id
+
+    # ---- one step ----
+    @torch.inference_mode()
+    def step(self) -> dict[int, int]:
+        """One scheduler iteration: schedule, one forward, sample. Returns {request id: new token}."""
+        if owner(self.model.weights, self.model.config) != self.owner:
+            raise CacheMismatchError("the model's weights changed since this engine's pages were computed: "
+                                     "its keys and values are not this model's; use a new engine")
+        now = self.stats["steps"]
+        batch = self._schedule(now)                                   # [(request, tokens this step)]
+        new = self._run(batch, now) if batch else {}
+        s = self.stats
+        s["steps"] += 1
+        s["batch_sizes"].append(len(batch))
+        s["batch_tokens"].append(sum(n for _, n in batch))
+        s["evicted_pages"] = self.manager.evicted
+        return new
+
+    def _schedule(self, now) -> list:
+        """Decodes first, then prefill chunks, then new requests, within the token budget; pages reserved."""
+        budget, scheduled, preemptions = self.max_batch_tokens, {}, self.stats["preemptions"]
+        decoding = [r for r in self.running if r.num_tokens - r.computed == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.computed > 1]
+        for req in decoding + prefilling:
+            n = min(req.num_tokens - req.computed, budget)
+            while req.state == "running" and n:                       # (skips a request preempted above)
+                try:
+                    self._reserve(req.seq, n)
+                    scheduled[req], budget = n, budget - n
+                    break
+                except OutOfPagesError:                               # the youngest gives its pages back
+                    victim = self.running[-1]
+                    budget += scheduled.pop(victim, 0)
+                    self._preempt(victim, now)
+        while self.waiting and budget and self.stats["preemptions"] == preemptions:
+            n = self._admit(self.waiting[0], budget, now)
+            if not n:
+                break                                                 # first come, first served: no overtaking
+            req = self.waiting.popleft()
+            self.running.append(req)
+            scheduled[req], budget = n, budget - n
+        return list(scheduled.items())
+
+    def _admit(self, req, budget, now) -> int:
+        """Give a waiting request its cached prefix and its first chunk; the chunk's tokens, or 0 (nothing
+        changed) when the pool has no room for it."""
+        P, seq = self.page_size, self.pool.new_id()
+        taken = 0
+        if self.prefix_caching:                       # one token at least is computed: its logits are sampled
+            taken = self.manager.reserve_prefix(seq, self._page_keys(req, (req.num_tokens - 1) // P))
+        n = min(req.num_tokens - taken * P, budget)
+        try:
+            self._reserve(seq, n)
+        except OutOfPagesError:
+            if seq in self.manager:
+                self.manager.release(seq)             # the cached pages taken go back, still named
+            return 0
+        req.seq, req.computed, req.named, req.state = seq, taken * P, taken, "running"
+        req.cached_tokens += taken * P
+        req.events["admitted"].append(now)
+        self.stats["cached_tokens"] += taken * P
+        return n
+
+    def _reserve(self, seq, n):
+        """n more positions for `seq`; a shared, partly filled last page is copied first (never the case
+        here, since only full pages are shared, but it is the manager's contract)."""
+        for src, dst in self.manager.reserve(seq, n):
+            self.pool.k_pool[:, dst] = self.pool.k_pool[:, src]
+            self.pool.v_pool[:, dst] = self.pool.v_pool[:, src]
+
+    def _preempt(self, req, now):
+        """Recompute later: the pages go back to the pool and the request waits at the head of the queue."""
+        self.running.remove(req)
+        self._release(req)
+        req.state = "waiting"
+        req.events["preempted"].append(now)
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+
+    def _release(self, req):
+        self.manager.release(req.seq)                 # named pages stay cached, free, least recent first
+        req.seq, req.computed, req.named = None, 0, 0
+
+    def _run(self, batch, now) -> dict[int, int]:
+        """The step's forward over every scheduled token; greedy tokens for the sequences that completed."""
+        w, cfg, device = self.model.weights, self.model.config, self.model.device
+        step = StepBatch(self.pool, [(req.seq, req.computed, n) for req, n in batch])
+        ids = [t for req, n in batch for t in req.tokens[req.computed:req.computed + n]]
+        ends = list(itertools.accumulate(n for _, n in batch))        # one past each sequence's last token
+        sample = [(req, end - 1) for (req, n), end in zip(batch, ends, strict=True)
+                  if req.computed + n == req.num_tokens]              # its last known token is in this step
+        logits = forward_cached(torch.tensor([ids], device=device), w, cfg, step, positions=step.positions,
+                                logits_at=torch.tensor([i for _, i in sample], dtype=torch.long, device=device))
+        tokens = logits[0].argmax(-1).tolist()                        # [K] greedy
+        for req, n in batch:
+            if not (req.output and req.num_tokens - req.computed == 1):  # not a decode: a prefill chunk
+                req.events["chunks"].append((now, n))
+            req.computed += n
+            self._name_pages(req)
+        self.stats["computed_tokens"] += len(ids)
+        new = {}
+        for (req, _), token in zip(sample, tokens, strict=True):
+            req.output.append(token)
+            new[req.id] = token
+            if req.events["first_token"] is None:
+                req.events["first_token"] = now
+            if len(req.output) == req.max_new_tokens or token == req.eos_id:
+                self.running.remove(req)
+                self._release(req)
+                req.state, req.events["finished"] = "finished", now
+        return new
+
+    def _name_pages(self, req):
+        """Name the pages of `req` that became full (chapter 6), so later requests starting alike take them."""
+        full = req.computed // self.page_size
+        if not self.prefix_caching or full == req.named:
+            return
+        for i, key in enumerate(self._page_keys(req, full)[req.named:], start=req.named):
+            self.manager.register(req.seq, i, *key)   # False if another page has that name already: fine
+        req.named = full
+
+    def _page_keys(self, req, count) -> list:
+        """(digest, parent, tokens) of the first `count` full pages of `req`, extending its chain as needed."""
+        P, tokens = self.page_size, req.tokens if len(req.keys) < count else None
+        while len(req.keys) < count:
+            i = len(req.keys)
+            parent = req.keys[-1][0] if req.keys else self.root
+            page = tokens[i * P:(i + 1) * P]
+            req.keys.append((page_digest(parent, page), parent, page))
+        return req.keys[:count]
+
+    def __repr__(self):
+        return (f"ServingEngine({len(self.running)} running, {len(self.waiting)} waiting, "
+                f"{self.manager.num_free}/{self.manager.num_pages} pages free, page_size={self.page_size}, "
+                f"max_batch_tokens={self.max_batch_tokens}, prefix_caching={self.prefix_caching})")
+
+
+class StepBatch:
+    """The cache one step's forward sees: the scheduled tokens of every sequence laid end to end as one row
+    `[1, N]`, each token attending to the pages of its own sequence.
+
+    It has the members `forward_cached` uses: `check_model`, `max_length`, `attend` and `advance`. The
+    engine reserved every position before the forward (`parts`: (seq, start, n) per sequence, its n tokens
+    at positions start .. start + n - 1), so `advance` has nothing left to do.
+    """
+
+    # forward_cached checks max_length + N <= the model's positions: with 0, that bounds the step's N tokens
+    # (the constructor keeps max_batch_tokens within it); each request's positions were checked when added
+    max_length = 0
+
+    def __init__(self, pool: PagedCache, parts):
+        manager, P, device = pool.manager, pool.page_size, pool.device
+        self.pool = pool
+        slots, positions, decode, self.chunks, at = [], [], [], [], 0
+        for seq, start, n in parts:
+            table = manager.block_table(seq)
+            slots += manager.slots(seq, start, n)
+            positions += range(start, start + n)
+            if n == 1:                                    # one query: the paged decode kernel
+                decode.append((at, table, start + 1))
+            else:                                         # a prefill chunk: gather its pages, mask
+                pages = torch.tensor(table[:-(-(start + n) // P)], device=device)
+                self.chunks.append((at, n, pages, start + n))
+            at += n
+        i32 = dict(dtype=torch.int32, device=device)
+        self.slot_mapping = torch.tensor(slots, device=device)                    # [N] pool slots
+        self.positions = torch.tensor(positions, device=device)                   # [N]
+        self.decode_at = torch.tensor([a for a, _, _ in decode], device=device)   # [B_d] token index
+        width = max((len(t) for _, t, _ in decode), default=1)
+        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for _, t, _ in decode] or [[0]],
+                                         **i32)                                   # [B_d, max_pages]
+        self.lengths = torch.tensor([n for _, _, n in decode] or [1], **i32)     # [B_d]
+
+    def check_model(self, config, owner):
+        pass             # step() compared the weights' state with its pages' before scheduling
+
+    def advance(self, t: int):
+        pass             # the block manager holds the positions since the engine reserved them
+
+    def attend(self, layer: int, q, k, v):
+        """Store k, v `[1, H_kv, N, D]` in their slots; q `[1, H_q, N, D]` attends per sequence -> `[1, H_q, N, D]`."""
+        H, D = k.shape[1], k.shape[3]
+        k_pool, v_pool = self.pool.k_pool[layer], self.pool.v_pool[layer]      # [pages, page_size, H_kv, D]
+        k_pool.view(-1, H, D)[self.slot_mapping] = k[0].transpose(0, 1)         # [N, H_kv, D] into slots
+        v_pool.view(-1, H, D)[self.slot_mapping] = v[0].transpose(0, 1)
+        out = torch.empty_like(q)                                              # [1, H_q, N, D]
+        if len(self.decode_at):
+            q_dec = q[0, :, self.decode_at].transpose(0, 1)                     # [B_d, H_q, D]
+            o = decode_attention(q_dec, k_pool, v_pool, self.block_tables, self.lengths, check_values=False)
+            out[0, :, self.decode_at] = o.transpose(0, 1)                       # [H_q, B_d, D]
+        for at, n, pages, L in self.chunks:                                     # L = start + n positions
+            keys = k_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]        # [1, H_kv, L, D]
+            values = v_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]
+            mask = offset_causal_mask(L - n, n, q.device)                       # [n, L]
+            out[:, :, at:at + n] = F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values,
+                                                                  attn_mask=mask, enable_gqa=True)
+        return out
