@@ -1,0 +1,433 @@
+"""`python -m lab.serve`: an OpenAI-compatible HTTP server over the ServingEngine (chapter 8).
+
+One thread owns the engine (`EngineLoop`): it takes new requests and cancellations from an inbox, steps the
+engine while any request waits or runs, and hands each new token to its request's asyncio queue through
+`loop.call_soon_threadsafe`. The HTTP handlers run on the event loop: they check a request, put it in the
+inbox and await its tokens. Whatever arrives while others decode joins the next step's batch (continuous
+batching), and nothing but that thread ever touches the engine. A client that goes away mid-stream has its
+request cancelled, which frees its pages. On SIGINT or SIGTERM the server refuses new requests (503), lets
+the admitted ones finish, then exits.
+
+    python -m lab.serve --model smollm2 --port 8000
+    curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
+
+Decoding is greedy, so `temperature` must be 0 or absent. `return_token_ids: true` adds the token ids to
+each choice (`prompt_token_ids`, `token_ids`), as vLLM does.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import queue
+import signal
+import threading
+import time
+import uuid
+from typing import Literal
+
+import jinja2
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from .cache import OutOfPagesError
+from .engine import ServingEngine
+from .models import InputError, PositionLimitError, load
+
+# ---- the engine's thread ----
+
+
+class EngineLoop:
+    """The one thread that touches a ServingEngine: it adds, cancels and steps, in that order, round after
+    round; it sleeps while the engine has nothing to do."""
+
+    def __init__(self, engine: ServingEngine):
+        self.engine = engine
+        self.inbox = queue.SimpleQueue()   # ("add", ...), ("cancel", rid) and ("stop",), from the event loop
+        self.streams = {}                  # request id -> (event loop, asyncio.Queue of (token, finish_reason))
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        """Cancel whatever is left and end the thread."""
+        self.inbox.put(("stop",))
+        self.thread.join()
+
+    async def add(self, ids, max_new_tokens: int, eos_id: int | None) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its id and the queue its (token, finish_reason) pairs arrive on. Raises what
+        `add_request` raises: a bad request changes nothing."""
+        loop = asyncio.get_running_loop()
+        admitted, tokens = loop.create_future(), asyncio.Queue()
+        self.inbox.put(("add", ids, max_new_tokens, eos_id, loop, admitted, tokens))
+        return await admitted, tokens
+
+    def cancel(self, rid: int):
+        self.inbox.put(("cancel", rid))
+
+    def run(self):
+        while True:
+            busy = self.engine.running or self.engine.waiting
+            messages = [] if busy else [self.inbox.get()]          # idle: sleep until a message comes
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    messages.append(self.inbox.get_nowait())
+            try:
+                for kind, *args in messages:
+                    if kind == "stop":
+                        self._fail(RuntimeError("the server stopped"))
+                        return
+                    if kind == "cancel":
+                        self.streams.pop(args[0], None)
+                        self.engine.cancel(args[0])                 # False if it had finished: fine
+                    else:
+                        self._add(*args)
+                if self.engine.running or self.engine.waiting:
+                    self._step()
+            except Exception as e:                                 # a bug: every request fails (500), none hangs
+                self._fail(e)
+
+    def _add(self, ids, max_new_tokens, eos_id, loop, admitted, tokens):
+        try:
+            rid = self.engine.add_request(ids, max_new_tokens, eos_id)
+        except Exception as e:                                     # a bad request: the engine is unchanged
+            loop.call_soon_threadsafe(self._settle, admitted, None, e)
+            return
+        self.streams[rid] = (loop, tokens)
+        loop.call_soon_threadsafe(self._settle, admitted, rid, None)
+
+    def _settle(self, admitted, rid, error):
+        """On the event loop: answer the handler waiting in `add`, or cancel if it stopped waiting."""
+        if admitted.cancelled():                                   # the client left before its request was in
+            if rid is not None:
+                self.cancel(rid)
+        elif error is not None:
+            admitted.set_exception(error)
+        else:
+            admitted.set_result(rid)
+
+    def _step(self):
+        for rid, token in self.engine.step().items():
+            req = self.engine.requests[rid]
+            finish = None if req.state != "finished" else "stop" if token == req.eos_id else "length"
+            if rid in self.streams:
+                loop, tokens = self.streams.pop(rid) if finish else self.streams[rid]
+                loop.call_soon_threadsafe(tokens.put_nowait, (token, finish))
+
+    def _fail(self, error: Exception):
+        """Hand `error` to every request still waiting for tokens, and drop them from the engine."""
+        for rid, (loop, tokens) in self.streams.items():
+            with contextlib.suppress(Exception):
+                self.engine.cancel(rid)
+            loop.call_soon_threadsafe(tokens.put_nowait, error)
+        self.streams.clear()
+
+
+# ---- requests, as OpenAI's API shapes them ----
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is an error, "5" is not 5
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False                # a last chunk with the usage and no choices
+
+
+class Sampling(Strict):
+    """The fields both endpoints take. Accepted and ignored: `user`, `seed` and `top_p` (at temperature 0
+    every top_p picks the same token)."""
+
+    model: str | None = None                   # if given, the served model's name
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None           # 0 or absent: the engine decodes greedily
+    top_p: float | None = None
+    n: int = 1                                 # one choice per request
+    stop: str | list[str] | None = None        # only None: the model's eos token stops, no stop strings
+    user: str | None = None
+    seed: int | None = None
+    return_token_ids: bool = False             # vLLM's extension: prompt_token_ids and token_ids in choices
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]                    # text, or token ids
+    max_tokens: int = Field(16, ge=1)          # OpenAI's default for completions
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)             # default: as many as the context and pool allow
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+
+class APIError(Exception):
+    """An error answered as OpenAI answers it: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param=None, code=None, type="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.body = status, dict(message=message, type=type, param=param, code=code)
+
+    def response(self, headers=None) -> JSONResponse:
+        return JSONResponse({"error": self.body}, status_code=self.status, headers=headers)
+
+
+def parse(raw: bytes, schema):
+    """The request body checked against `schema`; APIError (400) naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        unknown = [err["loc"][0] for err in errors if err["type"] == "extra_forbidden"]
+        if unknown:
+            raise APIError(400, f"unknown field(s): {', '.join(map(str, unknown))}", param=unknown[0]) from None
+        where = lambda err: ".".join(str(p) for p in err["loc"]) or "body"
+        raise APIError(400, "; ".join(f"{where(err)}: {err['msg']}" for err in errors),
+                       param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
+    if req.temperature not in (None, 0):
+        raise APIError(400, f"temperature must be 0 or absent, got {req.temperature}: this server decodes "
+                            "greedily", param="temperature")
+    if req.stop is not None:
+        raise APIError(400, "stop sequences are not supported: a request stops at the model's eos token or "
+                            "at max_tokens", param="stop")
+    if req.n != 1:
+        raise APIError(400, f"n must be 1, got {req.n}: this server returns one choice", param="n")
+    return req
+
+
+# ---- the app ----
+
+
+def create_app(engine: ServingEngine, name: str | None = None, eos_id: int | None = None) -> FastAPI:
+    """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops
+    at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. The engine's thread
+    starts and stops with the app (its lifespan); `app.state.draining = True` refuses new requests (503)."""
+    model, tok = engine.model, engine.model.tokenizer
+    name = name or model.name
+    if eos_id is None:                                # SmolLM2's <|im_end|>; the random models have none
+        eos = getattr(tok, "special", {}).get("eos_token")
+        eos_ids = tok.encode(eos) if eos else []
+        eos_id = eos_ids[0] if len(eos_ids) == 1 else None
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        app.state.loop, app.state.draining = EngineLoop(engine), False
+        app.state.loop.start()
+        yield
+        app.state.loop.stop()
+
+    app = FastAPI(title="Inference Lab", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(HTTPException)             # 404, 405: FastAPI's statuses, OpenAI's body
+    async def http_error(request, e: HTTPException):
+        return APIError(e.status_code, str(e.detail), type="not_found_error" if e.status_code == 404
+                        else "invalid_request_error").response(e.headers)
+
+    @app.exception_handler(Exception)                 # a bug (the engine's thread failed): 500, OpenAI's body
+    async def server_error(request, e: Exception):
+        return APIError(500, f"{type(e).__name__}: {e}", type="server_error").response()
+
+    @app.get("/health")
+    async def health():
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [dict(id=name, object="model", created=started, owned_by="inference-lab",
+                                                max_model_len=model.config.max_positions)]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(await request.body(), CompletionRequest)
+        ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        return await respond(req, ids, req.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(await request.body(), ChatRequest)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        except (ValueError, jinja2.TemplateError) as e:       # no template, or the template refused
+            raise APIError(400, f"cannot render the conversation for {name}: {e}", param="messages") from None
+        limit = min(model.config.max_positions, engine.manager.num_pages * engine.page_size)
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids) + 1)
+        return await respond(req, ids, max_tokens, chat=True)
+
+    async def respond(req, ids, max_tokens, chat):
+        """Admit the request into the engine, then answer with one JSON body or a stream of events."""
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+        if req.model is not None and req.model != name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {name!r}",
+                           param="model", code="model_not_found", type="not_found_error")
+        prompt = "messages" if chat else "prompt"
+        try:
+            rid, tokens = await app.state.loop.add(ids, max_tokens, eos_id)
+        except PositionLimitError as e:
+            raise APIError(400, f"{e}; shorten the {prompt} or max_tokens", param=prompt,
+                           code="context_length_exceeded") from None
+        except OutOfPagesError as e:
+            raise APIError(400, f"{e}; it could never be served", param=prompt, code="exceeds_kv_pool") from None
+        except InputError as e:
+            raise APIError(400, str(e), param=prompt) from None
+        reply = Reply(tok, name, chat, ids, req.return_token_ids)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(stream(rid, tokens, reply, usage), media_type="text/event-stream")
+        done = False
+        try:
+            while not done:
+                done = reply.add(*await next_token(tokens))
+        finally:
+            if not done:                                     # the handler was cancelled: free the pages
+                app.state.loop.cancel(rid)
+        return reply.body()
+
+    async def stream(rid, tokens, reply, usage):
+        """Server-sent events: one chunk per token, the last with its finish_reason, then [DONE]."""
+        done = False
+        try:
+            while not done:
+                done = reply.add(*await next_token(tokens))
+                yield f"data: {json.dumps(reply.chunk())}\n\n"
+            if usage:
+                yield f"data: {json.dumps(reply.chunk(usage=True))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:                                     # the client went away: free the pages
+                app.state.loop.cancel(rid)
+
+    return app
+
+
+async def next_token(tokens: asyncio.Queue) -> tuple:
+    item = await tokens.get()
+    if isinstance(item, Exception):                          # the engine failed: answer 500
+        raise item
+    return item
+
+
+class Reply:
+    """One request's answer as it grows: its tokens, their text, and the OpenAI objects that carry them."""
+
+    def __init__(self, tokenizer, model: str, chat: bool, prompt_ids, with_ids: bool):
+        self.tok, self.model, self.chat, self.prompt_ids, self.with_ids = tokenizer, model, chat, prompt_ids, with_ids
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.ids, self.text = [], ""                       # every token so far, and the text shown of them
+        self.new, self.piece, self.finish = [], "", None   # what the last add brought
+
+    def add(self, token: int, finish: str | None) -> bool:
+        """Take the next token; True once it was the last. The eos token is not part of the text, and a
+        piece that ends inside a multi-byte character waits for the next token."""
+        self.ids.append(token)
+        self.new, self.finish = [token], finish
+        visible = self.ids[:-1] if finish == "stop" else self.ids
+        text = self.tok.decode(visible)
+        if text.endswith("\ufffd") and not finish:
+            self.piece = ""
+        else:
+            self.piece, self.text = text[len(self.text):], text
+        return finish is not None
+
+    def usage(self) -> dict:
+        n, m = len(self.prompt_ids), len(self.ids)
+        return dict(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+
+    def _choice(self, text, ids, finish, stream) -> dict:
+        if self.chat:
+            key = "delta" if stream else "message"
+            message = {"content": text} if stream and self.ids[:-1] else {"role": "assistant", "content": text}
+            choice = {"index": 0, key: message, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.with_ids:
+            choice["token_ids"] = ids
+            if not (stream and self.ids[:-1]):             # the first chunk, or the whole answer
+                choice["prompt_token_ids"] = list(self.prompt_ids)
+        return choice
+
+    def chunk(self, usage=False) -> dict:
+        """The streamed chunk for the last token (or, with usage=True, the closing usage chunk)."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        out = dict(id=self.id, object=kind, created=self.created, model=self.model)
+        if usage:
+            return out | dict(choices=[], usage=self.usage())
+        return out | dict(choices=[self._choice(self.piece, self.new, self.finish, stream=True)])
+
+    def body(self) -> dict:
+        """The whole answer, not streamed."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        return dict(id=self.id, object=kind, created=self.created, model=self.model,
+                    choices=[self._choice(self.text, list(self.ids), self.finish, stream=False)],
+                    usage=self.usage())
+
+
+# ---- the command line ----
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with the app told first on SIGINT or SIGTERM: it answers new requests with 503 while
+    uvicorn stops listening and waits for the admitted ones to finish; then the engine's thread stops."""
+
+    def __init__(self, config, app):
+        super().__init__(config)
+        self.lab_app = app
+
+    def handle_exit(self, sig, frame):
+        self.lab_app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lab.serve", description="An OpenAI-compatible server over the "
+                                "ServingEngine: /v1/completions, /v1/chat/completions, /v1/models, /health.")
+    p.add_argument("--model", default="smollm2", help="any lab.models.load name or folder (default smollm2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-pages", type=int, default=512, help="pages in the pool (default 512: 8,192 positions)")
+    p.add_argument("--page-size", type=int, default=16, help="positions per page")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens in one step's forward, at most")
+    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load(args.model)
+    engine = ServingEngine(model, args.num_pages, args.page_size, args.max_batch_tokens,
+                           prefix_caching=not args.no_prefix_caching)
+    app = create_app(engine)
+    print(f"serving {model.name} with {engine!r} on http://{args.host}:{args.port}", flush=True)
+    # uvicorn raises a caught signal again once it has shut down, so the process dies of it (exit -15);
+    # ignored by then, a server that drained cleanly exits with 0 instead
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""`python -m lab.serve`: the OpenAI-compatible server over the ServingEngine, spoken to over real HTTP.
+
+Oracle: the same prompt ids through a fresh ServingEngine's `generate` (itself checked token for token
+against each request decoded alone, tests/test_serving.py). Tolerance: none, the tokens must be equal. The
+server runs in this process (uvicorn in a thread, on a free port of 127.0.0.1) so a test can look at its
+engine's pool; one test starts `python -m lab.serve` as a process and stops it with SIGTERM.
+"""
+
+import dataclasses
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
+from lab.models import load
+from lab.models.tokenizer import ByteTokenizer
+from lab.serve import create_app
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+NUM_PAGES, PAGE_SIZE = 64, 16                       # 1,024 positions; tiny-llama has 2,048
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("tiny-llama")
+
+
+@contextmanager
+def serving(engine, **kw):
+    """The app over `engine`, served by uvicorn in a thread on a free port; yields (port, app)."""
+    app = create_app(engine, **kw)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1], app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    engine = ServingEngine(tiny, NUM_PAGES, PAGE_SIZE, max_batch_tokens=64)
+    with serving(engine) as (port, app):
+        yield port, app, engine
+
+
+def call(port, path, body=None, method="POST"):
+    """(status, parsed JSON body) of one request; `body` a dict, or bytes sent as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+def events(port, path, body) -> list:
+    """The server-sent events of a streamed request: each `data:` payload, parsed, then "[DONE]"."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, body=json.dumps(body | {"stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    out = []
+    for line in resp.read().decode().split("\n\n"):
+        if line:
+            assert line.startswith("data: ")
+            out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    conn.close()
+    return out
+
+
+def greedy(model, prompt, n) -> list:
+    """The oracle: `prompt`'s greedy tokens through a fresh engine of its own."""
+    return ServingEngine(model, NUM_PAGES, PAGE_SIZE).generate([prompt], n)[0]
+
+
+def prompts(lengths, seed=0, vocab=320) -> list[list]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def wait_idle(engine, timeout=10):
+    """Wait until the engine's thread has no request left (it may still be finishing a step)."""
+    deadline = time.monotonic() + timeout
+    while engine.running or engine.waiting:
+        assert time.monotonic() < deadline, f"the engine did not go idle: {engine!r}"
+        time.sleep(0.01)
+
+
+# ---- answers ----
+def test_completion_tokens_equal_the_engine(server, tiny):
+    port, _, engine = server
+    (ids,) = prompts([21], seed=1)
+    status, body = call(port, "/v1/completions", dict(prompt=ids, max_tokens=12, return_token_ids=True))
+    assert status == 200
+    assert body["object"] == "text_completion" and body["model"] == "tiny-llama" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["token_ids"] == greedy(tiny, ids, 12) and choice["prompt_token_ids"] == ids
+    assert choice["text"] == tiny.tokenizer.decode(choice["token_ids"]) and choice["finish_reason"] == "length"
+    assert body["usage"] == dict(prompt_tokens=21, completion_tokens=12, total_tokens=33)
+    status, body = call(port, "/v1/completions", dict(prompt="The cache", max_tokens=5, return_token_ids=True))
+    assert status == 200 and body["choices"][0]["prompt_token_ids"] == list(b"The cache")  # bytes: ByteTokenizer
+    assert body["choices"][0]["token_ids"] == greedy(tiny, list(b"The cache"), 5)
+    wait_idle(engine)
+    assert engine.manager.num_free == engine.manager.num_pages
+
+
+def test_streaming_gives_what_one_response_gives(server):
+    port = server[0]
+    request = dict(prompt=prompts([9], seed=2)[0], max_tokens=10, return_token_ids=True)
+    whole = call(port, "/v1/completions", request)[1]
+    chunks = events(port, "/v1/completions", request | dict(stream_options=dict(include_usage=True)))
+    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == [] and chunks[-2]["usage"] == whole["usage"]
+    tokens = chunks[:-2]
+    assert len(tokens) == 10 and all(c["object"] == "text_completion" and c["id"] == tokens[0]["id"] for c in tokens)
+    assert [t for c in tokens for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in tokens) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None] * 9 + ["length"]
+    assert "usage" not in events(port, "/v1/completions", request)[-2]      # usage only when asked for
+
+
+def test_eos_stops_a_request_and_is_not_in_its_text(tiny):
+    ids = prompts([7], seed=3)[0]
+    free = greedy(tiny, ids, 8)
+    eos = free[4]
+    assert eos not in free[:4]                                              # its first occurrence: the 5th
+    with serving(ServingEngine(tiny, NUM_PAGES, PAGE_SIZE), eos_id=eos) as (port, _):
+        status, body = call(port, "/v1/completions", dict(prompt=ids, max_tokens=8, return_token_ids=True))
+        chunks = events(port, "/v1/completions", dict(prompt=ids, max_tokens=8))
+    (choice,) = body["choices"]
+    assert status == 200 and choice["finish_reason"] == "stop" and choice["token_ids"] == free[:5]
+    assert choice["text"] == tiny.tokenizer.decode(free[:4]) and body["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and len(chunks) == 6
+
+
+class TemplateBytes(ByteTokenizer):
+    """The byte tokenizer with a chat template: `role: content` lines, then `assistant:`."""
+
+    chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def test_chat_renders_the_template_and_decodes_like_the_engine(tiny):
+    model = dataclasses.replace(tiny, tokenizer=TemplateBytes())
+    messages = [dict(role="system", content="Be brief."), dict(role="user", content="Hi")]
+    ids = list(TemplateBytes().apply_chat_template(messages).encode())
+    with serving(ServingEngine(model, NUM_PAGES, PAGE_SIZE)) as (port, _):
+        request = dict(messages=messages, max_tokens=6, return_token_ids=True)
+        status, body = call(port, "/v1/chat/completions", request)
+        chunks = events(port, "/v1/chat/completions", request)
+    assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == greedy(tiny, ids, 6)
+    assert choice["message"] == dict(role="assistant", content=TemplateBytes().decode(choice["token_ids"]))
+    assert choice["finish_reason"] == "length" and body["usage"]["prompt_tokens"] == len(ids)
+    assert chunks[-1] == "[DONE]" and all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d["content"] for d in deltas) == choice["message"]["content"]
+
+
+def test_smollm2_chat_says_what_a_chat_session_says(smollm2):
+    """The real model and its template: the reply (stopped by its eos token) equals ChatSession's, which
+    decodes alone on a PrefixCachingBackend (tests/test_chat.py checks that against recomputation)."""
+    question = [dict(role="user", content="What is the capital of France?")]
+    session = ChatSession(smollm2, PrefixCachingBackend(smollm2, 64, PAGE_SIZE), max_new_tokens=12)
+    with serving(ServingEngine(smollm2, NUM_PAGES, PAGE_SIZE)) as (port, _):
+        status, body = call(port, "/v1/chat/completions", dict(messages=question, max_tokens=12))
+    (choice,) = body["choices"]
+    assert status == 200 and choice["message"]["content"] == session.say(question[0]["content"])
+    assert choice["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == session.turns[0]["reply_tokens"]
+
+
+def test_models_and_health(server):
+    port = server[0]
+    status, body = call(port, "/v1/models", method="GET")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["tiny-llama"] and body["object"] == "list"
+    assert call(port, "/health", method="GET") == (200, {"status": "ok"})
+
+
+# ---- many at once ----
+def test_concurrent_requests_complete_and_are_batched(server, tiny):
+    port, _, engine = server
+    ps, n = prompts((5, 30, 12, 1, 44, 17), seed=4), 60
+    before = len(engine.stats["batch_sizes"])
+    with ThreadPoolExecutor(len(ps)) as pool:
+        answers = list(pool.map(lambda p: call(port, "/v1/completions",
+                                               dict(prompt=p, max_tokens=n, return_token_ids=True)), ps))
+    assert [a[1]["choices"][0]["token_ids"] for a in answers] == [greedy(tiny, p, n) for p in ps]
+    assert max(engine.stats["batch_sizes"][before:]) > 1                      # decoded together, not in turn
+    wait_idle(engine)
+    assert engine.manager.num_free == engine.manager.num_pages
+
+
+# ---- errors ----
+P = [1, 2, 3]
+BAD = [  # (path, body, status, param, code, words in the message)
+    ("/v1/completions", b"{not json", 400, None, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, None, "dictionary"),
+    ("/v1/completions", {}, 400, "prompt", None, "Field required"),
+    ("/v1/completions", dict(prompt=P, max_tokens=0), 400, "max_tokens", None, "greater than or equal to 1"),
+    ("/v1/completions", dict(prompt=P, max_tokens="5"), 400, "max_tokens", None, "valid integer"),
+    ("/v1/completions", dict(prompt=P, best_of=2, logit_bias={}), 400, "best_of", None, "best_of, logit_bias"),
+    ("/v1/completions", dict(prompt=P, temperature=0.7), 400, "temperature", None, "greedily"),
+    ("/v1/completions", dict(prompt=P, n=2), 400, "n", None, "n must be 1"),
+    ("/v1/completions", dict(prompt=P, stop="\n"), 400, "stop", None, "stop sequences"),
+    ("/v1/completions", dict(prompt=[]), 400, "prompt", None, "empty"),
+    ("/v1/completions", dict(prompt=[1, 320]), 400, "prompt", None, "320"),
+    ("/v1/completions", dict(prompt=[1] * 2000, max_tokens=100), 400, "prompt", "context_length_exceeded", "2048"),
+    ("/v1/completions", dict(prompt=[1] * 100, max_tokens=1000), 400, "prompt", "exceeds_kv_pool", "64"),
+    ("/v1/completions", dict(prompt=P, model="gpt-4o"), 404, "model", "model_not_found", "gpt-4o"),
+    ("/v1/chat/completions", dict(messages=[]), 400, "messages", None, "at least 1"),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="hi")]), 400, "messages", None,
+     "no chat template"),
+    ("/v1/chat/completions", dict(messages=[dict(role="robot", content="hi")]), 400, "messages", None,
+     "messages.0.role"),
+    ("/v1/nothing", {}, 404, None, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_a_bad_request_is_refused_and_changes_nothing(server, path, body, status, param, code, words):
+    port, _, engine = server
+    wait_idle(engine)
+    free, count = engine.manager.num_free, len(engine.requests)
+    got, answer = call(port, path, body)
+    error = answer["error"]
+    assert got == status and set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"]) == (param, code) and words in error["message"], error
+    assert engine.manager.num_free == free and len(engine.requests) == count  # not even queued
+
+
+def test_the_wrong_method_is_405_and_common_fields_are_accepted(server):
+    port = server[0]
+    status, answer = call(port, "/v1/completions", method="GET")
+    assert status == 405 and answer["error"]["message"] == "Method Not Allowed"
+    request = dict(prompt=P, max_tokens=2, model="tiny-llama", n=1, user="me", stop=None, temperature=0,
+                   top_p=1.0, seed=7)
+    status, answer = call(port, "/v1/completions", request)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_a_failing_engine_answers_500_and_hangs_nothing(server, monkeypatch):
+    port, _, engine = server
+    wait_idle(engine)
+
+    def broken():
+        raise RuntimeError("a bug in step")
+
+    monkeypatch.setattr(engine, "step", broken)
+    status, answer = call(port, "/v1/completions", dict(prompt=P, max_tokens=2))
+    assert status == 500 and answer["error"]["type"] == "server_error" and "a bug in step" in answer["error"]["message"]
+    monkeypatch.undo()
+    assert engine.requests[max(engine.requests)].state == "cancelled" and not engine.waiting
+    assert call(port, "/v1/completions", dict(prompt=P, max_tokens=2))[0] == 200   # the thread lives on
+
+
+# ---- a client that goes away, a server that stops ----
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
+    port, _, engine = server
+    wait_idle(engine)
+    baseline = engine.manager.num_free
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = dict(prompt=prompts([20], seed=5)[0], max_tokens=900, stream=True)  # 58 of the 64 pages
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    for _ in range(6):                                        # three tokens' events and their blank lines
+        resp.readline()
+    rid = max(engine.requests)
+    assert engine.requests[rid].state == "running" and engine.manager.num_free < baseline
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_idle(engine)
+    assert engine.requests[rid].state == "cancelled" and len(engine.requests[rid].output) < 900
+    assert engine.manager.num_free == baseline
+
+
+def test_a_draining_server_refuses_new_requests(server):
+    port, app, engine = server
+    app.state.draining = True
+    try:
+        status, answer = call(port, "/v1/completions", dict(prompt=P, max_tokens=2))
+        assert status == 503 and answer["error"]["code"] == "shutting_down"
+        assert call(port, "/health", method="GET")[0] == 503
+    finally:
+        app.state.draining = False
+    assert call(port, "/v1/completions", dict(prompt=P, max_tokens=2))[0] == 200
+
+
+def test_sigterm_finishes_the_stream_in_flight_then_exits_cleanly():
+    """`python -m lab.serve` as a process: SIGTERM while a stream runs lets it finish, then exit code 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "lab.serve", "--model", "tiny-llama", "--port", str(port), "--threads", "1",
+               "--num-pages", "128"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if call(port, "/health", method="GET")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = dict(prompt=[1, 2, 3], max_tokens=1000, stream=True)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()
+        proc.send_signal(signal.SIGTERM)                       # while 999 tokens are still to come
+        rest = (first + resp.read()).decode().split("\n\n")
+        assert rest[-2:] == ["data: [DONE]", ""] and len(rest) == 1000 + 2      # every token, then [DONE]
+        assert json.loads(rest[-3][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+        log = proc.stdout.read()
+        assert "Waiting for connections to close" in log, log      # the stream was still running at SIGTERM
+        assert "Finished server process" in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
