@@ -153,6 +153,28 @@ def test_preemption_takes_the_youngest(tiny):
     check_idle(engine)
 
 
+def test_admission_keeps_a_free_page_for_every_running_request(tiny):
+    decoder, short = prompts((16, 48), seed=9)
+    # 4 pages of 16: the decoder holds 1 page and grows to 4 (16 + 40 positions); the 48-token prompt fits
+    # the 3 free pages, but admitting it would leave the decoder no page to grow into: the next step would
+    # preempt it and throw its prefill away. It waits until the decoder finishes.
+    engine = ServingEngine(tiny, num_pages=4, page_size=16, max_batch_tokens=64, prefix_caching=False)
+    assert engine.generate([decoder, short], [41, 2]) == expected(tiny, [decoder, short], [41, 2])
+    first, second = engine.timeline()
+    assert engine.stats["preemptions"] == 0 and second["admitted"] == [first["finished"] + 1]
+    check_idle(engine)
+
+
+def test_a_chunk_shrinks_to_the_free_pages(tiny):
+    decoder, long = prompts((16, 200), seed=10)
+    engine = ServingEngine(tiny, num_pages=14, page_size=16, max_batch_tokens=64, prefix_caching=False)
+    assert engine.generate([decoder, long], [40, 4]) == expected(tiny, [decoder, long], [40, 4])
+    # after 48 + 63 + 63 = 174 prompt positions the long request holds 11 pages (176 positions), the decoder
+    # 2, one page is free: the step-3 chunk is 176 - 174 + 16 = 18 tokens, not the 63 the budget leaves
+    assert engine.timeline()[1]["chunks"][:4] == [(0, 48), (1, 63), (2, 63), (3, 18)]
+    check_idle(engine)
+
+
 def test_shared_prefixes_are_computed_once(tiny):
     system = prompts((37,), seed=6)[0]
     ps = [system + tail for tail in prompts((3, 9, 1, 20), seed=7)]

@@ -5,12 +5,16 @@ at a time, under a budget of `max_batch_tokens` tokens per step:
 
 1. Schedule the running requests: first every one with a single token left to compute (a decode), then
    the next chunk of every prompt still being prefilled. A long prompt is prefilled a budget's worth per
-   step (chunked prefill), so it never holds the decodes up. A request whose pages cannot grow takes them
-   from the youngest running request, which is preempted: its pages go back to the pool, and it waits at
-   the head of the queue to be recomputed (its prompt and the tokens it has generated so far).
+   step (chunked prefill), so it never holds the decodes up; a chunk shrinks to what the free pages hold,
+   and waits for a later step when they hold nothing while others run. A request whose pages cannot grow
+   otherwise takes them from the youngest running request, which is preempted:
+   its pages go back to the pool, and it waits at the head of the queue to be recomputed (its prompt and
+   the tokens it has generated so far).
 2. Admit waiting requests, first come first served, while the budget and the pages last (and no request
-   was preempted in this step). A new request first takes the cached pages of its longest named prefix
-   (chapter 6's page names), then reserves its first chunk.
+   was preempted in this step), keeping a free page for every running request: admitting a request that
+   the next step's decodes would preempt at once only wastes its first chunk. `next_to_admit` chooses
+   the request to try (a policy overrides it). A new request first takes the cached pages of its longest
+   named prefix (chapter 6's page names), then reserves its first chunk.
 3. Run one forward over every token scheduled, laid end to end as one row `[1, N]`: each token attends to
    the pages of its own sequence (decode tokens through the paged decode kernel, prefill chunks through
    the offset causal mask). Append the greedy token of every request whose last known token was in the
@@ -148,9 +152,10 @@ class ServingEngine:
         return [self.output(r) for r in rids]
 
     def timeline(self) -> list[dict]:
-        """Per request, what happened at which step: arrived, admitted [steps], chunks [(step, tokens)] of
-        prefill (recomputation included), first_token, preempted [steps], finished or cancelled."""
-        return [dict(id=r.id, prompt_tokens=len(r.prompt), output_tokens=len(r.output), state=r.state,
+        """Per request, its sizes and what happened at which step: arrived, admitted [steps], chunks [(step,
+        tokens)] of prefill (recomputation included), first_token, preempted [steps], finished or cancelled."""
+        return [dict(id=r.id, prompt_tokens=len(r.prompt), output_tokens=len(r.output),
+                     max_new_tokens=r.max_new_tokens, state=r.state,
                      cached_tokens=r.cached_tokens, **r.events) for r in self.requests.values()]
 
     def _check(self, ids, max_new_tokens, eos_id) -> Request:
@@ -207,6 +212,11 @@ class ServingEngine:
         prefilling = [r for r in self.running if r.num_tokens - r.computed > 1]
         for req in decoding + prefilling:
             n = min(req.num_tokens - req.computed, budget)
+            if n > 1 and req.state == "running":                      # a chunk takes what free pages hold
+                room = (len(self.manager.block_table(req.seq)) + self.manager.num_free) * self.page_size
+                if room == req.computed and scheduled:
+                    continue                                          # no room: it waits while others run
+                n = min(n, room - req.computed) or n
             while req.state == "running" and n:                       # (skips a request preempted above)
                 try:
                     self._reserve(req.seq, n)
@@ -217,13 +227,21 @@ class ServingEngine:
                     budget += scheduled.pop(victim, 0)
                     self._preempt(victim, now)
         while self.waiting and budget and self.stats["preemptions"] == preemptions:
-            n = self._admit(self.waiting[0], budget, now)
+            req = self.next_to_admit()
+            if req not in self.waiting:
+                raise RuntimeError(f"next_to_admit() chose request {getattr(req, 'id', req)!r}, which is not waiting")
+            n = self._admit(req, budget, now)
             if not n:
-                break                                                 # first come, first served: no overtaking
-            req = self.waiting.popleft()
+                break                                                 # no overtaking the one chosen
+            self.waiting.remove(req)
             self.running.append(req)
             scheduled[req], budget = n, budget - n
         return list(scheduled.items())
+
+    def next_to_admit(self) -> Request:
+        """The waiting request admission tries next: the head of the queue, first come first served (a
+        preempted request waits at the head). A policy overrides this; the engine never skips the one chosen."""
+        return self.waiting[0]
 
     def _admit(self, req, budget, now) -> int:
         """Give a waiting request its cached prefix and its first chunk; the chunk's tokens, or 0 (nothing
@@ -233,12 +251,13 @@ class ServingEngine:
         if self.prefix_caching:                       # one token at least is computed: its logits are sampled
             taken = self.manager.reserve_prefix(seq, self._page_keys(req, (req.num_tokens - 1) // P))
         n = min(req.num_tokens - taken * P, budget)
-        try:
-            self._reserve(seq, n)
-        except OutOfPagesError:
+        # headroom: after admission, a free page for every running request, so that the decodes of the next
+        # step never preempt the request just admitted (which would throw its first chunk away)
+        if self.manager.pages_needed(seq, n) + len(self.running) > self.manager.num_free:
             if seq in self.manager:
                 self.manager.release(seq)             # the cached pages taken go back, still named
             return 0
+        self._reserve(seq, n)
         req.seq, req.computed, req.named, req.state = seq, taken * P, taken, "running"
         req.cached_tokens += taken * P
         req.events["admitted"].append(now)
