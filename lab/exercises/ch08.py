@@ -1,0 +1,435 @@
+"""Chapter 8 exercises: shortest-job-first admission, and preemption by swapping pages to host memory.
+
+Both answers are ServingEngine subclasses. The checks run them on the tiny model through a fixed workload
+(a small pool, so that requests queue or are preempted), step by step, and compare every request's tokens
+with the same prompt decoded alone; step numbers stand for time, so every run is deterministic.
+"""
+
+import contextlib
+import functools
+import random
+
+import torch
+
+from ..cache import ConcatCache
+from ..engine import ServingEngine
+from ..engine import serving as serving_module
+from ..loadgen import percentile
+from ..models import forward_cached, load
+
+# ---- shared: the model, each request alone, a driver that watches every step --------------------------
+
+
+@functools.cache
+def tiny_model():
+    """tiny-llama (2 layers, width 64, random weights, 320 token ids): a serving step takes about a
+    millisecond, so a whole workload runs in a fraction of a second."""
+    return load("tiny-llama")
+
+
+def workload_prompts(lengths, seed) -> list[list[int]]:
+    """One prompt of random token ids per length, the same for every call with the same seed."""
+    rng, vocab = random.Random(seed), tiny_model().config.vocab_size
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@functools.cache
+def alone(prompt: tuple, n: int) -> tuple:
+    """The oracle: greedy tokens of `prompt` decoded on its own through a ConcatCache (no pages, no batch,
+    no scheduler), and the smallest gap between its top two logits on the way (a tie would make any
+    comparison fragile; tests/test_exercises_ch08.py checks that every gap is wide)."""
+    model = tiny_model()
+    cache, x, out, gap = ConcatCache(model.config), torch.tensor([prompt]), [], float("inf")   # x [1, T]
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = forward_cached(x, model.weights, model.config, cache, last_only=True)[0, -1]  # [V]
+            top = logits.topk(2).values
+            gap = min(gap, float(top[0] - top[1]))
+            out.append(int(logits.argmax()))
+            x = torch.tensor([[out[-1]]])                                                    # [1, 1]
+    return tuple(out), gap
+
+
+def serve(engine, prompts, max_new_tokens, arrivals, after_step=None, max_steps=1000) -> list[int]:
+    """Run a workload through `engine` as `generate` does (request i is added just before step arrivals[i]),
+    but one step at a time, calling after_step(engine) after each. Returns the requests' ids. Fails when a
+    request that arrived is neither waiting, running nor done (dropped from the queue), or after max_steps."""
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    rids, k = [None] * len(prompts), 0
+    for step in range(max_steps):
+        while k < len(order) and arrivals[order[k]] <= step:
+            i = order[k]
+            rids[i], k = engine.add_request(list(prompts[i]), max_new_tokens[i]), k + 1
+        engine.step()
+        if after_step is not None:
+            after_step(engine)
+        present = set(map(id, engine.waiting)) | set(map(id, engine.running))
+        lost = [i for i, r in enumerate(rids) if r is not None and not engine.requests[r].done
+                and id(engine.requests[r]) not in present]
+        assert not lost, (f"after step {step}, request(s) {lost} are neither waiting, running nor done: "
+                          "dropped from the queue. Every request must be served")
+        if k == len(order) and all(engine.requests[r].done for r in rids):
+            return rids
+    raise AssertionError(f"the workload did not finish in {max_steps} steps: requests "
+                         f"{[i for i, r in enumerate(rids) if r is None or not engine.requests[r].done]} "
+                         "are still waiting or running")
+
+
+def _check_config(engine, engine_class, num_pages, page_size, max_batch_tokens):
+    assert isinstance(engine, ServingEngine), (
+        f"expected a subclass of ServingEngine, got {engine_class!r}")
+    got = (engine.manager.num_pages, engine.page_size, engine.max_batch_tokens)
+    assert got == (num_pages, page_size, max_batch_tokens), (
+        f"your engine runs with {got[0]} pages of {got[1]} and {got[2]} tokens a step; the check built it with "
+        f"{num_pages} pages of {page_size} and {max_batch_tokens}: a bigger pool or budget hides the queue and the "
+        "preemptions the exercise is about")
+
+
+def _check_outputs(engine, rids, prompts, max_new_tokens, skip=()):
+    """Every request finished with all the tokens it asked for, each equal to decoding it alone."""
+    for i, rid in enumerate(rids):
+        if i in skip:
+            continue
+        req, asked = engine.requests[rid], max_new_tokens[i]
+        what = f"request {i} ({len(prompts[i])} prompt tokens, {asked} new)"
+        assert req.state != "cancelled", (
+            f"{what} was cancelled at step {req.events.get('cancelled')}: every request must be served to the "
+            "end; dropping a request is not a way to schedule it")
+        assert req.state == "finished", f"{what} is {req.state}, not finished"
+        want, got = list(alone(tuple(prompts[i]), asked)[0]), list(req.output)
+        assert len(got) >= asked, (
+            f"{what} got {len(got)} tokens of the {asked} asked: a request is served its max_new_tokens, "
+            "not fewer (did your engine shorten a job to make it look shorter?)")
+        assert len(got) == asked, f"{what} got {len(got)} tokens, more than the {asked} asked"
+        for j, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a == b, f"{what}: token {j} is {a}, decoding the prompt alone gives {b}"
+
+
+# ---- exercise 1: shortest job first ----------------------------------------------------------------------
+
+# (prompt tokens, new tokens, arrival step): a burst at step 0 with long jobs near the head of the queue, then
+# six more over steps 7 to 23, two of them long. Sizes (prompt + new) run from 9 to 58.
+SJF_WORKLOAD = ((40, 16, 0), (36, 12, 0), (6, 4, 0), (44, 14, 0), (9, 3, 0), (5, 6, 0), (12, 5, 0), (6, 14, 0),
+                (8, 8, 0), (38, 16, 7), (10, 6, 7), (7, 4, 10), (42, 12, 14), (4, 5, 21), (11, 3, 23))
+SJF_POOL = dict(num_pages=20, page_size=4, max_batch_tokens=32)   # 80 positions: the burst must queue
+
+
+def sjf_workload() -> tuple:
+    """(prompts, max_new_tokens, arrivals) of SJF_WORKLOAD."""
+    prompts = workload_prompts([p for p, _, _ in SJF_WORKLOAD], seed=8)
+    return prompts, [n for _, n, _ in SJF_WORKLOAD], [a for _, _, a in SJF_WORKLOAD]
+
+
+def job_size(prompt_tokens: int, max_new_tokens: int) -> int:
+    """A job's size: every token it asks for."""
+    return prompt_tokens + max_new_tokens
+
+
+def overtakes(timeline: list, sizes: list) -> list[tuple]:
+    """(step, i, j) for every request i admitted at `step` while a smaller request j waited and was not
+    admitted in that step. timeline: ServingEngine.timeline()'s entries, in the order of `sizes`.
+
+    At the admission phase of step s, a request waits when it has arrived (arrived <= s), every admission
+    before s was undone by a preemption at or before s, and it was not cancelled before s."""
+    found = []
+    steps = sorted({s for e in timeline for s in e["admitted"]})
+    for s in steps:
+        admitted = [i for i, e in enumerate(timeline) if s in e["admitted"]]
+        waiting = [i for i, e in enumerate(timeline) if e["arrived"] <= s
+                   and sum(a < s for a in e["admitted"]) == sum(p <= s for p in e["preempted"])
+                   and not (e.get("cancelled") is not None and e["cancelled"] <= s) and i not in admitted]
+        found += [(s, i, j) for i in admitted for j in waiting if sizes[j] < sizes[i]]
+    return found
+
+
+def ttft_steps(timeline: list) -> list[int]:
+    """Each request's time to first token, in steps: the step of its first token less its arrival step."""
+    return [e["first_token"] - e["arrived"] for e in timeline]
+
+
+def _ttft_summary(ttfts, longest) -> dict:
+    return dict(ttft_median_steps=percentile(ttfts, 50), ttft_p99_steps=percentile(ttfts, 99),
+                longest_job_ttft_steps=ttfts[longest])
+
+
+def _run_sjf(engine_class, check=None):
+    prompts, news, arrivals = sjf_workload()
+    engine = engine_class(tiny_model(), **SJF_POOL, prefix_caching=False)   # no prefixes shared here
+    if check:
+        check(engine)
+    rids = serve(engine, prompts, news, arrivals)
+    by_id = {e["id"]: e for e in engine.timeline()}
+    return engine, rids, [by_id[r] for r in rids]
+
+
+@functools.cache
+def fcfs_timeline() -> tuple:
+    """The stock engine's timeline on SJF_WORKLOAD: first come, first served."""
+    return tuple(_run_sjf(ServingEngine)[2])
+
+
+def check_shortest_first(engine_class):
+    """engine_class: a ServingEngine subclass whose `next_to_admit(self) -> Request` returns the waiting
+    request (an element of `self.waiting`) with the smallest size, len(req.prompt) + req.max_new_tokens: the
+    tokens it asks for. Among equal sizes, any. A preempted request (recomputed later) queues by the same
+    rule: it has to compute its prompt and output again, then decode the rest, its whole size once more.
+
+    The engine admits the request you return, or none in that step if it does not fit: it never skips it.
+    The check builds engine_class(model, num_pages=20, page_size=4, max_batch_tokens=32,
+    prefix_caching=False) on the tiny model and serves SJF_WORKLOAD (15 requests of sizes 9 to 58: a burst
+    at step 0 with long jobs near the head of the queue, then six more over steps 7 to 23) step by step.
+    It verifies:
+    - every request finishes, none cancelled or dropped from the queue, each with all of its max_new_tokens,
+      each token equal to decoding its prompt alone (greedy, through a ConcatCache);
+    - the pool and the budget are the ones asked for (a bigger pool would hide the queue);
+    - no request was admitted while a smaller one waited (read from timeline(): arrivals, admissions,
+      preemptions, in steps);
+    - the median time to first token (TTFT, in steps) is below first come, first served's (the stock engine
+      on the same workload).
+    Returns the TTFTs of both policies (median, p99, and the longest job's), and prints them. Shortest job
+    first starves long jobs: while short ones keep arriving, a long one waits, so its TTFT and the p99 grow
+    even as the median falls. A server bounds that wait (ageing: a job's priority grows as it waits).
+    """
+    prompts, news, arrivals = sjf_workload()
+    sizes = [job_size(len(p), n) for p, n in zip(prompts, news, strict=True)]
+    fcfs = list(fcfs_timeline())
+    engine, rids, timeline = _run_sjf(engine_class, lambda e: _check_config(e, engine_class, **SJF_POOL))
+    _check_outputs(engine, rids, prompts, news)
+    assert max(engine.stats["batch_tokens"]) <= SJF_POOL["max_batch_tokens"], "a step ran more tokens than its budget"
+    faults = overtakes(timeline, sizes)
+    if faults:
+        s, i, j = faults[0]
+        what = (f"at step {s}, request {i} (size {sizes[i]} = {len(prompts[i])} prompt + {news[i]} new) was admitted "
+                f"while request {j} (size {sizes[j]} = {len(prompts[j])} + {news[j]}) waited: admit the waiting "
+                "request of the smallest size, len(prompt) + max_new_tokens, first")
+        if timeline[i]["preempted"] and s in timeline[i]["admitted"][1:]:
+            what += (f". Request {i} had been preempted: it recomputes its prompt and output, so its size is "
+                     "still its prompt plus all its new tokens")
+        if not overtakes(timeline, list(range(len(sizes)))):
+            what += ". Every admission followed the order of arrival: that is first come, first served"
+        raise AssertionError(what)
+    longest = max(range(len(sizes)), key=lambda i: sizes[i])
+    mine, theirs = _ttft_summary(ttft_steps(timeline), longest), _ttft_summary(ttft_steps(fcfs), longest)
+    assert mine["ttft_median_steps"] < theirs["ttft_median_steps"], (
+        f"median TTFT {mine['ttft_median_steps']} steps, first come first served's "
+        f"{theirs['ttft_median_steps']}: shortest first should lower it")
+    print(f"TTFT in steps             median    p99   the longest job (size {sizes[longest]})")
+    for name, t in (("first come, first served", theirs), ("shortest job first", mine)):
+        print(f"{name:<25} {t['ttft_median_steps']:6.1f} {t['ttft_p99_steps']:6.1f}   "
+              f"{t['longest_job_ttft_steps']}")
+    print("correct")
+    return {"fcfs": theirs, "shortest_first": mine}
+
+
+# ---- exercise 2: preemption by swapping to host memory ----------------------------------------------------
+
+# (prompt tokens, new tokens, arrival step); 18 pages of 4 hold 72 positions, the requests grow to 217
+SWAP_WORKLOAD = ((13, 16, 0), (22, 20, 0), (7, 20, 0), (30, 14, 2), (18, 20, 4), (25, 18, 6))
+SWAP_POOL = dict(num_pages=18, page_size=4, max_batch_tokens=12)   # 12 tokens a step: prompts in chunks
+
+
+def swap_workload() -> tuple:
+    """(prompts, max_new_tokens, arrivals) of SWAP_WORKLOAD."""
+    prompts = workload_prompts([p for p, _, _ in SWAP_WORKLOAD], seed=4)
+    return prompts, [n for _, n, _ in SWAP_WORKLOAD], [a for _, _, a in SWAP_WORKLOAD]
+
+
+def positions_without_recomputation(prompts, max_new_tokens) -> int:
+    """The positions a run that never recomputes puts through the model: each request's prompt and its
+    new tokens, less the last (never fed back)."""
+    return sum(len(p) + n - 1 for p, n in zip(prompts, max_new_tokens, strict=True))
+
+
+@contextlib.contextmanager
+def counting_positions():
+    """While inside, every forward a ServingEngine step runs adds its tokens to the yielded list's item 0."""
+    real, counted = serving_module.forward_cached, [0]
+
+    def counting(ids, *args, **kwargs):
+        counted[0] += ids.shape[1]                                    # ids [1, N]: the step's tokens
+        return real(ids, *args, **kwargs)
+
+    serving_module.forward_cached = counting
+    try:
+        yield counted
+    finally:
+        serving_module.forward_cached = real
+
+
+def _tensors(x) -> list:
+    """The tensors inside x: a tensor, or tuples, lists and dicts of them (anything else is skipped)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for y in x for t in _tensors(y)] if isinstance(x, (tuple, list)) else []
+
+
+def pages_of(engine, req) -> tuple:
+    """The keys and values of the computed positions of a running request, read through its block table:
+    two `[L, computed, H_kv, D]` tensors (copies)."""
+    slots = engine.manager.slots(req.seq, 0, req.computed)                   # pool slots, in position order
+    return tuple(pool.flatten(1, 2)[:, slots].clone() for pool in (engine.pool.k_pool, engine.pool.v_pool))
+
+
+class _SwapWatch:
+    """Called after every step: pages go back to the pool while a request is swapped out, its host copy
+    lives exactly as long as it waits, and it comes back into its new pages as it left. Records the most
+    bytes held on the host at once."""
+
+    def __init__(self):
+        self.kv, self.away, self.peak_bytes = {}, {}, 0   # running / swapped-out request id -> (keys, values)
+
+    @property
+    def computed(self) -> dict:
+        """Request id -> positions computed, for every request running after the last step."""
+        return {rid: k.shape[1] for rid, (k, _) in self.kv.items()}
+
+    def __call__(self, engine):
+        m, now = engine.manager, engine.stats["steps"] - 1
+        swapped = getattr(engine, "swapped", None)
+        assert isinstance(swapped, dict), (
+            "keep the host copies in self.swapped, a dict from request id to what you copied (set it in __init__)")
+        held, running = m.num_pages - m.num_free, sum(len(m.block_table(r.seq)) for r in engine.running)
+        out = [r.id for r in engine.waiting if now in r.events["preempted"]]
+        assert held == running, (
+            f"after step {now}, {held} pages are taken but the running requests hold {running}"
+            + (f"; request(s) {out} were preempted in this step" if out else "")
+            + ": a request swapped out gives its pages back to the pool (release them once copied)")
+        want = {r.id for r in engine.waiting if r.events["preempted"]}
+        for rid in want - set(swapped):
+            raise AssertionError(f"request {rid} was preempted at step {engine.requests[rid].events['preempted'][-1]}"
+                                 " and waits, but self.swapped has no copy of its pages: copy its keys and values "
+                                 "to the host in _preempt")
+        for rid in set(swapped) - want:
+            req = engine.requests.get(rid)
+            state = req.state if req else "unknown"
+            raise AssertionError(f"request {rid} is {state} after step {now}, yet self.swapped still holds its host "
+                                 "copy: delete it once the pages are restored (or the request is cancelled)")
+        for rid in out:
+            self.away[rid] = self.kv[rid]                                   # what its pages held when it left
+            self._check_copy(engine, rid, swapped[rid], self.away[rid][0].shape[1])
+        for req in engine.running:
+            if req.id in self.away:                                          # swapped in during this step
+                assert now in req.events["admitted"], (
+                    f"request {req.id} runs again after step {now}, but req.events['admitted'] does not say so: "
+                    "append the step to it when you swap a request in")
+                self._check_restored(engine, req, now, *self.away.pop(req.id))
+        self.peak_bytes = max(self.peak_bytes, sum(t.nbytes for v in swapped.values() for t in _tensors(v)))
+        self.kv = {r.id: pages_of(engine, r) for r in engine.running}
+
+    @staticmethod
+    def _check_copy(engine, rid, saved, positions):
+        tensors, cfg = _tensors(saved), engine.model.config
+        need = 2 * cfg.n_layers * positions * cfg.n_kv_heads * cfg.head_dim   # keys and values of its positions
+        have = sum(t.numel() for t in tensors)
+        assert have >= need, (
+            f"self.swapped[{rid}] holds {have} values; request {rid} had {positions} positions computed, whose "
+            f"keys and values are {need} values: copy k_pool[:, pages] and v_pool[:, pages] themselves, not "
+            "where they were")
+        shared = {p.untyped_storage().data_ptr() for p in (engine.pool.k_pool, engine.pool.v_pool)}
+        for t in tensors:
+            assert t.device.type == "cpu", f"self.swapped[{rid}] holds a tensor on {t.device}: copy it to the host"
+            assert t.untyped_storage().data_ptr() not in shared, (
+                f"self.swapped[{rid}] holds a view of the pool, not a copy: once the pages are reused, it changes "
+                "under you")
+
+    @staticmethod
+    def _check_restored(engine, req, now, keys, values):
+        positions = keys.shape[1]
+        assert req.computed >= positions, (
+            f"request {req.id}, swapped in at step {now}, has {req.computed} positions computed after that step, "
+            f"fewer than the {positions} it had when swapped out: it is recomputing them. Restore its pages and "
+            "continue from req.computed")
+        k, v = pages_of(engine, req)
+        for name, got, had in (("keys", k, keys), ("values", v, values)):
+            bad = (got[:, :positions] != had).flatten(2).any(-1).any(0).nonzero()   # [positions] that differ
+            assert not len(bad), (
+                f"request {req.id} was swapped in at step {now}, but the {name} its block table points at differ "
+                f"from those it had when swapped out, from position {int(bad[0])} of {positions}: copy host page i "
+                "into page i of its new block table, the pages of its positions")
+
+
+@functools.cache
+def recompute_positions() -> tuple:
+    """(positions run through the model, preemptions) of the stock engine, which recomputes, on
+    SWAP_WORKLOAD."""
+    prompts, news, arrivals = swap_workload()
+    engine = ServingEngine(tiny_model(), **SWAP_POOL, prefix_caching=False)
+    with counting_positions() as counted:
+        serve(engine, prompts, news, arrivals)
+    return counted[0], engine.stats["preemptions"]
+
+
+def check_swapping(engine_class):
+    """engine_class: a ServingEngine subclass that preempts by swapping instead of recomputing.
+
+    - `_preempt(req, now)`: copy the victim's keys and values to host memory, `self.pool.k_pool[:, pages]`
+      and `v_pool[:, pages]`, `[L, n, P, H_kv, D]` (pages from `self.manager.block_table(req.seq)`; the first
+      ceil(req.computed / P) of them hold its `req.computed` positions), into `self.swapped[req.id]`, a dict
+      you set up in `__init__`; then let the stock `_preempt` release its pages and queue it at the head.
+    - `_admit(req, budget, now) -> n`: for a swapped request, take a new sequence, `seq = self.pool.new_id()`,
+      and reserve the `computed` positions it had plus the n >= 1 it computes in this step (at most
+      `budget`): `self._reserve(seq, computed + n)`, which raises OutOfPagesError, changing nothing, when the
+      pool is too full (return 0 then). Copy host page i back into page i of its new block table, delete the host
+      copy, set `req.seq`, `req.computed` and `req.state = "running"`, append `now` to
+      `req.events["admitted"]`, and return n. Other requests: the stock `_admit`.
+    - `cancel(rid)`: a request cancelled while swapped out drops its host copy.
+    The check builds engine_class(model, num_pages=18, page_size=4, max_batch_tokens=12, prefix_caching=False)
+    on the tiny model and serves SWAP_WORKLOAD, six requests growing to 217 positions in a pool of 72,
+    some preempted mid-prompt or mid-page, one twice. It verifies: every request's tokens equal decoding it alone; there
+    were preemptions; the positions run through the model (counted at the forward) are exactly those of a
+    run that never recomputes, sum(prompt + new - 1); after every step the pages taken are exactly those
+    of the running requests, and self.swapped holds exactly the preempted requests still waiting, as CPU
+    tensors that are copies (not views of the pool) of at least their computed positions; a request swapped in
+    finds, through its new block table, exactly the keys and values it left with (the tokens alone may not
+    show full pages restored in another order: attention over earlier positions does not depend on where
+    they are stored, since each stored key already carries its position). Then it serves the workload
+    again, cancelling the first request swapped out: its host copy must go. Returns the positions computed
+    by you and by recomputation, the preemptions, and the most bytes held on the host at once.
+    On a CPU the pool is in host memory already: the copy stands for the transfer over PCIe on a GPU.
+    """
+    prompts, news, arrivals = swap_workload()
+    engine = engine_class(tiny_model(), **SWAP_POOL, prefix_caching=False)
+    _check_config(engine, engine_class, **SWAP_POOL)
+    watch = _SwapWatch()
+    with counting_positions() as counted:
+        rids = serve(engine, prompts, news, arrivals, after_step=watch)
+    _check_outputs(engine, rids, prompts, news)
+    assert engine.stats["preemptions"] > 0, "no request was preempted: the pool of 18 pages must run out"
+    want, (recomputed, stock_preemptions) = positions_without_recomputation(prompts, news), recompute_positions()
+    assert counted[0] >= want, f"your engine ran only {counted[0]} positions through the model, fewer than {want}"
+    assert counted[0] == want, (
+        f"your engine ran {counted[0]} positions through the model; without recomputation the workload needs "
+        f"{want}, so {counted[0] - want} were computed again (recomputation runs {recomputed}). Restore the "
+        "swapped pages on admission and continue from req.computed")
+    assert not engine.swapped and engine.manager.num_free == engine.manager.num_pages, (
+        "after the workload, host copies or pages are still held")
+    result = dict(positions=counted[0], recompute_positions=recomputed, preemptions=engine.stats["preemptions"],
+                  host_peak_bytes=watch.peak_bytes)
+
+    cancelled, watch = [], _SwapWatch()                           # the second run: cancel a swapped request
+
+    def cancel_one(engine):
+        watch(engine)
+        if not cancelled and engine.swapped:
+            rid = min(engine.swapped)
+            engine.cancel(rid)
+            cancelled.append(rid)
+            assert rid not in engine.swapped, (
+                f"cancel({rid}) of a request swapped out left its host copy in self.swapped: drop it in cancel")
+
+    again = engine_class(tiny_model(), **SWAP_POOL, prefix_caching=False)
+    rids = serve(again, prompts, news, arrivals, after_step=cancel_one)
+    assert cancelled, "in the second run, no request was ever swapped out"
+    i = rids.index(cancelled[0])
+    _check_outputs(again, rids, prompts, news, skip={i})
+    got = again.output(cancelled[0])
+    assert got == list(alone(tuple(prompts[i]), news[i])[0][:len(got)]), (
+        f"request {i}, cancelled while swapped out, had generated tokens that differ from decoding it alone")
+    assert again.manager.num_free == again.manager.num_pages, "after the second run, pages are still held"
+    print(f"{result['preemptions']} preemptions; positions through the model: {counted[0]} swapping, {recomputed} "
+          f"recomputing ({stock_preemptions} preemptions); at most {result['host_peak_bytes']} bytes on the host "
+          "at once")
+    print("correct")
+    return result

@@ -1,0 +1,48 @@
+"""Reference solutions for chapter 8: shortest-job-first admission; preemption by swapping pages
+to host memory."""
+
+from ..cache import OutOfPagesError
+from ..engine import ServingEngine
+
+
+class ShortestFirstEngine(ServingEngine):
+    def next_to_admit(self):
+        # a job's size is every token it asks for; a preempted request recomputes, so it has that
+        # much left too and queues by the same rule. min() keeps the first of equals
+        return min(self.waiting, key=lambda req: len(req.prompt) + req.max_new_tokens)
+
+
+class SwappingEngine(ServingEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.swapped = {}                      # request id -> (keys, values, positions) on the host
+
+    def _preempt(self, req, now):
+        computed, P = req.computed, self.page_size            # the positions its pages hold
+        pages = self.manager.block_table(req.seq)[:-(-computed // P)]   # more may be reserved
+        keys = self.pool.k_pool[:, pages].cpu()                 # [L, n, P, H_kv, D], a copy
+        values = self.pool.v_pool[:, pages].cpu()
+        self.swapped[req.id] = (keys, values, computed)
+        super()._preempt(req, now)             # its pages go back to the pool; it waits at the head
+
+    def _admit(self, req, budget, now):
+        if req.id not in self.swapped:
+            return super()._admit(req, budget, now)             # a new request: prefill as usual
+        keys, values, computed = self.swapped[req.id]
+        n = min(req.num_tokens - computed, budget)              # what was left, this step's share
+        seq = self.pool.new_id()
+        try:
+            self._reserve(seq, computed + n)                    # fresh pages, wherever they are
+        except OutOfPagesError:
+            return 0                                            # nothing changed: a later step
+        pages = self.manager.block_table(seq)[:keys.shape[1]]   # page i holds what page i held
+        self.pool.k_pool[:, pages] = keys.to(self.pool.device)  # [L, n, P, H_kv, D] back
+        self.pool.v_pool[:, pages] = values.to(self.pool.device)
+        del self.swapped[req.id]                                # the host copy is spent
+        req.seq, req.computed, req.state = seq, computed, "running"
+        req.events["admitted"].append(now)
+        return n
+
+    def cancel(self, rid):
+        self.swapped.pop(rid, None)            # cancelled while swapped out: drop the host copy
+        return super().cancel(rid)
