@@ -87,6 +87,7 @@ class Record:
     max_tokens: int
     sent: float | None = None         # when it was sent (later than arrival when max_concurrency held it)
     token_times: list = field(default_factory=list)  # when each token arrived: the first, then every later one
+    token_ids: list = field(default_factory=list)    # the tokens, where the server returns their ids
     status: int | None = None         # the HTTP status
     error: str | None = None          # what went wrong, if anything did
     finish_reason: str | None = None  # "length", or "stop" at the model's eos token
@@ -209,6 +210,7 @@ def read_events(resp, rec: Record, clock):
         for choice in chunk.get("choices", []):        # none in a closing usage chunk
             ids = choice.get("token_ids")
             rec.token_times += [now] * (len(ids) if ids is not None else 1)
+            rec.token_ids += ids or []
             rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
     rec.error = "the stream ended before data: [DONE]"
 

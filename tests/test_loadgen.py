@@ -130,6 +130,8 @@ def test_a_burst_against_the_lab_server_completes_batched(tiny):
         alone = max(engine.stats["batch_sizes"][start:])
     assert all(r.ok and r.finish_reason == "length" for r in records), [r.error for r in records]
     assert [r.tokens for r in records] == [r.max_tokens for r in requests]
+    greedy = ServingEngine(tiny, 128, 16, 64).generate([r.prompt for r in requests[:4]], 16)  # a prefix of it
+    assert [r.token_ids for r in records[:4]] == [t[:r.max_tokens] for t, r in zip(greedy, requests[:4], strict=True)]
     assert batched > 1                                          # the requests shared steps
     assert all(r.sent >= r.arrival for r in records)
     s = summarize(records, slo_ttft=60, slo_itl=60)
