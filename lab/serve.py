@@ -2,8 +2,11 @@
 
 One thread owns the engine (`EngineLoop`): it takes new requests and cancellations from an inbox, steps the
 engine while any request waits or runs, and hands each new token to its request's asyncio queue through
-`loop.call_soon_threadsafe`. The HTTP handlers run on the event loop: they check a request, put it in the
-inbox and await its tokens. Whatever arrives while others decode joins the next step's batch (continuous
+`loop.call_soon_threadsafe`. The HTTP handlers run on the event loop, in another thread: they check a
+request, put it in the inbox and await its tokens. `python -m lab.serve` steps the engine in the main
+thread and serves HTTP from a second one: on the 2-core machine of the book's measurements, torch ran the
+engine's steps about 1.5 times slower from a second thread than from the thread that loaded the model
+(chapter 8 measures the server). Whatever arrives while others decode joins the next step's batch (continuous
 batching), and nothing but that thread ever touches the engine. A client that goes away mid-stream has its
 request cancelled, which frees its pages. On SIGINT or SIGTERM the server refuses new requests (503), lets
 the admitted ones finish, then exits.
@@ -49,15 +52,19 @@ class EngineLoop:
         self.engine = engine
         self.inbox = queue.SimpleQueue()   # ("add", ...), ("cancel", rid) and ("stop",), from the event loop
         self.streams = {}                  # request id -> (event loop, asyncio.Queue of (token, finish_reason))
-        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread = None                 # when it runs on a thread of its own (`start`)
 
     def start(self):
+        """Run on a thread of its own (an app served inside another program: the tests); `main` calls `run`
+        in the main thread instead."""
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.thread.start()
 
     def stop(self):
-        """Cancel whatever is left and end the thread."""
+        """Cancel whatever is left and end `run` (and wait for its thread, if it has one)."""
         self.inbox.put(("stop",))
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
 
     async def add(self, ids, max_new_tokens: int, eos_id: int | None) -> tuple[int, asyncio.Queue]:
         """Queue a request; its id and the queue its (token, finish_reason) pairs arrive on. Raises what
@@ -213,10 +220,12 @@ def parse(raw: bytes, schema):
 # ---- the app ----
 
 
-def create_app(engine: ServingEngine, name: str | None = None, eos_id: int | None = None) -> FastAPI:
+def create_app(engine: ServingEngine, name: str | None = None, eos_id: int | None = None,
+               loop: EngineLoop | None = None) -> FastAPI:
     """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops
-    at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. The engine's thread
-    starts and stops with the app (its lifespan); `app.state.draining = True` refuses new requests (503)."""
+    at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. With no `loop`, an
+    EngineLoop on a thread of its own starts and stops with the app (its lifespan); with one, the caller
+    runs it, and the app's shutdown stops it. `app.state.draining = True` refuses new requests (503)."""
     model, tok = engine.model, engine.model.tokenizer
     name = name or model.name
     if eos_id is None:                                # SmolLM2's <|im_end|>; the random models have none
@@ -227,8 +236,9 @@ def create_app(engine: ServingEngine, name: str | None = None, eos_id: int | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        app.state.loop, app.state.draining = EngineLoop(engine), False
-        app.state.loop.start()
+        app.state.loop, app.state.draining = loop or EngineLoop(engine), False
+        if loop is None:
+            app.state.loop.start()
         yield
         app.state.loop.stop()
 
@@ -392,7 +402,7 @@ class Reply:
 
 class Server(uvicorn.Server):
     """uvicorn's server, with the app told first on SIGINT or SIGTERM: it answers new requests with 503 while
-    uvicorn stops listening and waits for the admitted ones to finish; then the engine's thread stops."""
+    uvicorn stops listening and waits for the admitted ones to finish; then the engine's loop stops."""
 
     def __init__(self, config, app):
         super().__init__(config)
@@ -420,13 +430,24 @@ def main(argv=None):
     model = load(args.model)
     engine = ServingEngine(model, args.num_pages, args.page_size, args.max_batch_tokens,
                            prefix_caching=not args.no_prefix_caching)
-    app = create_app(engine)
-    print(f"serving {model.name} with {engine!r} on http://{args.host}:{args.port}", flush=True)
-    # uvicorn raises a caught signal again once it has shut down, so the process dies of it (exit -15);
-    # ignored by then, a server that drained cleanly exits with 0 instead
+    loop = EngineLoop(engine)
+    app = create_app(engine, loop=loop)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
+
+    def serve_http():                  # uvicorn installs no signal handlers off the main thread: ours below
+        try:
+            server.run()
+        finally:
+            loop.stop()                # a server that ended (or never started) ends the engine's loop
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app).run()
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=serve_http, name="http", daemon=True)
+    http.start()
+    print(f"serving {model.name} with {engine!r} on http://{args.host}:{args.port}", flush=True)
+    loop.run()                         # the engine steps here, in the main thread, until the server stops
+    http.join()
+    raise SystemExit(0 if server.started else 1)
 
 
 if __name__ == "__main__":

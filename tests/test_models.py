@@ -389,3 +389,18 @@ def test_config_from_hf_reads_transformers_own_config():
 
 def test_group_size():
     assert [RANDOM[n].group_size for n in TINY] == [1, 2, 4]
+
+
+def test_prepacked_projections_compute_the_same_forward(smollm2, smollm2_ids):
+    """Prepacked (oneDNN's blocked layout, CPU serving) against F.linear on the same weights. Tolerance: both
+    sum the same float32 products in another order; over SmolLM2's 30 layers the logits differ by about
+    1e-4, far below the ~1e-2 gap between the top two logits of a held-out token, so 1e-3."""
+    from lab.models.checks import owner
+    from lab.models.llama import Prepacked
+
+    packed = Prepacked(smollm2.weights)
+    assert owner(packed, smollm2.config) == owner(smollm2.weights, smollm2.config)   # the same tensors
+    assert len(packed.packed) == 7 * smollm2.config.n_layers + 1                     # every projection, the head
+    with torch.inference_mode():
+        want, got = forward(smollm2_ids, smollm2.weights, smollm2.config), forward(smollm2_ids, packed, smollm2.config)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)

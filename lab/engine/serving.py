@@ -35,6 +35,7 @@ from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedC
 from ..cache.hashing import page_digest, root_digest
 from ..kernels import decode_attention
 from ..models import InputError, PositionLimitError, forward_cached, owner
+from ..models.llama import Prepacked
 from .identity import identity_of, token_ids
 
 
@@ -92,6 +93,9 @@ class ServingEngine:
         self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
         self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
+        # float32 Llama weights on a CPU: the projections also prepacked for oneDNN, as vLLM's CPU backend does
+        packs = cfg.arch != "gpt2" and Prepacked.applies(model.weights)
+        self.weights = Prepacked(model.weights) if packs else model.weights
         # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)
         self.root = root_digest((identity_of(model, self.pool),)) if self.prefix_caching else None
         self.requests = {}                           # id -> Request, every request ever added
@@ -206,30 +210,31 @@ class ServingEngine:
         return new
 
     def _schedule(self, now) -> list:
-        """Decodes first, then prefill chunks, then new requests, within the token budget; pages reserved."""
+        """Decodes first, then prefill chunks, then new requests, within the token budget; pages
+        reserved."""
         budget, scheduled, preemptions = self.max_batch_tokens, {}, self.stats["preemptions"]
         decoding = [r for r in self.running if r.num_tokens - r.computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.computed > 1]
         for req in decoding + prefilling:
             n = min(req.num_tokens - req.computed, budget)
-            if n > 1 and req.state == "running":                      # a chunk takes what free pages hold
+            if n > 1 and req.state == "running":                  # a chunk takes what free pages hold
                 room = (len(self.manager.block_table(req.seq)) + self.manager.num_free) * self.page_size
                 if room == req.computed and scheduled:
-                    continue                                          # no room: it waits while others run
+                    continue                                      # no room: it waits while others run
                 n = min(n, room - req.computed) or n
-            while req.state == "running" and n:                       # (skips a request preempted above)
+            while req.state == "running" and n:                   # (skips a request preempted above)
                 try:
                     self._reserve(req.seq, n)
                     scheduled[req], budget = n, budget - n
                     break
-                except OutOfPagesError:                               # the youngest gives its pages back
+                except OutOfPagesError:                           # the youngest gives its pages back
                     victim = self.running[-1]
                     budget += scheduled.pop(victim, 0)
                     self._preempt(victim, now)
         while self.waiting and budget and self.stats["preemptions"] == preemptions:
             req = self.next_to_admit()
             if req not in self.waiting:
-                raise RuntimeError(f"next_to_admit() chose request {getattr(req, 'id', req)!r}, which is not waiting")
+                raise RuntimeError(f"next_to_admit() chose {req!r}, which is not waiting")
             n = self._admit(req, budget, now)
             if not n:
                 break                                                 # no overtaking the one chosen
@@ -286,7 +291,7 @@ class ServingEngine:
 
     def _run(self, batch, now) -> dict[int, int]:
         """The step's forward over every scheduled token; greedy tokens for the sequences that completed."""
-        w, cfg, device = self.model.weights, self.model.config, self.model.device
+        w, cfg, device = self.weights, self.model.config, self.model.device
         step = StepBatch(self.pool, [(req.seq, req.computed, n) for req, n in batch])
         ids = [t for req, n in batch for t in req.tokens[req.computed:req.computed + n]]
         ends = list(itertools.accumulate(n for _, n in batch))        # one past each sequence's last token
@@ -381,17 +386,19 @@ class StepBatch:
         pass             # the block manager holds the positions since the engine reserved them
 
     def attend(self, layer: int, q, k, v):
-        """Store k, v `[1, H_kv, N, D]` in their slots; q `[1, H_q, N, D]` attends per sequence -> `[1, H_q, N, D]`."""
+        """Store k, v `[1, H_kv, N, D]` in their slots; q `[1, H_q, N, D]` attends per sequence ->
+        `[1, H_q, N, D]`."""
         H, D = k.shape[1], k.shape[3]
-        k_pool, v_pool = self.pool.k_pool[layer], self.pool.v_pool[layer]      # [pages, page_size, H_kv, D]
-        k_pool.view(-1, H, D)[self.slot_mapping] = k[0].transpose(0, 1)         # [N, H_kv, D] into slots
+        k_pool, v_pool = self.pool.k_pool[layer], self.pool.v_pool[layer]  # [pages, page_size, H_kv, D]
+        k_pool.view(-1, H, D)[self.slot_mapping] = k[0].transpose(0, 1)     # [N, H_kv, D] into slots
         v_pool.view(-1, H, D)[self.slot_mapping] = v[0].transpose(0, 1)
         out = torch.empty_like(q)                                              # [1, H_q, N, D]
         if len(self.decode_at):
             q_dec = q[0, :, self.decode_at].transpose(0, 1)                     # [B_d, H_q, D]
-            o = decode_attention(q_dec, k_pool, v_pool, self.block_tables, self.lengths, check_values=False)
+            o = decode_attention(q_dec, k_pool, v_pool, self.block_tables, self.lengths,
+                                 check_values=False)
             out[0, :, self.decode_at] = o.transpose(0, 1)                       # [H_q, B_d, D]
-        for at, n, pages, L in self.chunks:                                     # L = start + n positions
+        for at, n, pages, L in self.chunks:                                 # L = start + n positions
             keys = k_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]        # [1, H_kv, L, D]
             values = v_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]
             mask = offset_causal_mask(L - n, n, q.device)                       # [n, L]

@@ -48,7 +48,9 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
 def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
     """The same attention as `paged_attention_reference`, tuned for a CPU. Returns [B, H_q, D].
 
-    Scores and softmax in float32; the weighted sum of values in the pools' dtype.
+    Every sequence at once, with no Python loop over them: the tables are cut to the longest
+    sequence's pages, and each sequence's positions past its length are masked. Scores and softmax
+    in float32; the weighted sum of values in the pools' dtype.
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
     B, H_q, D = q.shape
@@ -60,25 +62,22 @@ def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, ch
     # Pad the group to a power of two with zero rows (dropped below): BLAS works on rows in blocks.
     padded = 1 << (group - 1).bit_length()
     q_grouped = F.pad(q_grouped, (0, 0, 0, padded - group))           # [B, H_kv, padded, D]
-    # The value pool as rows, one per (slot, kv head): row (page * page_size + offset) * H_kv + j.
-    v_rows = v_pool.reshape(-1, D)                                    # [slots * H_kv, D]
-    offset = torch.arange(page_size, device=q.device)                 # [page_size]
-    kv_head = torch.arange(H_kv, device=q.device)[:, None, None]      # [H_kv, 1, 1]
-    bag_starts = torch.arange(H_q, device=q.device)                   # [H_q]: one bag a query head
-    out = torch.empty(B, H_q, D, dtype=q.dtype, device=q.device)
-    for b, length in enumerate(lengths.tolist()):
-        pages = block_tables[b, : -(-length // page_size)]            # [n_pages]
-        # Keys: copy whole pages (contiguous blocks), laid end to end so row t is position t.
-        k = k_pool.index_select(0, pages).view(-1, H_kv, D)[:length]  # [length, H_kv, D]
-        scores = q_grouped[b] @ k.permute(1, 2, 0).float()            # [H_kv, padded, length]
-        probs = scores[:, :group].softmax(dim=-1)                     # [H_kv, group, length]
-        # Values: never copied. Query head (j, g) sums rows slot * H_kv + j weighted by probs[j, g].
-        slots = (pages.long()[:, None] * page_size + offset).view(-1)[:length]    # [length]
-        row_ids = (slots * H_kv + kv_head).expand(H_kv, group, length)  # [H_kv, group, length]
-        weights = probs.reshape(-1).to(v_pool.dtype)
-        out[b] = F.embedding_bag(row_ids.reshape(-1), v_rows, bag_starts * length, mode="sum",
-                                 per_sample_weights=weights)          # [H_q, D]
-    return out
+    L, arange = int(lengths.max()), lambda n: torch.arange(n, device=q.device)
+    n_pages, lengths = -(-L // page_size), lengths.long()[:, None]    # [B, 1]
+    own = arange(n_pages) * page_size < lengths                       # [B, n_pages]: pages it holds
+    pages = torch.where(own, block_tables[:, :n_pages].long(), 0)     # the rest read page 0, masked
+    # Keys: copy whole pages (contiguous blocks), laid end to end so row t is position t.
+    k = k_pool.index_select(0, pages.view(-1)).view(B, -1, H_kv, D)[:, :L]   # [B, L, H_kv, D]
+    scores = q_grouped @ k.permute(0, 2, 3, 1).float()                # [B, H_kv, padded, L]
+    past = (arange(L) >= lengths)[:, None, None]                      # [B, 1, 1, L]: past its end
+    probs = scores[:, :, :group].masked_fill(past, -math.inf).softmax(-1)     # [B, H_kv, group, L]
+    # Values: never copied. Query head (j, g) sums rows slot * H_kv + j weighted by probs[j, g].
+    slots = (pages[:, :, None] * page_size + arange(page_size)).view(B, -1)[:, :L]    # [B, L]
+    row_ids = slots[:, None, None] * H_kv + arange(H_kv)[:, None, None]       # [B, H_kv, 1, L]
+    out = F.embedding_bag(row_ids.expand(B, H_kv, group, L).reshape(-1), v_pool.reshape(-1, D),
+                          arange(B * H_q) * L, mode="sum",    # a bag per (sequence, query head)
+                          per_sample_weights=probs.reshape(-1).to(v_pool.dtype))    # [B*H_q, D]
+    return out.view(B, H_q, D).to(q.dtype)
 
 
 def paged_attention_int8_reference(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, scale=None,
