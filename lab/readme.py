@@ -97,10 +97,23 @@ HEADLINES = [
                  "ch07.kvpress.ratio_50.snapkv.lab_loss", "ch07.kvpress.ratio_50.snapkv.peer_loss"), ".4f|number"),
     ("Ch. 7 — decode step after 1,024 tokens, CPU, PyTorch: float cache / per-token INT8 / KIVI 2-bit",
      tuple(f"ch07.steps.{n}.ms" for n in ("float", "per_token_8", "kivi_2")), ".1f"),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 (two CPU cores)",
+    ("Ch. 8 — output tokens/s, SmolLM2 on the same two CPU cores, 16 requests in flight over HTTP: the lab's "
+     "server / vLLM's; lab over vLLM", ("ch08.http.lab.concurrency.c16.throughput",
+                                        "ch08.http.vllm.concurrency.c16.throughput", "ch08.http.ratio"), ".3g"),
+    ("Ch. 8 — the engine in process, output tokens/s: one request at a time / 16 at once / 64 at once",
+     ("ch08.batching.sequential", "ch08.batching.c16", "ch08.batching.c64"), ".1f"),
+    ("Ch. 8 — greedy tokens identical to vLLM's, share of requests", "ch08.http.agreement", ".0%|number"),
+    ("Ch. 8 — worst gap between decoded tokens while a 1,536-token prompt arrives: prefilled whole / in chunks "
+     "of 256", ("ch08.chunked.whole.itl_max_ms", "ch08.chunked.chunked.itl_max_ms"), ".0f"),
+    ("Ch. 8 — a decode step of 16 sequences: prepacked weights / F.linear",
+     ("ch08.step_costs.engine.step_ms", "ch08.step_costs.unpacked.step_ms"), ".0f"),
+    ("Ch. 8 — shared 512-token system prompt, 16 requests: positions computed with prefix caching / without",
+     ("ch08.prefix.cached.computed", "ch08.prefix.uncached.computed"), ""),
+    ("Ch. 8 — the engine on a GPU, 256 requests at once", "ch08_gpu.engine.C256.output_tok_s", ""),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 (two CPU cores)",
      tuple(f"notebooks.seconds.{name}" for name in
            ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix",
-            "ch07_compress")), ".0f"),
+            "ch07_compress", "ch08_serving")), ".0f"),
 ]
 
 

@@ -1,0 +1,501 @@
+"""Chapter 8, "Serving": many requests over one pool of pages, the lab's engine against vLLM on the same cores.
+
+- In process (`ServingEngine`, SmolLM2): throughput of continuous batching against one request after
+  another; what chunked prefill does to the decoders' inter-token latency while a long prompt arrives;
+  preemptions and recomputation against pool size; prefix caching on a shared system prompt; where a step's
+  time goes (profile); a timeline of a few requests, drawn from a real run.
+- Over HTTP (`lab.loadgen`): the lab's server (`python -m lab.serve`) and vLLM's, one after the other on the
+  same two cores (both pinned with taskset; the lab with 2 torch threads, vLLM's OpenMP threads bound to the
+  same cores): throughput against the number of concurrent requests, and latency against offered load.
+
+Prompts are random token ids (SYNTHETIC), so a cache hit comes only from what the workload repeats on
+purpose; answers are greedy and exactly max_tokens long (vLLM with ignore_eos; the lab's server has no eos).
+"""
+
+import contextlib
+import time
+from time import perf_counter
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .. import loadgen
+from ..engine import ServingEngine
+from ..models import load
+from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from . import plots
+from .plots import finish
+
+SECTION = "ch08"
+PAGE = 16
+CORES = "0-1"                        # both servers on the same two cores
+SYNTHETIC = "synthetic requests: random token ids (lab.experiments.ch08_serving)"
+
+
+def settings(quick_mode: bool) -> dict:
+    if quick_mode:
+        return dict(prompt=64, output=16, levels=(1, 4, 8), sequential=2, pools=(10, 14, 64), pool_requests=6,
+                    long=512, chunk=256, decoders=3, shared_system=256, shared_requests=6, profile_batch=8,
+                    http_levels=(1, 4), http_prompt=32, http_output=16, rates=(1.0, 4.0), rate_requests=6,
+                    rounds=1,
+                    max_prompt=64, max_output=16, vllm=False, timeout_s=120)
+    return dict(prompt=128, output=64, levels=(1, 2, 4, 8, 16, 32, 64), sequential=4, pools=(16, 32, 64, 128, 256),
+                pool_requests=16, long=1536, chunk=256,
+                decoders=4, shared_system=512, shared_requests=16, profile_batch=16,
+                http_levels=(1, 2, 4, 8, 16, 32, 64), http_prompt=128, http_output=64,
+                rates=(0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), rate_requests=24, rounds=3, max_prompt=256,
+                max_output=64,
+                vllm=True, timeout_s=300)
+
+
+def prompts(n, length, seed, vocab=49152) -> list:
+    """n prompts of `length` random token ids (a seed of their own, so no two runs share a prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+# ---- in process --------------------------------------------------------------------------------------------
+
+def run_timed(engine, prompts_, max_new_tokens, arrivals=None) -> dict:
+    """`engine.generate` by hand: add each prompt at its arrival step, step until all finish, and time every
+    step. Returns outputs, per-step seconds, and the timeline of these requests."""
+    n = len(prompts_)
+    news = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    arrivals = arrivals or [0] * n
+    start, rids, times = engine.stats["steps"], [None] * n, []
+    while None in rids or not all(engine.requests[r].done for r in rids):
+        for i in range(n):
+            if rids[i] is None and arrivals[i] <= engine.stats["steps"] - start:
+                rids[i] = engine.add_request(prompts_[i], news[i])
+        t = perf_counter()
+        engine.step()
+        times.append(perf_counter() - t)
+    line = {r["id"]: r for r in engine.timeline()}
+    return dict(outputs=[engine.output(r) for r in rids], step_s=times, start=start,
+                timeline=[line[r] for r in rids], seconds=sum(times))
+
+
+def seconds_between(r, first, last):
+    """Wall seconds of steps first .. last inclusive (engine step numbers) of a run_timed result."""
+    return sum(r["step_s"][first - r["start"]:last - r["start"] + 1])
+
+
+def batching(model, s) -> dict:
+    """Output tokens per second when `c` requests (prompt + output of fixed length) arrive at once: the
+    engine batching them, against the same engine serving them one after another."""
+    V = model.config.vocab_size
+    out = {"batched": {}, "sequential": None}
+    need = -(-(s["prompt"] + s["output"]) // PAGE)
+    for c in tqdm(s["levels"], desc="batching", leave=False):
+        eng = ServingEngine(model, (need + 1) * c, PAGE, 256, prefix_caching=False)  # room for all at once
+        run_timed(eng, prompts(1, s["prompt"], 999, V), 2)                       # warm-up
+        r = run_timed(eng, prompts(c, s["prompt"], c, V), s["output"])
+        sizes = eng.stats["batch_sizes"][-len(r["step_s"]):]
+        out["batched"][c] = dict(tok_s=c * s["output"] / r["seconds"], seconds=r["seconds"],
+                                 steps=len(r["step_s"]), mean_batch=float(np.mean(sizes)))
+    eng = ServingEngine(model, need, PAGE, 256, prefix_caching=False)
+    ps, t = prompts(s["sequential"], s["prompt"], 1000, V), 0.0
+    for p in ps:
+        t += run_timed(eng, [p], s["output"])["seconds"]
+    out["sequential"] = dict(tok_s=len(ps) * s["output"] / t, seconds=t, requests=len(ps))
+    return out
+
+
+def chunked_prefill(model, s) -> dict:
+    """`decoders` requests decoding when a `long`-token prompt arrives: with chunked prefill (`chunk` tokens
+    a step) and without (the whole prompt in one step). The decoders' inter-token latency is the time of each
+    step they get a token in; the long prompt's TTFT runs from its arrival to its first token."""
+    V = model.config.vocab_size
+    out = {}
+    short, n_out = 32, 10 + 2 * -(-s["long"] // s["chunk"])           # decoding until the prompt is done
+    for name, budget in (("chunked", s["chunk"]), ("whole", s["long"] + s["decoders"])):
+        eng = ServingEngine(model, 512, PAGE, budget, prefix_caching=False)
+        run_timed(eng, prompts(1, short, 998, V), 2)                             # warm-up
+        ps = prompts(s["decoders"], short, 20, V) + prompts(1, s["long"], 21, V)
+        r = run_timed(eng, ps, [n_out] * s["decoders"] + [4], arrivals=[0] * s["decoders"] + [2])
+        long = r["timeline"][-1]
+        gaps = [t for t, n in zip(r["step_s"], eng.stats["batch_sizes"][-len(r["step_s"]):], strict=True) if n]
+        while_long = r["step_s"][long["arrived"] - r["start"]:long["first_token"] - r["start"] + 1]
+        out[name] = dict(max_batch_tokens=budget, itl_max_s=max(while_long), itl_median_s=float(np.median(gaps)),
+                         ttft_long_s=seconds_between(r, long["arrived"], long["first_token"]),
+                         long_chunks=len(long["chunks"]), step_s=r["step_s"])
+    return out
+
+
+def preemption(model, s) -> dict:
+    """`pool_requests` requests of prompt + output tokens at once, on pools of `pools` pages (a request needs
+    `need` pages at its longest): preemptions, positions recomputed, steps and seconds; tokens against the
+    largest pool's."""
+    V = model.config.vocab_size
+    n, need = s["pool_requests"], -(-(s["prompt"] + s["output"] - 1) // PAGE)
+    ps, out = prompts(n, s["prompt"], 30, V), {}
+    for pages in tqdm(sorted(s["pools"], reverse=True), desc="pool sizes", leave=False):
+        if pages < need:
+            continue
+        eng = ServingEngine(model, pages, PAGE, 256, prefix_caching=False)
+        r = run_timed(eng, ps, s["output"])
+        out[pages] = dict(preemptions=eng.stats["preemptions"], computed=eng.stats["computed_tokens"],
+                          ideal=n * (s["prompt"] + s["output"] - 1), steps=eng.stats["steps"], seconds=r["seconds"],
+                          outputs=r["outputs"])
+    biggest = out[max(out)]["outputs"]
+    for r in out.values():
+        r["identical"] = r.pop("outputs") == biggest
+    return dict(runs=out, need=need, requests=n, all_pages=n * need)
+
+
+def prefix_sharing(model, s) -> dict:
+    """`shared_requests` requests with one `shared_system`-token system prompt and 32 tokens of their own,
+    arriving one every two steps, with prefix caching and without: positions computed and taken from cache,
+    seconds, median TTFT (seconds), tokens identical."""
+    V = model.config.vocab_size
+    system = prompts(1, s["shared_system"], 40, V)[0]
+    ps = [system + p for p in prompts(s["shared_requests"], 32, 41, V)]
+    arrivals = [2 * i for i in range(len(ps))]
+    out = {}
+    for on in (True, False):
+        eng = ServingEngine(model, 1024, PAGE, 256, prefix_caching=on)
+        r = run_timed(eng, ps, 16, arrivals)
+        ttfts = [seconds_between(r, x["arrived"], x["first_token"]) for x in r["timeline"]]
+        out["cached" if on else "uncached"] = dict(
+            computed=eng.stats["computed_tokens"], cached=eng.stats["cached_tokens"], seconds=r["seconds"],
+            ttft_median_s=float(np.median(ttfts)), outputs=r["outputs"])
+    out["identical"] = out["cached"].pop("outputs") == out["uncached"].pop("outputs")
+    out["prompt_tokens"] = sum(map(len, ps))
+    return out
+
+
+def profile(model, batch, context, steps=8, packed=True) -> dict:
+    """Where one decode step's time goes with `batch` sequences at `context` positions: scheduling (Python),
+    building the step's batch (block tables, slots), attention (`attend`, every layer), the rest of the forward
+    (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False runs the
+    projections through F.linear instead of the engine's prepacked weights."""
+    from ..engine import serving
+
+    parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
+    eng = ServingEngine(model, batch * (-(-(context + steps + 4) // PAGE)), PAGE, 256, prefix_caching=False)
+    if not packed:
+        eng.weights = model.weights
+    for p in prompts(batch, context, 50, model.config.vocab_size):
+        eng.add_request(p, steps + 3)
+    while any(r.state == "waiting" or not r.output for r in eng.requests.values()):
+        eng.step()                                                      # every prompt prefilled
+    orig_schedule, orig_init, orig_attend = eng._schedule, serving.StepBatch.__init__, serving.StepBatch.attend
+    acc = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] = acc.get(name, 0.0) + perf_counter() - t
+        return wrapper
+
+    eng._schedule = timed("schedule", orig_schedule)
+    serving.StepBatch.__init__ = timed("batch", orig_init)
+    serving.StepBatch.attend = timed("attention", orig_attend)
+    try:
+        for _ in range(steps):
+            acc.clear()
+            t = perf_counter()
+            eng.step()
+            total = perf_counter() - t
+            for k in ("schedule", "batch", "attention"):
+                parts[k].append(acc.get(k, 0.0))
+            parts["forward"].append(total - sum(acc.values()))
+    finally:
+        serving.StepBatch.__init__, serving.StepBatch.attend = orig_init, orig_attend
+    med = {k: float(np.median(v)) for k, v in parts.items()}
+    return dict(batch=batch, context=context, parts=med, step_s=sum(med.values()))
+
+
+def step_costs(model, batch, context) -> dict:
+    """A decode step's time (profile) three ways: as the engine runs it; with F.linear instead of prepacked
+    weights; and run from a second thread, as a server that steps its engine off the main thread would."""
+    import threading
+
+    out = {"engine": profile(model, batch, context), "unpacked": profile(model, batch, context, packed=False)}
+    worker = threading.Thread(target=lambda: out.update(thread=profile(model, batch, context)))
+    worker.start()
+    worker.join()
+    return out
+
+
+def timeline_run(model) -> dict:
+    """Five requests on a pool of 13 pages, 64 tokens a step: chunked prefill, decoding side by side, and the
+    youngest request preempted while the older ones grow. The engine's timeline, and its per-step batch sizes."""
+    eng = ServingEngine(model, 13, PAGE, 64, prefix_caching=False)
+    ps = [prompts(1, n, 60 + i, model.config.vocab_size)[0] for i, n in enumerate((150, 30, 40, 120, 20))]
+    r = run_timed(eng, ps, [10, 40, 30, 12, 20], arrivals=[0, 0, 3, 6, 8])
+    return dict(timeline=r["timeline"], steps=eng.stats["steps"], preemptions=eng.stats["preemptions"],
+                batch_tokens=eng.stats["batch_tokens"], page_size=PAGE, num_pages=13, max_batch_tokens=64)
+
+
+# ---- over HTTP: the lab's server and vLLM's on the same cores ------------------------------------------------
+
+def fixed(n, prompt, output, seed) -> list:
+    return [loadgen.Request(0.0, p, output) for p in prompts(n, prompt, seed)]
+
+
+SLO = dict(slo_ttft=2.0, slo_itl=0.5)   # goodput's targets: first token within 2 s, no gap over 0.5 s
+SETTLE_S = 3.0                          # pause before each run: vLLM's worker spins ~1 s after its last step
+
+
+def http(s) -> dict:
+    """The lab's server and vLLM's, both started on the same cores (an idle server uses no CPU), sent the
+    same loads in turns, so that a drift of this shared machine's speed falls on both: a warm-up; c
+    requests of fixed length in flight (c sent at once; at 16, `rounds` times, the order of the two
+    servers alternating, and the median run kept); one request at a time (the lab's sequential loop);
+    each offered rate (Poisson arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
+    servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS)}
+    out = {}
+    if not s["vllm"]:
+        out["vllm"] = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
+    elif not (loadgen.VLLM_BIN / "python").exists():
+        out["vllm"] = "vLLM's environment is not built here (make vllm)"
+    else:
+        servers["vllm"] = (loadgen.vllm_server(cores=CORES), loadgen.VLLM_FIELDS)
+    with contextlib.ExitStack() as stack:
+        urls = {side: stack.enter_context(server)[1] for side, (server, _) in servers.items()}
+
+        def run(side, reqs, c=None):
+            time.sleep(SETTLE_S)                  # the other server's threads spin for about a second after a run
+            return loadgen.run_load(urls[side], reqs, "smollm2", s["timeout_s"], c, servers[side][1])
+
+        for side in urls:
+            out[side] = {"concurrency": {}, "rates": {}}
+            run(side, fixed(2, s["http_prompt"], 4, seed=997))
+        for c in tqdm(s["http_levels"], desc="concurrency", leave=False):
+            runs = {side: [] for side in urls}
+            for r in range(s["rounds"] if c == 16 else 1):
+                for side in list(urls)[::(-1) ** r]:                    # lab first, then vLLM first, ...
+                    recs = run(side, fixed(c, s["http_prompt"], s["http_output"], seed=100 + c + 1000 * r), c)
+                    runs[side].append(loadgen.summarize(recs, **SLO) | dict(tokens=[x.token_ids for x in recs]))
+            for side, rs in runs.items():                              # the median run; round 0's tokens
+                ranked = sorted(rs, key=lambda x: x["throughput_tok_s"] or 0.0)
+                out[side]["concurrency"][c] = ranked[len(rs) // 2] | dict(
+                    rounds=[x["throughput_tok_s"] or 0.0 for x in rs], tokens=rs[0]["tokens"])
+        recs = run("lab", fixed(s["sequential"], s["http_prompt"], s["http_output"], seed=200), 1)
+        out["lab"]["sequential"] = loadgen.summarize(recs, **SLO)
+        for i, rate in enumerate(tqdm(s["rates"], desc="offered load", leave=False)):
+            reqs = loadgen.workload(s["rate_requests"], rate, seed=300 + i, max_prompt=s["max_prompt"],
+                                    max_output=s["max_output"])
+            for side in urls:
+                out[side]["rates"][rate] = loadgen.summarize(run(side, reqs), **SLO)
+    if "vllm" in servers:
+        pairs = [pair for c in s["http_levels"] for pair in zip(out["lab"]["concurrency"][c]["tokens"],
+                                                                 out["vllm"]["concurrency"][c]["tokens"], strict=True)]
+        out["agreement"] = dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
+                                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
+    return out
+
+
+# ---- figures ------------------------------------------------------------------------------------------------
+
+def plot_timeline(t: dict, path=None):
+    fig, ax = plots.figure(height=3.0)
+    end = t["steps"]
+    for y, r in enumerate(t["timeline"]):
+        done = r["finished"] if r["finished"] is not None else end
+        ax.broken_barh([(r["arrived"], done + 1 - r["arrived"])], (y - 0.3, 0.6), color="0.9")   # in the system
+        chunks = [s for s, _ in r["chunks"]]
+        ax.broken_barh([(s, 1) for s in chunks], (y - 0.3, 0.6), color="tab:orange")
+        running, start = [], None
+        for step in range(r["arrived"], done + 1):                            # decode: running, not a chunk
+            decoding = step > (r["first_token"] if r["first_token"] is not None else end) and step not in chunks
+            decoding = decoding and not any(p <= step < next((a for a in r["admitted"] if a > p), end + 1)
+                                            for p in r["preempted"])
+            if decoding and start is None:
+                start = step
+            if not decoding and start is not None:
+                running.append((start, step - start))
+                start = None
+        if start is not None:
+            running.append((start, done + 1 - start))
+        ax.broken_barh(running, (y - 0.3, 0.6), color="tab:blue")
+        for p in r["preempted"]:
+            ax.plot(p + 0.5, y, "x", color="black", markersize=8, markeredgewidth=2)
+    ax.set_yticks(range(len(t["timeline"])), [f"req {r['id']}: {r['prompt_tokens']}+{r['output_tokens']}"
+                                              for r in t["timeline"]])
+    ax.invert_yaxis()
+    ax.set(xlabel=f"engine step ({t['num_pages']} pages of {t['page_size']}, {t['max_batch_tokens']} tokens "
+                  "a step)", xlim=(0, end + 1))
+    handles = [plots.plt.Rectangle((0, 0), 1, 1, color=c) for c in ("0.9", "tab:orange", "tab:blue")]
+    handles.append(plots.plt.Line2D([], [], color="black", marker="x", linestyle="none"))
+    ax.legend(handles, ["waiting", "prefill chunk", "decoding", "preempted"], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncols=4, frameon=False)
+    return finish(fig, path)
+
+
+def plot_throughput(b: dict, h: dict | None, path=None):
+    fig, ax = plots.figure(height=3.6)
+    cs = sorted(b["batched"])
+    ax.plot(cs, [b["batched"][c]["tok_s"] for c in cs], "o-", label="lab engine, in process")
+    ax.axhline(b["sequential"]["tok_s"], ls=":", color="gray", label="lab, one request at a time")
+    if h:
+        for side, style in (("lab", "s--"), ("vllm", "^-")):
+            if isinstance(h.get(side), dict):
+                cc = sorted(h[side]["concurrency"])
+                ax.plot(cc, [h[side]["concurrency"][c]["throughput_tok_s"] for c in cc], style,
+                        label=f"{'lab server' if side == 'lab' else 'vLLM server'} (HTTP)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.minorticks_off()
+    ax.set(xlabel="requests in flight", ylabel="output tokens / s", ylim=(0, None),
+           title="SmolLM2 on two CPU cores")
+    ax.legend()
+    return finish(fig, path)
+
+
+def plot_latency(h: dict, path=None):
+    fig, (a_ttft, a_itl) = plots.figure(ncols=2, height=3.6)
+    for side, style in (("lab", "s-"), ("vllm", "^-")):
+        if not isinstance(h.get(side), dict):
+            continue
+        rates = sorted(h[side]["rates"])
+        for key, ax in (("ttft", a_ttft), ("itl", a_itl)):
+            for q, ls in (("median", style), ("p99", style[0] + ":")):
+                ys = [h[side]["rates"][r][f"{key}_{q}_s"] for r in rates]
+                ax.plot(rates, [y * 1e3 if y is not None else np.nan for y in ys], ls,
+                        label=f"{'lab' if side == 'lab' else 'vLLM'} {q}",
+                        color="tab:blue" if side == "lab" else "tab:red")
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    for ax, what in ((a_ttft, "time to first token"), (a_itl, "inter-token latency")):
+        ax.set(xlabel="offered load (requests / s)", ylabel=f"{what} (ms)", yscale="log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.legend(*a_ttft.get_legend_handles_labels(), loc="lower center", ncols=4, frameon=False)
+    return finish(fig, path, rect=(0, 0.08, 1, 1))
+
+
+# ---- measure and record -------------------------------------------------------------------------------------
+
+def measure(quick_mode=None, http_runs=True) -> dict:
+    s = settings(quick() if quick_mode is None else quick_mode)
+    smol = load("smollm2")
+    m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads())
+    m["batching"] = batching(smol, s)
+    m["chunked"] = chunked_prefill(smol, s)
+    m["preemption"] = preemption(smol, s)
+    m["prefix"] = prefix_sharing(smol, s)
+    m["profile"] = profile(smol, s["profile_batch"], s["prompt"])
+    m["step_costs"] = step_costs(smol, s["profile_batch"], s["prompt"])
+    m["timeline"] = timeline_run(smol)
+    m["http"] = http(s) if http_runs else None
+    return m
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch08 and its figures (drawn: a notebook's figures, saved as they are)."""
+    figs, drawn = figures_dir(), drawn or {}
+    draw = {"timeline": lambda p: plot_timeline(m["timeline"], p),
+            "throughput": lambda p: plot_throughput(m["batching"], m["http"], p)}
+    if m["http"]:
+        draw["latency"] = lambda p: plot_latency(m["http"], p)
+    for name, plot in draw.items():
+        path = figs / f"ch08_{name}.png"
+        finish(drawn[name], path) if name in drawn else plot(path)
+    s, b = m["settings"], m["batching"]
+    shape = f"{s['prompt']}-token prompts, {s['output']} tokens out"
+    v = {"threads": value(m["threads"], "threads"),
+         "shape": {"prompt": value(s["prompt"], "tokens"), "output": value(s["output"], "tokens"),
+                   "http_prompt": value(s["http_prompt"], "tokens"), "http_output": value(s["http_output"], "tokens")},
+         "batching": {f"c{c}": value(r["tok_s"], "tok/s", seconds=r["seconds"], steps=r["steps"],
+                                     mean_batch=r["mean_batch"], note=shape)
+                      for c, r in b["batched"].items()}}
+    v["batching"]["sequential"] = value(b["sequential"]["tok_s"], "tok/s", requests=b["sequential"]["requests"],
+                                        note=shape)
+    top = max(b["batched"])
+    v["batching"]["gain"] = value(b["batched"][top]["tok_s"] / b["sequential"]["tok_s"], "x",
+                                  note=f"{top} requests at once against one at a time")
+    c = m["chunked"]
+    v["chunked"] = {k: {"itl_max_ms": value(r["itl_max_s"] * 1e3, "ms", note="worst decode step while the "
+                                            f"{s['long']}-token prompt was prefilled"),
+                        "itl_median_ms": value(r["itl_median_s"] * 1e3, "ms"),
+                        "ttft_long_ms": value(r["ttft_long_s"] * 1e3, "ms", chunks=r["long_chunks"]),
+                        "max_batch_tokens": value(r["max_batch_tokens"], "tokens")} for k, r in c.items()}
+    v["chunked"]["stall_ratio"] = value(c["whole"]["itl_max_s"] / c["chunked"]["itl_max_s"], "x")
+    v["chunked"]["long"] = value(s["long"], "tokens")
+    v["chunked"]["decoders"] = value(s["decoders"], "requests")
+    p = m["preemption"]
+    v["preemption"] = {f"p{k}": {"preemptions": value(r["preemptions"], "preemptions"),
+                                 "recomputed": value(r["computed"] - r["ideal"], "positions", ideal=r["ideal"]),
+                                 "seconds": value(r["seconds"], "s", steps=r["steps"]),
+                                 "identical": value(r["identical"], None)} for k, r in p["runs"].items()}
+    v["preemption"]["need"] = value(p["need"], "pages", note="one request at its longest")
+    v["preemption"]["requests"] = value(p["requests"], "requests")
+    v["preemption"]["all_pages"] = value(p["all_pages"], "pages", note="every request at its longest, at once")
+    x = m["prefix"]
+    v["prefix"] = {k: {"computed": value(x[k]["computed"], "positions", of=x["prompt_tokens"]),
+                       "cached": value(x[k]["cached"], "positions"),
+                       "seconds": value(x[k]["seconds"], "s"),
+                       "ttft_median_ms": value(x[k]["ttft_median_s"] * 1e3, "ms")} for k in ("cached", "uncached")}
+    v["prefix"]["speedup"] = value(x["uncached"]["seconds"] / x["cached"]["seconds"], "x",
+                                   note=f"{s['shared_requests']} requests, {s['shared_system']}-token system prompt")
+    v["prefix"]["identical"] = value(x["identical"], None)
+    v["prefix"]["requests"] = value(s["shared_requests"], "requests")
+    v["prefix"]["system"] = value(s["shared_system"], "tokens")
+    pr = m["profile"]
+    v["profile"] = {k: value(100 * t / pr["step_s"], "%", ms=t * 1e3) for k, t in pr["parts"].items()}
+    v["profile"]["step_ms"] = value(pr["step_s"] * 1e3, "ms")
+    v["profile"]["sequences"] = value(pr["batch"], "sequences")
+    v["profile"]["positions"] = value(pr["context"], "positions", note="each sequence's, at the start")
+    if "step_costs" in m:
+        sc = m["step_costs"]
+        v["step_costs"] = {k: {"step_ms": value(r["step_s"] * 1e3, "ms"),
+                               "attention_ms": value(r["parts"]["attention"] * 1e3, "ms"),
+                               "forward_ms": value(r["parts"]["forward"] * 1e3, "ms")} for k, r in sc.items()}
+        v["step_costs"]["packing_gain"] = value(sc["unpacked"]["step_s"] / sc["engine"]["step_s"], "x")
+        v["step_costs"]["thread_cost"] = value(sc["thread"]["step_s"] / sc["engine"]["step_s"], "x")
+    t = m["timeline"]
+    v["timeline"] = {"steps": value(t["steps"], "steps"), "preemptions": value(t["preemptions"], "preemptions")}
+    h = m["http"]
+    if h is None:
+        v["http"] = {"lab": not_run("run without the servers")}
+    else:
+        v["http"] = {}
+        for side in ("lab", "vllm"):
+            r = h[side]
+            if isinstance(r, str):
+                v["http"][side] = {"throughput": not_run(r, "tok/s")}
+                continue
+            ms = lambda x: value(x * 1e3, "ms") if x is not None else not_run("no request completed", "ms")
+            v["http"][side] = {
+                "concurrency": {f"c{c}": {"throughput": value(x["throughput_tok_s"] or 0.0, "tok/s",
+                                                              failed=x["failed"], rounds=x["rounds"]),
+                                          "ttft_median_ms": ms(x["ttft_median_s"]),
+                                          "itl_median_ms": ms(x["itl_median_s"])}
+                                for c, x in r["concurrency"].items()},
+                "rates": {f"r{rate:g}".replace(".", "_"): {
+                    "throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", offered=rate, completed=x["completed"],
+                                        requests=x["requests"]),
+                    "goodput": value(x["goodput"] or 0.0, "req/s", slo_ttft_s=x["slo_ttft_s"],
+                                     slo_itl_s=x["slo_itl_s"]),
+                    "ttft_median_ms": ms(x["ttft_median_s"]), "ttft_p99_ms": ms(x["ttft_p99_s"]),
+                    "itl_median_ms": ms(x["itl_median_s"]), "itl_p99_ms": ms(x["itl_p99_s"])}
+                    for rate, x in r["rates"].items()}}
+            if "sequential" in r:
+                v["http"][side]["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
+        v["http"]["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
+        v["http"]["rounds"] = value(s["rounds"], "runs", note="of each server at 16 requests in flight")
+        if isinstance(h["vllm"], dict):
+            c16 = 16 if 16 in s["http_levels"] else max(s["http_levels"])
+            lab, vl = h["lab"]["concurrency"][c16], h["vllm"]["concurrency"][c16]
+            v["http"]["ratio"] = value(lab["throughput_tok_s"] / vl["throughput_tok_s"], "x",
+                                       note=f"lab server over vLLM's, {c16} requests in flight, same two cores")
+            a = h["agreement"]
+            v["http"]["agreement"] = value(a["identical"] / a["requests"], None, identical=a["identical"],
+                                           requests=a["requests"], first_token=a["first_token"])
+    figures = {"timeline": {"path": figs / "ch08_timeline.png",
+                            "caption": "Requests admitted, prefilled in chunks, decoded and preempted, step by step"},
+               "throughput": {"path": figs / "ch08_throughput.png",
+                              "caption": "Output tokens per second against requests in flight"}}
+    if h:
+        figures["latency"] = {"path": figs / "ch08_latency.png",
+                              "caption": "Time to first token and inter-token latency against offered load"}
+    write_section(SECTION, v, provenance(manifest=m["manifest"], cores=CORES, note=SYNTHETIC), figures=figures)
+    return v
+
