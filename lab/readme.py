@@ -102,7 +102,8 @@ HEADLINES = [
                                         "ch08.http.vllm.concurrency.c16.throughput", "ch08.http.ratio"), ".3g"),
     ("Ch. 8 — the engine in process, output tokens/s: one request at a time / 16 at once / 64 at once",
      ("ch08.batching.sequential", "ch08.batching.c16", "ch08.batching.c64"), ".1f"),
-    ("Ch. 8 — greedy tokens identical to vLLM's, share of requests", "ch08.http.agreement", ".0%|number"),
+    ("Ch. 8 — greedy tokens against vLLM's, share of requests: identical / identical or a prefix (the lab "
+     "stopped at the end-of-turn token)", ("ch08.http.agreement", "ch08.http.agreement_prefix"), ".0%|number"),
     ("Ch. 8 — worst gap between decoded tokens while a 1,536-token prompt arrives: prefilled whole / in chunks "
      "of 256", ("ch08.chunked.whole.itl_max_ms", "ch08.chunked.chunked.itl_max_ms"), ".0f"),
     ("Ch. 8 — a decode step of 16 sequences: prepacked weights / F.linear",

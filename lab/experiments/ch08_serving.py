@@ -4,12 +4,14 @@
   another; what chunked prefill does to the decoders' inter-token latency while a long prompt arrives;
   preemptions and recomputation against pool size; prefix caching on a shared system prompt; where a step's
   time goes (profile); a timeline of a few requests, drawn from a real run.
-- Over HTTP (`lab.loadgen`): the lab's server (`python -m lab.serve`) and vLLM's, one after the other on the
-  same two cores (both pinned with taskset; the lab with 2 torch threads, vLLM's OpenMP threads bound to the
-  same cores): throughput against the number of concurrent requests, and latency against offered load.
+- Over HTTP (`lab.loadgen`): the lab's server (`python -m lab.serve`) and vLLM's, both running on the same
+  two cores and sent each load in turns (both pinned with taskset; the lab with 2 torch threads, vLLM's
+  OpenMP threads bound to the same cores): throughput against the number of concurrent requests, and
+  latency against offered load.
 
 Prompts are random token ids (SYNTHETIC), so a cache hit comes only from what the workload repeats on
-purpose; answers are greedy and exactly max_tokens long (vLLM with ignore_eos; the lab's server has no eos).
+purpose; answers are greedy and max_tokens long (vLLM with ignore_eos; the lab's server stops only at
+SmolLM2's end-of-turn token, which random prompts rarely reach; `agreement` counts how often).
 """
 
 import contextlib
@@ -284,11 +286,19 @@ def http(s) -> dict:
             for side in urls:
                 out[side]["rates"][rate] = loadgen.summarize(run(side, reqs), **SLO)
     if "vllm" in servers:
-        pairs = [pair for c in s["http_levels"] for pair in zip(out["lab"]["concurrency"][c]["tokens"],
-                                                                 out["vllm"]["concurrency"][c]["tokens"], strict=True)]
-        out["agreement"] = dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
-                                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
+        out["agreement"] = agreement(out, s["http_levels"])
     return out
+
+
+def agreement(h, levels) -> dict:
+    """The two servers' answers to the same requests (round 0 of every level): identical; one a prefix of
+    the other (the lab's server stops at SmolLM2's end-of-turn token, vLLM was told to ignore it); shorter."""
+    pairs = [pair for c in levels for pair in zip(h["lab"]["concurrency"][c]["tokens"],
+                                                  h["vllm"]["concurrency"][c]["tokens"], strict=True)]
+    return dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
+                prefix=sum(len(a) > 0 and a == b[:len(a)] for a, b in pairs),
+                lab_stopped=sum(len(a) < len(b) for a, b in pairs),
+                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
 
 
 # ---- figures ------------------------------------------------------------------------------------------------
@@ -489,6 +499,10 @@ def record(m: dict, drawn: dict | None = None) -> dict:
             a = h["agreement"]
             v["http"]["agreement"] = value(a["identical"] / a["requests"], None, identical=a["identical"],
                                            requests=a["requests"], first_token=a["first_token"])
+            v["http"]["agreement_prefix"] = value(a["prefix"] / a["requests"], None,
+                                                  note="the lab's answer equal to vLLM's, or its start")
+            v["http"]["lab_stopped"] = value(a["lab_stopped"], "requests", of=a["requests"],
+                                             note="the lab's server stopped at the end-of-turn token")
     figures = {"timeline": {"path": figs / "ch08_timeline.png",
                             "caption": "Requests admitted, prefilled in chunks, decoded and preempted, step by step"},
                "throughput": {"path": figs / "ch08_throughput.png",
