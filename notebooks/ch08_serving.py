@@ -60,8 +60,8 @@ display(pd.DataFrame({f"B={B}": {"step (ms)": r["step_s"] * 1e3, "tokens / s": B
                       for B, r in steps.items()}).T.style.format("{:.1f}"))
 
 # %% [markdown]
-# Sixteen sequences cost a few times one sequence's step, not sixteen times: every token of the batch
-# shares the weight traffic. That is the whole case for a server that batches. The hard part is that
+# Sixteen sequences cost little more than one sequence's step, not sixteen times as much: every token of
+# the batch shares the weight traffic. That is the whole case for a server that batches. The hard part is that
 # requests do not arrive together, nor end together.
 #
 # ## 2. A scheduler loop, by hand
