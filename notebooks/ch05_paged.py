@@ -311,16 +311,14 @@ pd.DataFrame(conc)
 # ### What reading pages costs on the CPU
 #
 # On the CPU a `PagedCache` decodes with `paged_attention_cpu`. It computes the same attention as the
-# reference, arranged for a CPU:
+# reference, for the whole batch in a fixed number of calls:
 #
-# - **only the keys are copied**, whole pages at a time (`index_select`), then one matrix product per
-#   KV head gives the scores;
-# - **the query group is padded to a power of two** with zero rows (dropped afterwards): BLAS works on
-#   rows in blocks, and a group of 3 is an awkward size; the Triton kernel pads the same way;
-# - **the values are never copied**: `embedding_bag` looks up rows of the value pool by index and sums
-#   them weighted by the probabilities, gather and weighted sum in one call;
+# - **whole pages are copied**: one `index_select` per pool, each page one contiguous block, laid end to
+#   end so that row t of a sequence is its position t;
 # - **every sequence of the batch at once**: the tables are cut to the longest sequence's pages and each
-#   sequence's positions past its length are masked, so there is no loop over sequences in Python.
+#   sequence's positions past its length are masked, so there is no loop over sequences in Python;
+# - **one `scaled_dot_product_attention` call** under that mask reads the copies through strides and
+#   serves each KV head's group of query heads itself, so nothing else is copied.
 #
 # It is timed against `scaled_dot_product_attention` over a contiguous cache with SmolLM2's heads and
 # pages of 16 scattered at random in the pool: medians over alternating rounds, warm (back to back).
@@ -354,7 +352,7 @@ fig_speed = ch05.plot_speed(speed)
 # Read the ratio with its spread: on a shared machine a single run can land anywhere in it. How much the
 # ratio matters for a whole decode step depends on attention's share of the step, which grows with the
 # context: chapter 3 measures it (figure `ch03_attention_share.png`). On a GPU the Triton kernel reads
-# the pages in place, with neither the copy nor a dozen separate operations: `python -m
+# the pages in place, with neither the copy nor the extra operations: `python -m
 # lab.experiments.gpu` measures it there.
 #
 # ## Record

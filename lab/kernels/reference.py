@@ -6,16 +6,14 @@ page `block_table[t // page_size]` at offset `t % page_size`.
 
 - `paged_attention_reference` is the oracle the Triton kernel is tested against: gather the sequence's
   pages into a contiguous copy, then call `scaled_dot_product_attention`. A dozen lines.
-- `paged_attention_cpu` computes the same thing faster on a CPU (it is what a PagedCache uses there):
-  it copies only the key pages, pads the query group to a power of two, and sums the values straight
-  from the pool with `embedding_bag`. Chapter 5's speed section explains each choice.
+- `paged_attention_cpu` computes the same thing faster on a CPU (it is what a PagedCache and the serving
+  engine use there): the whole batch at once, one copy of the pages per pool and one masked SDPA call,
+  with no Python loop over sequences. Chapter 5's speed section explains the choices.
 - `paged_attention_int8_reference` is the oracle of the INT8 kernel: dequantize the pools (code * scale,
   in float32), then `paged_attention_reference`.
 
 The argument checks both share live in `checks.py`.
 """
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -46,38 +44,29 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
 
 
 def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
-    """The same attention as `paged_attention_reference`, tuned for a CPU. Returns [B, H_q, D].
+    """The same attention as `paged_attention_reference`, arranged for a CPU. Returns [B, H_q, D].
 
     Every sequence at once, with no Python loop over them: the tables are cut to the longest
-    sequence's pages, and each sequence's positions past its length are masked. Scores and softmax
-    in float32; the weighted sum of values in the pools' dtype.
+    sequence's pages, one `index_select` per pool copies those pages (whole pages, each a contiguous
+    block), and one `scaled_dot_product_attention` call attends over the batch, each sequence's
+    positions past its length masked. SDPA reads the copies through strides, query groups included.
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
-    group = H_q // H_kv                                               # query heads per kv head
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    # The query heads sharing kv head j are q[:, j * group : (j + 1) * group]: no repeated k and v.
-    q_grouped = q.reshape(B, H_kv, group, D).float() * scale          # [B, H_kv, group, D]
-    # Pad the group to a power of two with zero rows (dropped below): BLAS works on rows in blocks.
-    padded = 1 << (group - 1).bit_length()
-    q_grouped = F.pad(q_grouped, (0, 0, 0, padded - group))           # [B, H_kv, padded, D]
-    L, arange = int(lengths.max()), lambda n: torch.arange(n, device=q.device)
-    n_pages, lengths = -(-L // page_size), lengths.long()[:, None]    # [B, 1]
-    own = arange(n_pages) * page_size < lengths                       # [B, n_pages]: pages it holds
-    pages = torch.where(own, block_tables[:, :n_pages].long(), 0)     # the rest read page 0, masked
-    # Keys: copy whole pages (contiguous blocks), laid end to end so row t is position t.
-    k = k_pool.index_select(0, pages.view(-1)).view(B, -1, H_kv, D)[:, :L]   # [B, L, H_kv, D]
-    scores = q_grouped @ k.permute(0, 2, 3, 1).float()                # [B, H_kv, padded, L]
-    past = (arange(L) >= lengths)[:, None, None]                      # [B, 1, 1, L]: past its end
-    probs = scores[:, :, :group].masked_fill(past, -math.inf).softmax(-1)     # [B, H_kv, group, L]
-    # Values: never copied. Query head (j, g) sums rows slot * H_kv + j weighted by probs[j, g].
-    slots = (pages[:, :, None] * page_size + arange(page_size)).view(B, -1)[:, :L]    # [B, L]
-    row_ids = slots[:, None, None] * H_kv + arange(H_kv)[:, None, None]       # [B, H_kv, 1, L]
-    out = F.embedding_bag(row_ids.expand(B, H_kv, group, L).reshape(-1), v_pool.reshape(-1, D),
-                          arange(B * H_q) * L, mode="sum",    # a bag per (sequence, query head)
-                          per_sample_weights=probs.reshape(-1).to(v_pool.dtype))    # [B*H_q, D]
-    return out.view(B, H_q, D).to(q.dtype)
+    n_pages = -(-int(lengths.max()) // page_size)                 # the longest sequence's pages
+    L, lengths = n_pages * page_size, lengths.long()[:, None]     # [B, 1]
+    arange = lambda n: torch.arange(n, device=q.device)
+    own = arange(n_pages) * page_size < lengths                   # [B, n_pages]: pages it holds
+    pages = torch.where(own, block_tables[:, :n_pages].long(), 0)  # the rest read page 0, masked
+    # Pages laid end to end, so that row t of sequence b is its position t.
+    pages = pages.view(-1)
+    k = k_pool.index_select(0, pages).view(B, L, H_kv, D).transpose(1, 2)  # [B, H_kv, L, D]
+    v = v_pool.index_select(0, pages).view(B, L, H_kv, D).transpose(1, 2)  # [B, H_kv, L, D]
+    keep = (arange(L) < lengths)[:, None, None]                   # [B, 1, 1, L]: within its length
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep, scale=scale,
+                                         enable_gqa=True)         # [B, H_q, 1, D]
+    return out[:, :, 0]
 
 
 def paged_attention_int8_reference(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, scale=None,
