@@ -328,13 +328,16 @@ def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int =
                timeout_s: float = 120, **engine_args):
     """`python -m lab.serve` on `cores` with `threads` torch threads, as a context manager yielding
     (process, base_url). engine_args become its flags: num_pages=512, page_size=16, max_batch_tokens=256,
-    prefix_caching=False (--no-prefix-caching)."""
+    prefix_caching=False (--no-prefix-caching), one_process=True (--one-process: the engine stepped in the
+    server's own process, not in a process of its own)."""
     port = port or free_port()
     command = pinned(cores) + [sys.executable, "-m", "lab.serve", "--model", model, "--host", "127.0.0.1",
                                "--port", str(port), "--threads", str(threads)]
     for name, value in engine_args.items():
         if name == "prefix_caching":
             command += [] if value else ["--no-prefix-caching"]
+        elif name == "one_process":
+            command += ["--one-process"] if value else []
         else:
             command += ["--" + name.replace("_", "-"), str(value)]
     env = os.environ | {"PYTHONPATH": str(ROOT)}

@@ -1,15 +1,18 @@
 """`python -m lab.serve`: an OpenAI-compatible HTTP server over the ServingEngine (chapter 8).
 
-One thread owns the engine (`EngineLoop`): it takes new requests and cancellations from an inbox, steps the
-engine while any request waits or runs, and hands each new token to its request's asyncio queue through
-`loop.call_soon_threadsafe`. The HTTP handlers run on the event loop, in another thread: they check a
-request, put it in the inbox and await its tokens. `python -m lab.serve` steps the engine in the main
-thread and serves HTTP from a second one: on the 2-core machine of the book's measurements, torch ran the
-engine's steps about 1.5 times slower from a second thread than from the thread that loaded the model
-(chapter 8 measures the server). Whatever arrives while others decode joins the next step's batch (continuous
-batching), and nothing but that thread ever touches the engine. A client that goes away mid-stream has its
-request cancelled, which frees its pages. On SIGINT or SIGTERM the server refuses new requests (503), lets
-the admitted ones finish, then exits.
+The engine runs in a process of its own (`EngineProcess`), as vLLM runs its engine core apart from its
+API server: the process loads the model, takes new requests and cancellations from a pipe, steps the
+engine while any request waits or runs, and sends each step's new tokens back in one message. This
+process serves HTTP: the handlers check a request, send it to the engine and await its tokens, which a
+reader thread hands to their asyncio queues. Whatever arrives while others decode joins the next step's
+batch (continuous batching). A client that goes away mid-stream has its request cancelled, which frees
+its pages. On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish,
+then stops the engine and exits.
+
+`--one-process` keeps the engine in this process instead: `EngineLoop` steps it in the main thread and
+HTTP is served from a second thread (what `create_app` does by default, on a thread of its own, for an
+app served inside another program, as the tests do). Then the two share one interpreter lock; chapter 8
+measures the server both ways.
 
     python -m lab.serve --model smollm2 --port 8000
     curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
@@ -21,7 +24,9 @@ each choice (`prompt_token_ids`, `token_ids`), as vLLM does.
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
+import multiprocessing
 import queue
 import signal
 import threading
@@ -109,19 +114,10 @@ class EngineLoop:
         loop.call_soon_threadsafe(self._settle, admitted, rid, None)
 
     def _settle(self, admitted, rid, error):
-        """On the event loop: answer the handler waiting in `add`, or cancel if it stopped waiting."""
-        if admitted.cancelled():                                   # the client left before its request was in
-            if rid is not None:
-                self.cancel(rid)
-        elif error is not None:
-            admitted.set_exception(error)
-        else:
-            admitted.set_result(rid)
+        settle(self, admitted, rid, error)
 
     def _step(self):
-        for rid, token in self.engine.step().items():
-            req = self.engine.requests[rid]
-            finish = None if req.state != "finished" else "stop" if token == req.eos_id else "length"
+        for rid, token, finish in finished_tokens(self.engine, self.engine.step()):
             if rid in self.streams:
                 loop, tokens = self.streams.pop(rid) if finish else self.streams[rid]
                 loop.call_soon_threadsafe(tokens.put_nowait, (token, finish))
@@ -133,6 +129,192 @@ class EngineLoop:
                 self.engine.cancel(rid)
             loop.call_soon_threadsafe(tokens.put_nowait, error)
         self.streams.clear()
+
+
+def finished_tokens(engine, new: dict) -> list:
+    """(request id, token, finish_reason) for one step's new tokens: None while a request runs, "stop" at
+    its eos token, "length" at its max_tokens."""
+    out = []
+    for rid, token in new.items():
+        req = engine.requests[rid]
+        out.append((rid, token, None if req.state != "finished" else "stop" if token == req.eos_id else "length"))
+    return out
+
+
+def settle(engine_loop, admitted, rid, error):
+    """On the event loop: answer the handler waiting in `add`, or cancel if it stopped waiting."""
+    if admitted.cancelled():                                       # the client left before its request was in
+        if rid is not None:
+            engine_loop.cancel(rid)
+    elif error is not None:
+        admitted.set_exception(error)
+    else:
+        admitted.set_result(rid)
+
+
+# ---- the engine in a process of its own ----
+
+
+class EngineProcess:
+    """A ServingEngine stepped in a process of its own, as vLLM runs its engine core apart from its API
+    server: the server's Python (parsing, detokenizing, writing events) and the engine's Python between
+    torch calls then never wait for each other's interpreter lock (chapter 8 measures the difference).
+
+    The same add / cancel / start / stop as EngineLoop, for `create_app(..., loop=...)`. Requests and
+    cancellations go to the engine over a pipe; each step's new tokens come back in one message, and a
+    thread of this process hands them to their requests' queues. `model` (loaded here for its tokenizer
+    and config), `page_size` and `num_pages` describe the engine to the app; the child loads its own copy
+    of the model by name.
+    """
+
+    def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
+                 prefix_caching: bool = True, threads: int | None = None):
+        self.model, self.page_size, self.num_pages = model, page_size, num_pages
+        ctx = multiprocessing.get_context("spawn")        # a fresh interpreter: no forked torch thread pools
+        self.conn, child = ctx.Pipe()
+        engine_args = dict(num_pages=num_pages, page_size=page_size, max_batch_tokens=max_batch_tokens,
+                           prefix_caching=prefix_caching)
+        self.process = ctx.Process(target=engine_process, args=(child, model.name, engine_args, threads),
+                                   name="lab-engine", daemon=True)
+        self.keys = itertools.count()
+        self.pending = {}                  # key -> (event loop, admitted future, tokens queue), awaiting an id
+        self.streams = {}                  # request id -> (event loop, tokens queue)
+        self.replies = queue.SimpleQueue()  # answers to `snapshot`
+        self.lock = threading.Lock()       # pending and streams: the event loop's thread and the reader's
+        self.send_lock = threading.Lock()  # one message at a time into the pipe, whichever thread sends
+        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+
+    def start(self, timeout_s: float = 600):
+        """Start the engine's process and wait until its model is loaded; RuntimeError if it fails to."""
+        self.process.start()
+        if not self.conn.poll(timeout_s):
+            self.process.kill()
+            raise RuntimeError(f"the engine's process did not start within {timeout_s} s")
+        kind, *info = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the engine's process failed to start: {info[0]}")
+        self.reader.start()
+
+    def stop(self):
+        """Cancel whatever is left, end the engine's process and wait for it."""
+        with contextlib.suppress(OSError):
+            self._send("stop")
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+        self.reader.join(5)
+
+    async def add(self, ids, max_new_tokens: int, eos_id: int | None) -> tuple[int, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        admitted, tokens, key = loop.create_future(), asyncio.Queue(), next(self.keys)
+        with self.lock:
+            self.pending[key] = (loop, admitted, tokens)
+        self._send("add", key, list(ids), max_new_tokens, eos_id)
+        return await admitted, tokens
+
+    def cancel(self, rid: int):
+        with self.lock:
+            self.streams.pop(rid, None)
+        with contextlib.suppress(OSError):
+            self._send("cancel", rid)
+
+    def snapshot(self, timeout_s: float = 30) -> dict:
+        """The engine's stats, free pages and requests in flight, from its process (for tests and checks)."""
+        self._send("snapshot")
+        return self.replies.get(timeout=timeout_s)
+
+    def _send(self, *message):
+        with self.send_lock:
+            self.conn.send(message)
+
+    def _read(self):
+        """This process's side of the pipe: admissions, tokens, failures, until the engine ends."""
+        while True:
+            try:
+                kind, *args = self.conn.recv()
+            except (EOFError, OSError):                     # the engine's process ended
+                self._fail(RuntimeError("the engine's process ended"))
+                return
+            if kind == "admitted":
+                key, rid, error = args
+                with self.lock:
+                    loop, admitted, tokens = self.pending.pop(key)
+                    if error is None:
+                        self.streams[rid] = (loop, tokens)
+                loop.call_soon_threadsafe(settle, self, admitted, rid, error)
+            elif kind == "tokens":
+                by_loop = {}
+                with self.lock:
+                    for rid, token, finish in args[0]:
+                        stream = self.streams.pop(rid, None) if finish else self.streams.get(rid)
+                        if stream is not None:
+                            by_loop.setdefault(stream[0], []).append((stream[1], (token, finish)))
+                for loop, items in by_loop.items():         # one wake-up of each event loop per step
+                    loop.call_soon_threadsafe(deliver, items)
+            elif kind == "failed":
+                self._fail(RuntimeError(args[0]))
+            elif kind == "snapshot":
+                self.replies.put(args[0])
+            elif kind == "stopped":
+                self._fail(RuntimeError("the server stopped"))
+                return
+
+    def _fail(self, error: Exception):
+        with self.lock:
+            waiting, self.pending = list(self.pending.values()), {}
+            streams, self.streams = list(self.streams.values()), {}
+        for loop, admitted, _ in waiting:
+            loop.call_soon_threadsafe(lambda f=admitted: f.done() or f.set_exception(error))
+        for loop, tokens in streams:
+            loop.call_soon_threadsafe(tokens.put_nowait, error)
+
+
+def deliver(items):
+    for tokens, item in items:
+        tokens.put_nowait(item)
+
+
+def engine_process(conn, model_name: str, engine_args: dict, threads: int | None):
+    """The engine's process: load the model, then add, cancel and step, in that order, round after round,
+    sleeping while the engine has nothing to do; every step's new tokens go back in one message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the server decides when to stop (it drains first)
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        engine = ServingEngine(load(model_name), **engine_args)
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            messages = [] if engine.running or engine.waiting else [conn.recv()]   # idle: wait for one
+            while conn.poll():
+                messages.append(conn.recv())
+        except (EOFError, OSError):                   # the server's process is gone
+            return
+        for kind, *args in messages:
+            if kind == "stop":
+                conn.send(("stopped",))
+                return
+            if kind == "cancel":
+                engine.cancel(args[0])                # False if it had finished: fine
+            elif kind == "snapshot":
+                conn.send(("snapshot", dict(engine.stats, free_pages=engine.manager.num_free,
+                                            in_flight=len(engine.running) + len(engine.waiting))))
+            else:
+                key, ids, max_new_tokens, eos_id = args
+                try:
+                    conn.send(("admitted", key, engine.add_request(ids, max_new_tokens, eos_id), None))
+                except Exception as e:                # a bad request: the engine is unchanged
+                    conn.send(("admitted", key, None, e))
+        if engine.running or engine.waiting:
+            try:
+                conn.send(("tokens", finished_tokens(engine, engine.step())))
+            except Exception as e:                    # a bug: every request fails (500), none hangs
+                for rid in [r.id for r in engine.running + list(engine.waiting)]:
+                    engine.cancel(rid)
+                conn.send(("failed", f"{type(e).__name__}: {e}"))
 
 
 # ---- requests, as OpenAI's API shapes them ----
@@ -220,12 +402,13 @@ def parse(raw: bytes, schema):
 # ---- the app ----
 
 
-def create_app(engine: ServingEngine, name: str | None = None, eos_id: int | None = None,
-               loop: EngineLoop | None = None) -> FastAPI:
+def create_app(engine: "ServingEngine | EngineProcess", name: str | None = None, eos_id: int | None = None,
+               loop: "EngineLoop | EngineProcess | None" = None) -> FastAPI:
     """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops
     at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. With no `loop`, an
-    EngineLoop on a thread of its own starts and stops with the app (its lifespan); with one, the caller
-    runs it, and the app's shutdown stops it. `app.state.draining = True` refuses new requests (503)."""
+    EngineLoop on a thread of its own starts and stops with the app (its lifespan); with one (an
+    EngineProcess, as `python -m lab.serve` runs), the caller starts it, and the app's shutdown stops it.
+    `app.state.draining = True` refuses new requests (503)."""
     model, tok = engine.model, engine.model.tokenizer
     name = name or model.name
     if eos_id is None:                                # SmolLM2's <|im_end|>; the random models have none
@@ -283,7 +466,7 @@ def create_app(engine: ServingEngine, name: str | None = None, eos_id: int | Non
             ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
         except (ValueError, jinja2.TemplateError) as e:       # no template, or the template refused
             raise APIError(400, f"cannot render the conversation for {name}: {e}", param="messages") from None
-        limit = min(model.config.max_positions, engine.manager.num_pages * engine.page_size)
+        limit = min(model.config.max_positions, engine.num_pages * engine.page_size)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, limit - len(ids) + 1)
         return await respond(req, ids, max_tokens, chat=True)
 
@@ -424,30 +607,52 @@ def main(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens in one step's forward, at most")
     p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--one-process", action="store_true", help="step the engine in this process's main thread "
+                   "and serve HTTP from a second thread, instead of giving the engine a process of its own")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load(args.model)
-    engine = ServingEngine(model, args.num_pages, args.page_size, args.max_batch_tokens,
-                           prefix_caching=not args.no_prefix_caching)
-    loop = EngineLoop(engine)
+    engine_args = (args.num_pages, args.page_size, args.max_batch_tokens)
+    if args.one_process:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        engine = ServingEngine(load(args.model), *engine_args, prefix_caching=not args.no_prefix_caching)
+        loop = EngineLoop(engine)
+    else:
+        torch.set_num_threads(1)       # this process parses and detokenizes; the engine's has the threads
+        model = load(args.model)       # for its tokenizer and config; the engine's process loads its own
+        engine = loop = EngineProcess(model, *engine_args, prefix_caching=not args.no_prefix_caching,
+                                      threads=args.threads)
+        engine.start()
     app = create_app(engine, loop=loop)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
+    where = "in this process" if args.one_process else "in a process of its own"
+    print(f"serving {engine.model.name} (pool of {args.num_pages} pages of {args.page_size}, max_batch_tokens="
+          f"{args.max_batch_tokens}, the engine {where}) on http://{args.host}:{args.port}", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
+        signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0
+    if args.one_process:
+        serve_beside(server, loop)
+    else:
+        try:
+            server.run()               # until SIGINT or SIGTERM; the app's shutdown stops the engine
+        finally:
+            loop.stop()
+    raise SystemExit(0 if server.started else 1)
 
-    def serve_http():                  # uvicorn installs no signal handlers off the main thread: ours below
+
+def serve_beside(server, loop: EngineLoop):
+    """HTTP from a second thread, the engine stepped in the main thread: torch ran the engine's steps about
+    1.3 times slower from a second thread on the book's 2-core machine (chapter 8). Both share one
+    interpreter lock."""
+    def serve_http():                  # uvicorn installs no signal handlers off the main thread: ours did
         try:
             server.run()
         finally:
             loop.stop()                # a server that ended (or never started) ends the engine's loop
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, server.handle_exit)
     http = threading.Thread(target=serve_http, name="http", daemon=True)
     http.start()
-    print(f"serving {model.name} with {engine!r} on http://{args.host}:{args.port}", flush=True)
-    loop.run()                         # the engine steps here, in the main thread, until the server stops
+    loop.run()                         # the engine steps here until the server stops
     http.join()
-    raise SystemExit(0 if server.started else 1)
 
 
 if __name__ == "__main__":

@@ -167,8 +167,9 @@ print(f"{tl['steps']} steps, {tl['preemptions']} preemptions")
 # ## 4. A server, and a load
 #
 # `python -m lab.serve` puts the engine behind an OpenAI-compatible HTTP API (`/v1/completions` and
-# `/v1/chat/completions`, streamed as server-sent events). One thread owns the engine and steps it while
-# requests are waiting or running, so requests that arrive together are batched together.
+# `/v1/chat/completions`, streamed as server-sent events). The engine runs in a process of its own, as
+# vLLM's engine core does, and steps while requests are waiting or running; the server's process parses,
+# detokenizes and streams. Requests that arrive together are batched together.
 # `lab.loadgen` sends requests at their arrival times and times every streamed token: the **time to
 # first token** (TTFT) and the **inter-token latency** (ITL). Here four requests are sent at once to a
 # server started on this machine's cores:
@@ -243,11 +244,13 @@ display(pd.DataFrame({k: {"ms": t * 1e3, "share (%)": 100 * t / prof["step_s"]} 
 
 # %% [markdown]
 # The scheduler costs almost nothing; the weight matrices take most of the step, and attention over
-# the pages the rest. Two things found by profiling the engine against vLLM: `F.linear` has the CPU's
+# the pages the rest. Profiling the engine against vLLM found three more costs. `F.linear` has the CPU's
 # matrix library repack every weight on every call, which with 16 rows costs about as much as the
-# product, so the engine holds the weights prepacked once, as vLLM's CPU backend does; and on this machine
-# torch runs the same step slower from a second thread than from the main one, so `python -m lab.serve`
-# steps its engine in the main thread. The same step three ways:
+# product, so the engine holds the weights prepacked once, as vLLM's CPU backend does. On this machine
+# torch runs the same step slower from a second thread than from the main one. And a server that steps
+# its engine in the process that serves HTTP makes the two take turns on one interpreter lock. So
+# `python -m lab.serve` steps its engine in the main thread of a process of its own. The same step three
+# ways:
 
 # %%
 costs = ch08.step_costs(smol, S["profile_batch"], S["prompt"])
@@ -273,6 +276,8 @@ else:
                           for side in ("lab", "vllm")}).T.style.format("{:.1f}"))
     print(f"lab / vLLM at 16 in flight: {ratio['value']:.2f}; greedy tokens identical for "
           f"{book['agreement']['identical']} of {book['agreement']['requests']} requests")
+    if "process_gain" in book:
+        print(f"the engine in its own process against in the server's: {book['process_gain']['value']:.2f}x")
 fig_throughput = ch08.plot_throughput(batching, http)
 fig_latency = ch08.plot_latency(http)
 

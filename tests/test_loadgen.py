@@ -141,8 +141,10 @@ def test_a_burst_against_the_lab_server_completes_batched(tiny):
 
 
 # ---- servers as processes ----
-def test_lab_server_starts_serves_and_stops():
-    with lab_server(model="tiny-llama", cores="0", threads=1, num_pages=64, page_size=16) as (proc, url):
+@pytest.mark.parametrize("one_process", [False, True])
+def test_lab_server_starts_serves_and_stops(one_process):
+    with lab_server(model="tiny-llama", cores="0", threads=1, num_pages=64, page_size=16,
+                    one_process=one_process) as (proc, url):
         records = run_load(url, workload(3, math.inf, 0, vocab=320, max_prompt=8, max_output=4), "tiny-llama", 60)
         assert all(r.ok for r in records) and proc.poll() is None
     assert proc.returncode == 0                                  # SIGTERM: drained, exited cleanly

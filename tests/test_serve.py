@@ -3,7 +3,9 @@
 Oracle: the same prompt ids through a fresh ServingEngine's `generate` (itself checked token for token
 against each request decoded alone, tests/test_serving.py). Tolerance: none, the tokens must be equal. The
 server runs in this process (uvicorn in a thread, on a free port of 127.0.0.1) so a test can look at its
-engine's pool; one test starts `python -m lab.serve` as a process and stops it with SIGTERM.
+engine's pool; the engine in a process of its own (EngineProcess, what `python -m lab.serve` runs) is
+looked at through its snapshots; one test starts `python -m lab.serve` as a process and stops it with
+SIGTERM.
 """
 
 import dataclasses
@@ -25,6 +27,7 @@ from servers import serving
 from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
 from lab.models import load
 from lab.models.tokenizer import ByteTokenizer
+from lab.serve import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -258,20 +261,31 @@ def test_a_failing_engine_answers_500_and_hangs_nothing(server, monkeypatch):
 
 
 # ---- a client that goes away, a server that stops ----
-def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
-    port, _, engine = server
-    wait_idle(engine)
-    baseline = engine.manager.num_free
+def stream_three_tokens(port, seed):
+    """A streamed request of 20 + 900 tokens (58 of the 64 pages), read until its third token."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = dict(prompt=prompts([20], seed=5)[0], max_tokens=900, stream=True)  # 58 of the 64 pages
+    body = dict(prompt=prompts([20], seed=seed)[0], max_tokens=900, stream=True)
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     for _ in range(6):                                        # three tokens' events and their blank lines
         resp.readline()
-    rid = max(engine.requests)
-    assert engine.requests[rid].state == "running" and engine.manager.num_free < baseline
+    return conn
+
+
+def leave(conn):
+    """The client goes away mid-stream."""
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
+    port, _, engine = server
+    wait_idle(engine)
+    baseline = engine.manager.num_free
+    conn = stream_three_tokens(port, seed=5)
+    rid = max(engine.requests)
+    assert engine.requests[rid].state == "running" and engine.manager.num_free < baseline
+    leave(conn)
     wait_idle(engine)
     assert engine.requests[rid].state == "cancelled" and len(engine.requests[rid].output) < 900
     assert engine.manager.num_free == baseline
@@ -287,6 +301,54 @@ def test_a_draining_server_refuses_new_requests(server):
     finally:
         app.state.draining = False
     assert call(port, "/v1/completions", dict(prompt=P, max_tokens=2))[0] == 200
+
+
+# ---- the engine in a process of its own ----
+@pytest.fixture(scope="module")
+def remote(tiny):
+    engine = EngineProcess(tiny, NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1)
+    engine.start()
+    try:
+        with serving(engine, loop=engine) as (port, app):
+            yield port, engine
+    finally:
+        engine.stop()
+    assert not engine.process.is_alive()
+
+
+def wait_idle_remote(engine, timeout=10) -> dict:
+    deadline = time.monotonic() + timeout
+    while (snap := engine.snapshot())["in_flight"]:
+        assert time.monotonic() < deadline, f"the engine's process did not go idle: {snap}"
+        time.sleep(0.01)
+    return snap
+
+
+def test_an_engine_process_answers_what_the_engine_computes(remote, tiny):
+    port, engine = remote
+    ps = prompts([5, 17, 33, 40, 9, 26], seed=11)
+    bodies = [dict(prompt=p, max_tokens=8 + i, return_token_ids=True) for i, p in enumerate(ps)]
+    with ThreadPoolExecutor(len(ps)) as pool:                 # at once: batched in the engine's process
+        answers = list(pool.map(lambda b: call(port, "/v1/completions", b), bodies))
+    want = ServingEngine(tiny, NUM_PAGES, PAGE_SIZE).generate(ps, [8 + i for i in range(len(ps))])
+    assert [a[1]["choices"][0]["token_ids"] for a in answers] == want and {a[0] for a in answers} == {200}
+    streamed = events(port, "/v1/completions", bodies[2])
+    assert [t for e in streamed[:-1] for t in e["choices"][0]["token_ids"]] == want[2]
+    status, error = call(port, "/v1/completions", dict(prompt=[1] * 2048, max_tokens=4))
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"   # refused in the child
+    snap = wait_idle_remote(engine)
+    assert snap["free_pages"] == NUM_PAGES and max(snap["batch_sizes"]) > 1
+
+
+def test_an_engine_process_frees_the_pages_of_a_client_that_leaves(remote):
+    port, engine = remote
+    before = wait_idle_remote(engine)
+    baseline = before["free_pages"]
+    conn = stream_three_tokens(port, seed=6)
+    assert engine.snapshot()["free_pages"] < baseline
+    leave(conn)
+    snap = wait_idle_remote(engine)
+    assert snap["free_pages"] == baseline and snap["computed_tokens"] - before["computed_tokens"] < 20 + 900
 
 
 def test_sigterm_finishes_the_stream_in_flight_then_exits_cleanly():

@@ -105,6 +105,10 @@ class ServingEngine:
         self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
                           batch_sizes=[], batch_tokens=[])
 
+    @property
+    def num_pages(self) -> int:                      # pages in the pool
+        return self.manager.num_pages
+
     # ---- requests in and out ----
     def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None) -> int:
         """Queue one request (ids: a list, `[T]` or `[1, T]`); returns its id. Checked before anything

@@ -175,7 +175,8 @@ def profile(model, batch, context, steps=8, packed=True) -> dict:
     from ..engine import serving
 
     parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
-    eng = ServingEngine(model, batch * (-(-(context + steps + 4) // PAGE)), PAGE, 256, prefix_caching=False)
+    # a page to spare per request: admission keeps a free page for every running one
+    eng = ServingEngine(model, batch * (-(-(context + steps + 4) // PAGE) + 1), PAGE, 256, prefix_caching=False)
     if not packed:
         eng.weights = model.weights
     for p in prompts(batch, context, 50, model.config.vocab_size):
@@ -203,6 +204,8 @@ def profile(model, batch, context, steps=8, packed=True) -> dict:
             t = perf_counter()
             eng.step()
             total = perf_counter() - t
+            if eng.stats["batch_sizes"][-1] != batch:
+                raise RuntimeError(f"a profiled step ran {eng.stats['batch_sizes'][-1]} sequences, not {batch}")
             for k in ("schedule", "batch", "attention"):
                 parts[k].append(acc.get(k, 0.0))
             parts["forward"].append(total - sum(acc.values()))
@@ -247,10 +250,13 @@ SETTLE_S = 3.0                          # pause before each run: vLLM's worker s
 def http(s) -> dict:
     """The lab's server and vLLM's, both started on the same cores (an idle server uses no CPU), sent the
     same loads in turns, so that a drift of this shared machine's speed falls on both: a warm-up; c
-    requests of fixed length in flight (c sent at once; at 16, `rounds` times, the order of the two
-    servers alternating, and the median run kept); one request at a time (the lab's sequential loop);
-    each offered rate (Poisson arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
-    servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS)}
+    requests of fixed length in flight (c sent at once; at 16, `rounds` times, the order of the servers
+    alternating, and the median run kept; there also the lab's server with its engine in its own process,
+    `lab_one_process`); one request at a time (the lab's sequential loop); each offered rate (Poisson
+    arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
+    servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS),
+               "lab_one_process": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, one_process=True),
+                                   loadgen.LAB_FIELDS)}
     out = {}
     if not s["vllm"]:
         out["vllm"] = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
@@ -265,13 +271,15 @@ def http(s) -> dict:
             time.sleep(SETTLE_S)                  # the other server's threads spin for about a second after a run
             return loadgen.run_load(urls[side], reqs, "smollm2", s["timeout_s"], c, servers[side][1])
 
+        c16 = 16 if 16 in s["http_levels"] else max(s["http_levels"])
         for side in urls:
             out[side] = {"concurrency": {}, "rates": {}}
             run(side, fixed(2, s["http_prompt"], 4, seed=997))
         for c in tqdm(s["http_levels"], desc="concurrency", leave=False):
-            runs = {side: [] for side in urls}
-            for r in range(s["rounds"] if c == 16 else 1):
-                for side in list(urls)[::(-1) ** r]:                    # lab first, then vLLM first, ...
+            sides = [side for side in urls if side != "lab_one_process" or c == c16]
+            runs = {side: [] for side in sides}
+            for r in range(s["rounds"] if c == c16 else 1):
+                for side in sides[::(-1) ** r]:                         # lab first, then last first, ...
                     recs = run(side, fixed(c, s["http_prompt"], s["http_output"], seed=100 + c + 1000 * r), c)
                     runs[side].append(loadgen.summarize(recs, **SLO) | dict(tokens=[x.token_ids for x in recs]))
             for side, rs in runs.items():                              # the median run; round 0's tokens
@@ -283,8 +291,9 @@ def http(s) -> dict:
         for i, rate in enumerate(tqdm(s["rates"], desc="offered load", leave=False)):
             reqs = loadgen.workload(s["rate_requests"], rate, seed=300 + i, max_prompt=s["max_prompt"],
                                     max_output=s["max_output"])
-            for side in urls:
-                out[side]["rates"][rate] = loadgen.summarize(run(side, reqs), **SLO)
+            for side in ("lab", "vllm"):
+                if side in urls:
+                    out[side]["rates"][rate] = loadgen.summarize(run(side, reqs), **SLO)
     if "vllm" in servers:
         out["agreement"] = agreement(out, s["http_levels"])
     return out
@@ -467,8 +476,8 @@ def record(m: dict, drawn: dict | None = None) -> dict:
         v["http"] = {"lab": not_run("run without the servers")}
     else:
         v["http"] = {}
-        for side in ("lab", "vllm"):
-            r = h[side]
+        for side in ("lab", "vllm", "lab_one_process"):
+            r = h.get(side, "not run")
             if isinstance(r, str):
                 v["http"][side] = {"throughput": not_run(r, "tok/s")}
                 continue
@@ -487,6 +496,8 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                     "ttft_median_ms": ms(x["ttft_median_s"]), "ttft_p99_ms": ms(x["ttft_p99_s"]),
                     "itl_median_ms": ms(x["itl_median_s"]), "itl_p99_ms": ms(x["itl_p99_s"])}
                     for rate, x in r["rates"].items()}}
+            if not r["rates"]:                             # the one-process server: 16 in flight only
+                del v["http"][side]["rates"]
             if "sequential" in r:
                 v["http"][side]["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
         v["http"]["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
@@ -503,6 +514,12 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                                                   note="the lab's answer equal to vLLM's, or its start")
             v["http"]["lab_stopped"] = value(a["lab_stopped"], "requests", of=a["requests"],
                                              note="the lab's server stopped at the end-of-turn token")
+        if isinstance(h.get("lab_one_process"), dict):
+            c16 = 16 if 16 in s["http_levels"] else max(s["http_levels"])
+            one, own = h["lab_one_process"]["concurrency"][c16], h["lab"]["concurrency"][c16]
+            v["http"]["process_gain"] = value(own["throughput_tok_s"] / one["throughput_tok_s"], "x",
+                                              note=f"engine in its own process over in the server's, {c16} "
+                                                   "requests in flight")
     figures = {"timeline": {"path": figs / "ch08_timeline.png",
                             "caption": "Requests admitted, prefilled in chunks, decoded and preempted, step by step"},
                "throughput": {"path": figs / "ch08_throughput.png",
