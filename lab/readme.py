@@ -100,6 +100,9 @@ HEADLINES = [
     ("Ch. 8 — output tokens/s, SmolLM2 on the same two CPU cores, 16 requests in flight over HTTP: the lab's "
      "server / vLLM's; lab over vLLM", ("ch08.http.lab.concurrency.c16.throughput",
                                         "ch08.http.vllm.concurrency.c16.throughput", "ch08.http.ratio"), ".3g"),
+    ("Ch. 8 — the lab's server at 16 in flight, output tokens/s: the engine in a process of its own / in the "
+     "server's process", ("ch08.http.lab.concurrency.c16.throughput",
+                          "ch08.http.lab_one_process.concurrency.c16.throughput"), ".3g"),
     ("Ch. 8 — the engine in process, output tokens/s: one request at a time / 16 at once / 64 at once",
      ("ch08.batching.sequential", "ch08.batching.c16", "ch08.batching.c64"), ".1f"),
     ("Ch. 8 — greedy tokens against vLLM's, share of requests: identical / identical or a prefix (the lab "

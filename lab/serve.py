@@ -238,10 +238,13 @@ class EngineProcess:
             if kind == "admitted":
                 key, rid, error = args
                 with self.lock:
-                    loop, admitted, tokens = self.pending.pop(key)
-                    if error is None:
-                        self.streams[rid] = (loop, tokens)
-                loop.call_soon_threadsafe(settle, self, admitted, rid, error)
+                    waiting = self.pending.pop(key, None)   # None: failed meanwhile (the engine failed)
+                    if waiting is not None and error is None:
+                        self.streams[rid] = (waiting[0], waiting[2])
+                if waiting is not None:
+                    waiting[0].call_soon_threadsafe(settle, self, waiting[1], rid, error)
+                elif rid is not None:
+                    self.cancel(rid)
             elif kind == "tokens":
                 by_loop = {}
                 with self.lock:

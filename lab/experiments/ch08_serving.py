@@ -175,12 +175,14 @@ def profile(model, batch, context, steps=8, packed=True) -> dict:
     from ..engine import serving
 
     parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
+    # enough new tokens that the first prefilled still decode when the last starts (256 tokens a step), and
     # a page to spare per request: admission keeps a free page for every running one
-    eng = ServingEngine(model, batch * (-(-(context + steps + 4) // PAGE) + 1), PAGE, 256, prefix_caching=False)
+    new = steps + 3 + -(-batch * context // 256)
+    eng = ServingEngine(model, batch * (-(-(context + new) // PAGE) + 1), PAGE, 256, prefix_caching=False)
     if not packed:
         eng.weights = model.weights
     for p in prompts(batch, context, 50, model.config.vocab_size):
-        eng.add_request(p, steps + 3)
+        eng.add_request(p, new)
     while any(r.state == "waiting" or not r.output for r in eng.requests.values()):
         eng.step()                                                      # every prompt prefilled
     orig_schedule, orig_init, orig_attend = eng._schedule, serving.StepBatch.__init__, serving.StepBatch.attend
@@ -251,8 +253,8 @@ def http(s) -> dict:
     """The lab's server and vLLM's, both started on the same cores (an idle server uses no CPU), sent the
     same loads in turns, so that a drift of this shared machine's speed falls on both: a warm-up; c
     requests of fixed length in flight (c sent at once; at 16, `rounds` times, the order of the servers
-    alternating, and the median run kept; there also the lab's server with its engine in its own process,
-    `lab_one_process`); one request at a time (the lab's sequential loop); each offered rate (Poisson
+    alternating, and the median run kept; there also the lab's server with its engine stepped in the
+    server's own process, `lab_one_process`); one request at a time (the lab's sequential loop); each offered rate (Poisson
     arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
     servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS),
                "lab_one_process": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, one_process=True),
