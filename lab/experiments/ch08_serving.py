@@ -254,8 +254,8 @@ def http(s) -> dict:
     same loads in turns, so that a drift of this shared machine's speed falls on both: a warm-up; c
     requests of fixed length in flight (c sent at once; at 16, `rounds` times, the order of the servers
     alternating, and the median run kept; there also the lab's server with its engine stepped in the
-    server's own process, `lab_one_process`); one request at a time (the lab's sequential loop); each offered rate (Poisson
-    arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
+    server's own process, `lab_one_process`); one request at a time (the lab's sequential loop); each
+    offered rate (Poisson arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
     servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS),
                "lab_one_process": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, one_process=True),
                                    loadgen.LAB_FIELDS)}
