@@ -84,43 +84,50 @@ class EngineLoop:
 
     def run(self):
         while True:
-            busy = self.engine.running or self.engine.waiting
-            messages = [] if busy else [self.inbox.get()]          # idle: sleep until a message comes
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    messages.append(self.inbox.get_nowait())
+            messages = self._receive(wait=not (self.engine.running or self.engine.waiting))  # idle: sleep
             try:
                 for kind, *args in messages:
                     if kind == "stop":
-                        self._fail(RuntimeError("the server stopped"))
+                        self._stopped()
                         return
-                    if kind == "cancel":
-                        self.streams.pop(args[0], None)
-                        self.engine.cancel(args[0])                 # False if it had finished: fine
-                    else:
-                        self._add(*args)
+                    self._handle(kind, *args)
                 if self.engine.running or self.engine.waiting:
                     self._step()
             except Exception as e:                                 # a bug: every request fails (500), none hangs
                 self._fail(e)
 
+    def _receive(self, wait: bool) -> list:
+        """Every message in the inbox; with `wait`, block until there is one."""
+        messages = [self.inbox.get()] if wait else []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                messages.append(self.inbox.get_nowait())
+        return messages
+
+    def _handle(self, kind, *args):
+        if kind == "cancel":
+            self.streams.pop(args[0], None)
+            self.engine.cancel(args[0])                             # False if it had finished: fine
+        else:
+            self._add(*args)
+
     def _add(self, ids, max_new_tokens, eos_id, loop, admitted, tokens):
         try:
             rid = self.engine.add_request(ids, max_new_tokens, eos_id)
         except Exception as e:                                     # a bad request: the engine is unchanged
-            loop.call_soon_threadsafe(self._settle, admitted, None, e)
+            loop.call_soon_threadsafe(settle, self, admitted, None, e)
             return
         self.streams[rid] = (loop, tokens)
-        loop.call_soon_threadsafe(self._settle, admitted, rid, None)
-
-    def _settle(self, admitted, rid, error):
-        settle(self, admitted, rid, error)
+        loop.call_soon_threadsafe(settle, self, admitted, rid, None)
 
     def _step(self):
         for rid, token, finish in finished_tokens(self.engine, self.engine.step()):
             if rid in self.streams:
                 loop, tokens = self.streams.pop(rid) if finish else self.streams[rid]
                 loop.call_soon_threadsafe(tokens.put_nowait, (token, finish))
+
+    def _stopped(self):
+        self._fail(RuntimeError("the server stopped"))
 
     def _fail(self, error: Exception):
         """Hand `error` to every request still waiting for tokens, and drop them from the engine."""
@@ -278,8 +285,7 @@ def deliver(items):
 
 
 def engine_process(conn, model_name: str, engine_args: dict, threads: int | None):
-    """The engine's process: load the model, then add, cancel and step, in that order, round after round,
-    sleeping while the engine has nothing to do; every step's new tokens go back in one message."""
+    """The engine's process: load the model, then run an EngineLoop over the pipe (PipeLoop)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the server decides when to stop (it drains first)
     try:
         if threads:
@@ -289,35 +295,50 @@ def engine_process(conn, model_name: str, engine_args: dict, threads: int | None
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready",))
-    while True:
+    PipeLoop(engine, conn).run()
+
+
+class PipeLoop(EngineLoop):
+    """EngineLoop in the engine's process: messages come from the pipe, and what a request's stream needs
+    goes back through it (admissions, every step's tokens in one message, failures), for EngineProcess."""
+
+    def __init__(self, engine: ServingEngine, conn):
+        super().__init__(engine)
+        self.conn = conn
+
+    def _receive(self, wait: bool) -> list:
         try:
-            messages = [] if engine.running or engine.waiting else [conn.recv()]   # idle: wait for one
-            while conn.poll():
-                messages.append(conn.recv())
+            messages = [self.conn.recv()] if wait else []
+            while self.conn.poll():
+                messages.append(self.conn.recv())
         except (EOFError, OSError):                   # the server's process is gone
-            return
-        for kind, *args in messages:
-            if kind == "stop":
-                conn.send(("stopped",))
-                return
-            if kind == "cancel":
-                engine.cancel(args[0])                # False if it had finished: fine
-            elif kind == "snapshot":
-                conn.send(("snapshot", dict(engine.stats, free_pages=engine.manager.num_free,
-                                            in_flight=len(engine.running) + len(engine.waiting))))
-            else:
-                key, ids, max_new_tokens, eos_id = args
-                try:
-                    conn.send(("admitted", key, engine.add_request(ids, max_new_tokens, eos_id), None))
-                except Exception as e:                # a bad request: the engine is unchanged
-                    conn.send(("admitted", key, None, e))
-        if engine.running or engine.waiting:
+            return [("stop",)]
+        return messages
+
+    def _handle(self, kind, *args):
+        if kind == "cancel":
+            self.engine.cancel(args[0])               # False if it had finished: fine
+        elif kind == "snapshot":
+            self.conn.send(("snapshot", dict(self.engine.stats, free_pages=self.engine.manager.num_free,
+                                             in_flight=len(self.engine.running) + len(self.engine.waiting))))
+        else:
+            key, ids, max_new_tokens, eos_id = args
             try:
-                conn.send(("tokens", finished_tokens(engine, engine.step())))
-            except Exception as e:                    # a bug: every request fails (500), none hangs
-                for rid in [r.id for r in engine.running + list(engine.waiting)]:
-                    engine.cancel(rid)
-                conn.send(("failed", f"{type(e).__name__}: {e}"))
+                self.conn.send(("admitted", key, self.engine.add_request(ids, max_new_tokens, eos_id), None))
+            except Exception as e:                    # a bad request: the engine is unchanged
+                self.conn.send(("admitted", key, None, e))
+
+    def _step(self):
+        self.conn.send(("tokens", finished_tokens(self.engine, self.engine.step())))
+
+    def _stopped(self):
+        with contextlib.suppress(OSError):
+            self.conn.send(("stopped",))
+
+    def _fail(self, error: Exception):
+        for req in self.engine.running + list(self.engine.waiting):
+            self.engine.cancel(req.id)
+        self.conn.send(("failed", f"{type(error).__name__}: {error}"))
 
 
 # ---- requests, as OpenAI's API shapes them ----

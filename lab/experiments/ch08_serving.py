@@ -245,6 +245,11 @@ def fixed(n, prompt, output, seed) -> list:
     return [loadgen.Request(0.0, p, output) for p in prompts(n, prompt, seed)]
 
 
+def level_16(s) -> int:
+    """The load the servers are compared at: 16 requests in flight (quick mode: its largest level)."""
+    return 16 if 16 in s["http_levels"] else max(s["http_levels"])
+
+
 SLO = dict(slo_ttft=2.0, slo_itl=0.5)   # goodput's targets: first token within 2 s, no gap over 0.5 s
 SETTLE_S = 3.0                          # pause before each run: vLLM's worker spins ~1 s after its last step
 
@@ -273,7 +278,7 @@ def http(s) -> dict:
             time.sleep(SETTLE_S)                  # the other server's threads spin for about a second after a run
             return loadgen.run_load(urls[side], reqs, "smollm2", s["timeout_s"], c, servers[side][1])
 
-        c16 = 16 if 16 in s["http_levels"] else max(s["http_levels"])
+        c16 = level_16(s)
         for side in urls:
             out[side] = {"concurrency": {}, "rates": {}}
             run(side, fixed(2, s["http_prompt"], 4, seed=997))
@@ -502,10 +507,10 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                 del v["http"][side]["rates"]
             if "sequential" in r:
                 v["http"][side]["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
+        c16 = level_16(s)
         v["http"]["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
         v["http"]["rounds"] = value(s["rounds"], "runs", note="of each server at 16 requests in flight")
         if isinstance(h["vllm"], dict):
-            c16 = 16 if 16 in s["http_levels"] else max(s["http_levels"])
             lab, vl = h["lab"]["concurrency"][c16], h["vllm"]["concurrency"][c16]
             v["http"]["ratio"] = value(lab["throughput_tok_s"] / vl["throughput_tok_s"], "x",
                                        note=f"lab server over vLLM's, {c16} requests in flight, same two cores")
@@ -517,7 +522,6 @@ def record(m: dict, drawn: dict | None = None) -> dict:
             v["http"]["lab_stopped"] = value(a["lab_stopped"], "requests", of=a["requests"],
                                              note="the lab's server stopped at the end-of-turn token")
         if isinstance(h.get("lab_one_process"), dict):
-            c16 = 16 if 16 in s["http_levels"] else max(s["http_levels"])
             one, own = h["lab_one_process"]["concurrency"][c16], h["lab"]["concurrency"][c16]
             v["http"]["process_gain"] = value(own["throughput_tok_s"] / one["throughput_tok_s"], "x",
                                               note=f"engine in its own process over in the server's, {c16} "
