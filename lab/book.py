@@ -24,6 +24,11 @@ follows. A boolean must be rendered as a word with `|bool:WORD_IF_TRUE/WORD_IF_F
 an error, so "true"/"false" never reach the prose (see lab.results.format_value). References are filled
 in everywhere, code blocks included.
 
+Verdicts. A sentence that compares measured values in words ("earlier", "beats", "a tenth of") either lets
+the result choose the word, {{verdict: KEY_A < KEY_B|earlier/later}}, or is guarded by a claim that
+renders nothing, {{claim: KEY_A < KEY_B}}; a false claim is a problem that names the sentence, and the
+book is not rendered (lab.claims).
+
 Listings. A line `::: code PATH NAME` inserts the source of NAME in the repository file PATH: a top-level
 function or class, a method (`Class.method`), or a region marked in the source by a line `# region NAME`
 and a line `# endregion` (the marker lines are not shown, the region is dedented). Without NAME the whole
@@ -45,6 +50,7 @@ from the network, and no path of the machine it was rendered on appears in it.
 
 import argparse
 import ast
+import contextlib
 import html
 import os
 import re
@@ -65,6 +71,7 @@ from markdown.inlinepatterns import InlineProcessor
 from markdown.treeprocessors import Treeprocessor
 from pygments.formatters import HtmlFormatter
 
+from lab import claims
 from lab.results import COMMITTED, REPO_ROOT, ResultsError, format_value, lookup, read
 
 # {{ key }}, {{ key:spec }}, {{ key|number }}, {{ key:.1f|number }}, {{ key|bool:identical/different }}
@@ -102,7 +109,7 @@ td.num, th.num {{ text-align: right; font-variant-numeric: tabular-nums; white-s
 figure {{ margin: 1.5rem 0; }}
 img {{ max-width: 100%; height: auto; }}
 figcaption {{ font-size: 0.9em; color: #444; margin-top: 0.4rem; }}
-math[display="block"] {{ margin: 1rem 0; overflow-x: auto; }}
+math[display="block"] {{ margin: 1rem 0; padding: 0.25em 0; overflow-x: auto; overflow-y: hidden; }}
 nav.chapters {{ font-size: 0.9em; display: flex; justify-content: space-between; gap: 1rem;
                border-bottom: 1px solid #ddd; padding-bottom: 0.5rem; margin-bottom: 1rem; }}
 nav.chapters.bottom {{ border-bottom: none; border-top: 1px solid #ddd; padding-top: 0.5rem; margin-top: 2rem; }}
@@ -140,8 +147,28 @@ def _spec(m) -> str:
 
 def references(text) -> list[tuple[str, str]]:
     """Every reference in text as (key, spec), in order; spec is "" when none was given, and carries
-    `|number` or `|bool:A/B` when the reference has one (".1f|number")."""
-    return [(m["key"], _spec(m)) for m in REF.finditer(text)]
+    `|number` or `|bool:A/B` when the reference has one (".1f|number"). Claims and verdicts are not
+    references (see lab.claims)."""
+    return [(m["key"], _spec(m)) for m in REF.finditer(_blank_claims(text))]
+
+
+def _blank_claims(text) -> str:
+    """text with every {{claim: ...}} and {{verdict: ...}} replaced by its line breaks alone, so that the
+    references can be found, and their lines counted, without them."""
+    return claims.CLAIM.sub(lambda m: "\n" * m[0].count("\n"), text)
+
+
+def _claim_problem(text, m, doc, source) -> str | None:
+    """Why the claim or verdict m of text fails, with the sentence it guards (its references filled in);
+    None when it holds."""
+    try:
+        claims.fill(m, doc, source)
+        return None
+    except claims.ClaimError as e:
+        said = claims.sentence(text, m.start(), m.end())
+        with contextlib.suppress(ResultsError, BookError, claims.ClaimError):
+            said = render_text(said, doc, source)
+        return f"{e}; in the sentence: \u201c{said}\u201d"
 
 
 def _is_bool(v) -> bool:
@@ -176,7 +203,12 @@ def render_text(text, doc, source="results", marks=None) -> str:
         marks.append((m["key"], spec, lookup(doc, m["key"], source)))
         return f"{MARK_OPEN}{len(marks) - 1}{MARK_MID}{out}{MARK_CLOSE}"
 
-    return REF.sub(fill, text)
+    def decide(m):  # a claim renders nothing, a verdict its word; a false claim stops the rendering
+        if (problem := _claim_problem(text, m, doc, source)) is not None:
+            raise BookError(problem)
+        return claims.fill(m, doc, source)
+
+    return REF.sub(fill, claims.CLAIM.sub(decide, text))
 
 
 # -----------------------------------------------------------------------------
@@ -410,7 +442,10 @@ def _chapter_problems(chapter: Path, text, doc, results: Path, root=REPO_ROOT) -
     each with its line."""
     where = f"{chapter.parent.name}/{chapter.name}"
     problems = []
-    for m in REF.finditer(text):
+    for m in claims.CLAIM.finditer(text):
+        if (problem := _claim_problem(text, m, doc, str(results))) is not None:
+            problems.append(f"{where}:{_line(text, m.start())}: {problem}")
+    for m in REF.finditer(_blank_claims(text)):
         try:
             _fill(m["key"], _spec(m), doc, str(results))
         except (ResultsError, BookError) as e:

@@ -387,4 +387,14 @@ def format_value(leaf, spec="") -> str:
         return f"{text}×"
     if unit == "%":
         return f"{text}%"
+    if values == [1] and isinstance(v, int):  # "1 request", not "1 requests"
+        unit = _singular(unit)
     return f"{text} {unit}"
+
+
+def _singular(unit: str) -> str:
+    """A plural word unit in the singular ("requests" -> "request", "entries" -> "entry"); abbreviations
+    ("ms", "tok/s") and anything that is not a plain plural word stay as they are."""
+    if not unit.isalpha() or len(unit) < 4 or not unit.endswith("s") or unit.endswith("ss"):
+        return unit
+    return unit[:-3] + "y" if unit.endswith("ies") else unit[:-1]

@@ -610,6 +610,39 @@ def test_rendered_prose_has_no_unit_followed_by_a_noun(committed, name):
     assert wrong == [], f"{name}:\n  " + "\n  ".join(wrong)
 
 
+def _repeated_units(text, marks) -> list[str]:
+    """References rendered with a word unit whose noun comes again within six words of the same clause:
+    "one of 4 prompts secret system prompts", "42,192 tokens of the conversation's prompt tokens"."""
+    wrong = []
+    for m in re.finditer(rf"{book.MARK_OPEN}(\d+){book.MARK_MID}([^{book.MARK_CLOSE}]*){book.MARK_CLOSE}", text):
+        key, spec, leaf = marks[int(m[1])]
+        unit = (leaf.get("unit") or "").lower()
+        if len(unit) < 3 or not unit.isalpha() or spec.partition("|")[2].strip() or leaf["value"] == "NOT_RUN":
+            continue  # no word unit, or rendered without it
+        stem = unit[:-1] if unit.endswith("s") else unit
+        after = " ".join(re.split(rf"[.;:,()\n{book.MARK_OPEN}]", text[m.end():], maxsplit=1)[0].split()[:6])
+        if re.search(rf"\b{re.escape(stem)}s?\b", after, re.IGNORECASE):
+            wrong.append(f"{{{{{key}}}}} reads {m[2]!r}, then {after!r}: write {{{{{key}|number}}}} and the noun once")
+    return wrong
+
+
+def test_a_repeated_unit_is_found(lab_dir):
+    doc = read(args(lab_dir)[2])
+    marks = []
+    text = book.render_text("one of {{ch01.steps}} secret steps; {{ch01.steps}} of the run. {{ch01.steps|number}} "
+                            "steps", doc, marks=marks)
+    assert _repeated_units(text, marks) == ["{{ch01.steps}} reads '48 steps', then 'secret steps': write "
+                                            "{{ch01.steps|number}} and the noun once"]
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_rendered_prose_does_not_repeat_a_unit(committed, name):
+    marks = []
+    body = book.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED, marks=marks)
+    wrong = _repeated_units(_text(body), marks)
+    assert wrong == [], f"{name}:\n  " + "\n  ".join(wrong)
+
+
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_rendered_values_do_not_round_to_zero(committed, name):
     wrong = []

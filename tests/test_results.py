@@ -348,6 +348,14 @@ def test_results_path_in_full_mode_and_with_override(tmp_path, monkeypatch):
     (value(False, None), "|bool: yes / no ", "no"),
     (value([True, False], None), "|bool:on/off", "on, off"),
     (value(True, None), "", "true"),  # lab.book refuses this in prose; the README table may show it
+    # one of a plural word unit reads in the singular; 1.0, abbreviations and other words do not change
+    (value(1, "requests"), "", "1 request"),
+    (value(1, "entries"), "", "1 entry"),
+    (value(1, "ms"), "", "1 ms"),
+    (value(1, "tok/s"), "", "1 tok/s"),
+    (value(1.0, "requests"), "", "1.00 requests"),
+    (value(2, "requests"), "", "2 requests"),
+    (value(1, "class"), "", "1 class"),
 ])
 def test_format_value(leaf, spec, expected):
     assert format_value(leaf, spec) == expected
