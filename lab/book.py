@@ -5,8 +5,9 @@ results.json, plus index.html (the contents) and print.html (the whole book on o
     python -m lab.book                       # render from the committed results/results.json
     python -m lab.book --results PATH --out build/book
     python -m lab.book --check               # list problems (missing notebook, key, figure, listing), render nothing
-    python -m lab.book --screens             # render, then a PNG of every chapter in headless Chromium
-                                             # (build/book/screens/; installs Debian's chromium if missing)
+    python -m lab.book --screens             # render, then a PNG of every chapter and of print.html in
+                                             # headless Chromium (build/book/screens/; installs Debian's
+                                             # chromium if missing); exit 1 if a table is wider than the column
 
 The book shows the full measurements, so it renders from the committed results by default, whatever the
 mode; `--results` renders another file (e.g. a quick run's /tmp/lab-quick/results.json).
@@ -717,8 +718,39 @@ def screenshot(browser, page: Path, png: Path, width=1280, tile=4000) -> Path:
     return png
 
 
+# every table's width against the width its container leaves it (the text column), as the browser lays it out
+TABLE_WIDTHS = """<script>window.addEventListener('load', () => {
+  const out = [];
+  document.querySelectorAll('table').forEach(t => {
+    const box = t.parentElement, style = getComputedStyle(box);
+    const column = box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    const head = t.rows.length ? t.rows[0].textContent.replace(/\\s+/g, ' ').trim().slice(0, 70) : '';
+    out.push([t.scrollWidth, Math.floor(column), head]);
+  });
+  document.title = 'TABLES=' + JSON.stringify(out);
+});</script>"""
+
+
+def wide_tables(browser, page: Path, width=1280) -> list[str]:
+    """The tables of page wider than the text column at a window `width` CSS pixels wide (a table's
+    scrollWidth against its container's content width), described; an empty list when all fit."""
+    import json
+
+    probe = _with_extra(page, TABLE_WIDTHS, "tables")
+    try:
+        dom = _browser(browser, f"--window-size={width},1000", "--dump-dom", probe.as_uri())
+    finally:
+        probe.unlink(missing_ok=True)
+    m = re.search(r"<title>TABLES=(.*?)</title>", dom, re.DOTALL)
+    if not m:
+        raise BookError(f"could not measure the tables of {page.name} in the browser")
+    return [f"{page.name}: table {i} ({head!r} ...) is {wide} px wide, the column {column} px: shorten its "
+            f"headers, drop a column, or break a header with <br>"
+            for i, (wide, column, head) in enumerate(json.loads(html.unescape(m[1])), 1) if wide > column]
+
+
 def screens(pages, out_dir, width=1280) -> list[Path]:
-    """A full-page screenshot of each chapter page, out_dir/chNN_name.png."""
+    """A full-page screenshot of each page (the chapters, print.html), out_dir/NAME.png."""
     browser = chromium()
     shots = []
     for page in pages:
@@ -729,10 +761,12 @@ def screens(pages, out_dir, width=1280) -> list[Path]:
 
 
 def _size(png) -> str:
-    from PIL import Image
+    """A PNG's width×height from its header (opening print.html's PNG would trip PIL's size guard)."""
+    import struct
 
-    with Image.open(png) as im:
-        return f"{im.width}×{im.height}"
+    with open(png, "rb") as f:
+        width, height = struct.unpack(">II", f.read(24)[16:24])   # IHDR: the first chunk, after the signature
+    return f"{width}×{height}"
 
 
 # -----------------------------------------------------------------------------
@@ -747,7 +781,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "book", help="output folder")
     parser.add_argument("--check", action="store_true", help="only list problems; exit 1 if any")
     parser.add_argument("--screens", action="store_true",
-                        help="render, then save a full-page PNG of every chapter to OUT/screens/ (headless Chromium)")
+                        help="render, then save a full-page PNG of every chapter and of print.html to OUT/screens/ "
+                             "(headless Chromium); exit 1 if a table is wider than the text column")
     args = parser.parse_args(argv)
     if args.check:
         problems = check(args.book, args.notebooks, args.results)
@@ -759,9 +794,16 @@ def main(argv=None) -> int:
         written = render(args.book, args.out, args.results)
         if args.screens:
             t0 = time.perf_counter()
-            chapters_written = [p for p in written if p.name.startswith("ch")]
-            screens(chapters_written, args.out / "screens")
-            print(f"{len(chapters_written)} screenshot(s) in {time.perf_counter() - t0:.0f} s")
+            shown = [p for p in written if p.name.startswith("ch") or p.name == "print.html"]
+            screens(shown, args.out / "screens")
+            print(f"{len(shown)} screenshot(s) in {time.perf_counter() - t0:.0f} s")
+            browser = chromium()
+            wide = [problem for page in shown for problem in wide_tables(browser, page)]
+            for problem in wide:
+                print(problem, file=sys.stderr)
+            print(f"{len(wide)} table(s) wider than the text column", file=sys.stderr if wide else sys.stdout)
+            if wide:
+                return 1
     except (BookError, ResultsError, subprocess.SubprocessError) as e:
         print(e, file=sys.stderr)
         return 1

@@ -4,7 +4,8 @@ Each chapter module has `measure(quick_mode=None)` (every measurement, as plain 
 `record(m)` (write them and the figures to results.json); a notebook calls its parts one at a time, and
 `run` calls both. Besides the chapters: gpu.py (every CUDA measurement), notebooks.py (each notebook's
 running time in quick mode), library.py and memory.py (chapter 3's comparison with transformers and its
-memory probe), plots.py (figure size and legibility for the book's column).
+memory probe), plots.py (figure size and legibility for the book's column), tables.py (how a notebook
+shows a table: units, separators, significant digits, words for booleans).
 """
 
 from importlib import import_module

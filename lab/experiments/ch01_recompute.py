@@ -15,6 +15,7 @@ from ..metrics import logit_diff, perplexity
 from ..models import forward, forward_cached, load
 from ..models.published import PUBLISHED
 from ..results import figures_dir, provenance, quick, value, write_section
+from . import plots
 from .plots import finish
 
 SECTION = "ch01"
@@ -171,10 +172,18 @@ def perplexities(model, n_passages=16, n_tokens=256) -> dict:
 
 # ---- figures -----------------------------------------------------------------------------------------
 
+def recorded_step_times(v: dict) -> dict:
+    """plot_step_times' input from recorded values `v` (section ch01 of a results file), to redraw the figure
+    without measuring: {model: {T: {"median", "min", "max"} in seconds}}."""
+    return {name: {int(k[1:]): {"median": x["value"] / 1e3, "min": x["min"] / 1e3, "max": x["max"] / 1e3}
+                   for k, x in by_T.items() if k[:1] == "T" and k[1:].isdigit()}
+            for name, by_T in v["step_ms"].items()}
+
+
 def plot_step_times(times: dict, path=None):
     """Step time against context length, one line per model, log-log."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for name, by_T in times.items():
@@ -186,10 +195,10 @@ def plot_step_times(times: dict, path=None):
     ax.set(xscale="log", yscale="log", xlabel="context length T (positions recomputed)",
            ylabel="one uncached step, ms (median, min-max)",
            title="Time of one decode step without a cache, against context length")
-    ax.set_xticks(sorted(set().union(*times.values())))
-    for axis in (ax.xaxis, ax.yaxis):  # plain numbers (16, 256, 1000), not powers of ten
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(sorted(set().union(*times.values())))      # plain numbers (16, 256, 2,048), not powers of ten
+    ax.xaxis.set_major_formatter(FuncFormatter(plots.plain))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plots.log_ticks(ax.yaxis)                                # 100, 200, 500 ms ...: two labels at least
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return finish(fig, path)

@@ -26,6 +26,7 @@ from .plots import finish
 
 SECTION = "ch06"
 PAGE = 16                       # the lab's page size; the comparison with vLLM uses 32 (its CPU backend's)
+SUFFIX = 16                     # new tokens after the cached prefix, in the time-to-first-token measurement
 SYNTHETIC = "synthetic workload: random token ids in the shape of real traffic (lab.experiments.ch06_prefix)"
 
 
@@ -122,7 +123,7 @@ def hit_rate_sweep(model, workloads: dict, fractions, page_size=PAGE) -> dict:
 # ---- time to first token, hit against miss ----------------------------------------------------------------
 
 @torch.inference_mode()
-def ttft(model, prefixes, rounds=9, suffix=16, page_size=PAGE) -> dict:
+def ttft(model, prefixes, rounds=9, suffix=SUFFIX, page_size=PAGE) -> dict:
     """Time to first token (one next_logits call) for a prompt of `prefix + suffix` tokens whose prefix is
     cached (hit) or not (miss: a fresh salt every call, so nothing is found), timed in alternating rounds.
     {prefix: {"hit": summary, "miss": summary, "cached": tokens a hit found}}."""
@@ -347,6 +348,14 @@ def plot_hit_rate(sweep: dict, path=None):
     return finish(fig, path)
 
 
+def ttft_times(v: dict) -> dict:
+    """The time-to-first-token figure's input from recorded values `v` (`record(m)`, or section ch06 of a
+    results file), to redraw it without measuring: {prefix: {"hit", "miss" (medians), "ratio", "suffix"}}."""
+    return {int(k[1:]): {"hit": {"median": x["hit_ms"]["value"] / 1e3}, "miss": {"median": x["miss_ms"]["value"] / 1e3},
+                         "ratio": x["ratio"]["value"], "suffix": SUFFIX}
+            for k, x in v["ttft"].items() if k[:1] == "T" and k[1:].isdigit()}
+
+
 def plot_ttft(times: dict, path=None):
     fig, (ax, ax_ratio) = plots.figure(ncols=2, height=3.6)
     Ls = sorted(times)
@@ -354,10 +363,12 @@ def plot_ttft(times: dict, path=None):
         ax.plot(Ls, [times[L][case]["median"] * 1e3 for L in Ls], marker, label=case)
     ax_ratio.plot(Ls, [times[L]["ratio"] for L in Ls], "o-")
     ax.set(yscale="log", ylabel="time to first token (ms)", title="SmolLM2, CPU")
+    plots.log_ticks(ax.yaxis)                                  # 100, 200, 500 ms ...: two labels at least
     ax_ratio.set(ylim=(0, None), ylabel="miss / hit", title="Speed-up of a hit")
+    labelled = plots.spaced(Ls)                                # a tick at every prefix, a label where it fits
     for a in (ax, ax_ratio):
         a.set_xscale("log")
-        a.set_xticks(Ls, [f"{L:,}" for L in Ls], rotation=45)
+        a.set_xticks(Ls, [f"{L:,}" if L in labelled else "" for L in Ls])
         a.minorticks_off()
         a.set_xlabel(f"cached prefix (tokens), +{times[Ls[0]]['suffix']} new")
     ax.legend()

@@ -9,9 +9,12 @@ A saved PNG is shown in the book's column (lab/book.py, COLUMN_PX pixels wide) a
 is narrower, scaled down when it is wider; finish() therefore narrows a wider figure to the column. It then
 computes the scale at which the PNG is shown and refuses (FigureLegibilityError) to save a figure in which
 a visible text (title, axis label, tick label, legend, annotation) would read smaller than MIN_PT points
-in the book (check_legible). Importing this module sets matplotlib's defaults (rcParams) to sizes
+in the book, whose tick labels collide, or with an axis that labels a single tick, from which no scale can
+be read (check_legible). Importing this module sets matplotlib's defaults (rcParams) to sizes
 that pass: text of 8.5 to 10 pt on a figure as wide as the column.
 """
+
+import math
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -24,6 +27,7 @@ from ..book import COLUMN_PX
 DPI = 120                  # the PNGs' resolution
 COLUMN_IN = COLUMN_PX / DPI  # a figure this wide (6.93 in) is shown at exactly its size in the column
 MIN_PT = 8.0               # the smallest text a reader should have to read, at the size it is shown
+OVERLAP_PT = 0.5           # tick labels may touch, not overlap by more than this (font boxes include leading)
 PANEL_HEIGHT_IN = 3.4      # the height of one row of panels, by default
 
 STYLE = {
@@ -51,6 +55,70 @@ def figure(ncols=1, nrows=1, height=None, **subplots):
     by default). Two panels side by side is the most the column holds legibly."""
     height = height if height is not None else PANEL_HEIGHT_IN * nrows
     return plt.subplots(nrows, ncols, figsize=(COLUMN_IN, height), **subplots)
+
+
+def plain(v, _=None) -> str:
+    """A tick value as a reader writes it: 1,024 and 0.5, never 10³ or 1e+03."""
+    return f"{v:,.0f}" if abs(v) >= 1 and float(v).is_integer() else f"{v:,g}"
+
+
+LOG_STEPS = ((1.0,), (1.0, 2.0, 5.0), tuple(float(k) for k in range(1, 10)))   # coarse to fine
+
+
+def log_ticks(axis, steps=None):
+    """Label a log axis (ax.xaxis or ax.yaxis, its data already plotted) in plain numbers at steps that give
+    it at least two labels: every decade over more than three decades, 1-2-5 over more than 0.8 of one,
+    1 to 9 below that (or the `steps` given, one of LOG_STEPS); the other ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    lo, hi = sorted(axis.axes.get_xlim() if axis is axis.axes.xaxis else axis.axes.get_ylim())
+    decades = math.log10(hi / lo)
+    if steps is None:
+        steps = LOG_STEPS[0] if decades > 3 else LOG_STEPS[1] if decades > 0.8 else LOG_STEPS[2]
+    axis.set_major_locator(LogLocator(base=10, subs=steps))
+    axis.set_major_formatter(FuncFormatter(plain))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def tidy_log_axes(fig):
+    """Relabel with log_ticks() every log axis of fig whose ticks matplotlib chose (not set_xticks) and that
+    labels fewer than two ticks or labels that collide: the finest steps first, then coarser ones until none
+    collide. Where a log axis lands depends on the data (a quick run's times may span less than a decade, a
+    tiny model's errors a few units), and one label is no scale, two on top of each other none."""
+    if not hasattr(fig.canvas, "get_renderer"):  # a figure a notebook has shown keeps a canvas that cannot draw
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    fig.canvas.draw()                               # the limits and the ticks as they will be saved
+    renderer = fig.canvas.get_renderer()
+
+    def fine(axis):
+        labels = [t for side in tick_labels(axis) for t in side]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        return len({t.get_text() for t in labels}) >= 2 and not any(
+            overlap_px(a, b) > OVERLAP_PT * fig.dpi / 72 for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+    from matplotlib.ticker import FixedLocator
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):  # ticks a plot chose itself (set_xticks) are its own to fix
+            if axis.get_scale() != "log" or isinstance(axis.get_major_locator(), FixedLocator) or fine(axis):
+                continue
+            for steps in reversed(LOG_STEPS):
+                log_ticks(axis, steps)
+                fig.canvas.draw()
+                if fine(axis):
+                    break
+
+
+def spaced(values, factor=2.0) -> list:
+    """The values to label on a log axis whose ticks sit at `values`: the largest, then downwards each one at
+    least `factor` times below the last one kept (1,536 and 1,024 are too close to both carry a label)."""
+    kept = []
+    for v in sorted(values, reverse=True):
+        if not kept or kept[-1] / v >= factor - 1e-9:
+            kept.append(v)
+    return sorted(kept)
 
 
 def shown_scale(fig, dpi=DPI, column_px=COLUMN_PX) -> float:
@@ -90,9 +158,64 @@ def too_small(fig, dpi=DPI, column_px=COLUMN_PX, min_pt=MIN_PT) -> list[str]:
     return [described for _, described in sorted(small, key=lambda s: s[0])]  # the smallest first
 
 
+def _axes_name(fig, ax) -> str:
+    title = ax.get_title() or ax.get_ylabel() or ax.get_xlabel()
+    return f"panel {fig.axes.index(ax) + 1}" + (f" ({title!r})" if title else "")
+
+
+def tick_labels(axis) -> list[list[Text]]:
+    """The tick labels axis draws, per side (label1: bottom or left; label2: top or right): visible, not
+    empty, of the ticks inside the view. Axis._update_ticks() is how matplotlib's own draw() picks them."""
+    ticks = axis._update_ticks()
+    return [[t for t in (getattr(tick, side) for tick in ticks)
+             if t.get_visible() and t.get_text().strip() and t.get_alpha() != 0] for side in ("label1", "label2")]
+
+
+def overlap_px(a, b) -> float:
+    """How far two boxes (matplotlib Bbox) overlap, in pixels: the smaller of their overlaps along x and along
+    y; <= 0 when they do not touch."""
+    return min(min(a.x1, b.x1) - max(a.x0, b.x0), min(a.y1, b.y1) - max(a.y0, b.y0))
+
+
+def tick_problems(fig, overlap_pt=OVERLAP_PT) -> list[str]:
+    """The axes of fig whose tick labels collide, and those that label exactly one tick, described. Two labels
+    collide when their boxes overlap by more than overlap_pt points; the box of a rotated label is the
+    upright box around it, so rotated labels collide when a reader cannot tell which tick each one names.
+    An axis that labels no tick (hidden labels of a shared axis, an image without ticks) is left alone."""
+    if not hasattr(fig.canvas, "get_renderer"):  # a figure a notebook has shown keeps a canvas that cannot draw
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)                        # becomes fig.canvas
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    tolerance = overlap_pt * fig.dpi / 72
+    problems = []
+    for ax in fig.axes:
+        if not (ax.get_visible() and ax.axison):
+            continue
+        for letter, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            if not axis.get_visible():
+                continue
+            sides = tick_labels(axis)
+            shown = sorted({t.get_text() for side in sides for t in side})
+            if len(shown) == 1:
+                problems.append(f"{_axes_name(fig, ax)}: the {letter} axis labels one tick only ({shown[0]!r}); "
+                                f"a scale needs at least two labelled ticks")
+            for side in sides:
+                boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in side]
+                for i, (a, ca) in enumerate(boxes):
+                    hits = [b for b, cb in boxes[i + 1:] if overlap_px(ca, cb) > tolerance]
+                    problems += [f"{_axes_name(fig, ax)}: {letter} tick labels {a!r} and {b!r} overlap" for b in hits]
+    return problems
+
+
 def check_legible(fig, name="figure", dpi=DPI, column_px=COLUMN_PX, min_pt=MIN_PT):
     """Raise FigureLegibilityError, naming the figure and the texts, if any visible text of fig would read
-    under min_pt points where the book shows it."""
+    under min_pt points where the book shows it, if tick labels overlap, or if an axis labels one tick."""
+    ticks = tick_problems(fig)
+    if ticks:
+        raise FigureLegibilityError(f"{name}: {'; '.join(ticks)}. Label fewer ticks or shorter labels, or choose "
+                                    f"the ticks (ax.set_xticks) so that at least two are labelled and none collide.")
     small = too_small(fig, dpi, column_px, min_pt)
     if small:
         scale = shown_scale(fig, dpi, column_px)
@@ -117,6 +240,7 @@ def finish(fig, path=None, **layout):
     """
     if fig.get_figwidth() > COLUMN_IN + 1e-6:
         fig.set_figwidth(COLUMN_IN)
+    tidy_log_axes(fig)
     fig.tight_layout(**layout)
     if path:
         from pathlib import Path
