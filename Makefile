@@ -1,13 +1,16 @@
-# Two commands: `make test` and `make results`. Every target installs what it needs and is idempotent.
+# The reader's two commands: `make lab` (the chapters in JupyterLab) and `make test`. `make results` measures;
+# the peers' agreement tests (vLLM, kvpress) run in their own environments (`make test-peers`). Every target
+# installs what it needs and is idempotent.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+LAB_READY := $(VENV)/.lab-ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test test-slow test-all results lab book book-check notebooks lint clean peers
+.PHONY: setup test test-slow test-peers test-all results lab lab-check book book-check notebooks lint clean vllm peers
 
 setup: $(READY)
 	@$(PY) -m lab.prepare
@@ -19,6 +22,11 @@ $(READY): pyproject.toml
 	$(PIP) -e '.[dev]'
 	rm -f $(VENV)/.ready-* && touch $@
 
+# JupyterLab and what it needs (the [lab] extra): `make lab`, `make lab-check`, and the tests of both.
+$(LAB_READY): $(READY)
+	$(PIP) -e '.[lab]'
+	rm -f $(VENV)/.lab-ready-* && touch $@
+
 lint: setup
 	$(VENV)/bin/ruff check lab tests notebooks
 
@@ -29,25 +37,33 @@ notebooks: setup
 	  || exit 1; done
 
 # Quick mode, whatever the shell exports: shorter sweeps, a temporary results file, never results/results.json.
-# `make test` leaves out the tests marked slow (over ~8 s each; see pyproject.toml); `make test-slow` runs
-# only those, and `make test-all` both (CI does). It builds vLLM's environment too (a few minutes, once):
-# chapter 6's agreement with vLLM runs in it.
-test: lint notebooks vllm
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow"
+# `make test` leaves out the tests marked slow (over ~8 s each) and those marked peers (they need vLLM's or
+# kvpress's own environment; see pyproject.toml), so a fresh clone needs neither; `make test-slow` and
+# `make test-peers` run those, `make test-all` all three (CI does).
+test: lint notebooks $(LAB_READY)
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers"
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
 
-# pytest exits with 5 when no test is selected: no test marked slow is not a failure. kvpress's environment
-# (`make peers`, about a minute, once) is built for chapter 7's agreement with it, a slow test.
-test-slow: setup peers
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m slow || test $$? -eq 5
+# pytest exits with 5 when no test is selected: no test marked slow is not a failure. Among them, JupyterLab
+# in headless Chromium (tests/test_jupyterlab.py; Chromium is installed from Debian when missing, as root).
+test-slow: setup $(LAB_READY)
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "slow and not peers" || test $$? -eq 5
 
-test-all: test test-slow
+# The lab against its peers, each in its own environment: vLLM's CPU build (`make vllm`, a few minutes and
+# about 3.5 GB, once) for chapters 6 and 8, kvpress (`make peers`, about a minute and 1.4 GB) for chapter 7.
+test-peers: setup vllm peers
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m peers
 
-# Full mode, the only target that writes results/results.json and results/figures/ (LAB_FULL=1). Then the
-# time of every notebook, run as a reader runs it (quick mode, a temporary results file), into "notebooks".
+test-all: test test-slow test-peers
+
+# Full mode, the only target that writes results/results.json and results/figures/ (LAB_FULL=1). The
+# experiments measure a quiet machine with OpenMP's defaults (LAB_OMP_DEFAULT=1: threads spin between
+# operators, the fastest when nothing else wants the cores). Then the time of every notebook, run as a reader
+# runs it (quick mode, a temporary results file, the lab's setting for a shared machine: lab/threads.py;
+# chapter 3 measures both settings), into "notebooks".
 results: setup vllm peers
-	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments
-	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.gpu
+	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments
+	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
 	$(PY) -m lab.readme
 	$(MAKE) book
@@ -56,15 +72,23 @@ results: setup vllm peers
 book: setup
 	$(PY) -m lab.book
 
-# The book in headless Chromium (installed from Debian's `chromium` if missing): build/book/screens/*.png.
+# The book in headless Chromium (installed from Debian's `chromium` if missing): build/book/screens/*.png, one per
+# chapter and one of print.html; fails if a table of any page is wider than the text column.
 book-check: setup
 	$(PY) -m lab.book --screens
 
-# Quick mode (the default): a notebook opened here writes to a temporary results file.
-lab: setup
-	$(PIP) -e '.[lab]'
-	cd notebooks && ../$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \
-	  --ServerApp.contents_manager_class=jupytext.TextFileContentsManager
+# JupyterLab on notebooks/ (lab/jupyter.py): a double-click opens a chapter as a notebook (the default viewer
+# of .py files, set in this environment's settings, not in your home), and a chapter only run and saved stays
+# the committed file (notebooks/jupytext.toml). Quick mode (the default): a notebook opened here writes to a
+# temporary results file.
+lab: setup $(LAB_READY)
+	$(PY) -m lab.jupyter
+
+# JupyterLab started as `make lab` starts it, driven by headless Chromium (installed from Debian's `chromium`
+# if missing): a double-click on ch01_recompute.py opens a notebook, its first cell runs, a save leaves
+# `git status notebooks/` as it was.
+lab-check: setup $(LAB_READY)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m lab.jupyter --check
 
 # vLLM's CPU build in its own environment (its transformers pin conflicts with ours): torch first, the CPU
 # build on disk; then vLLM; then remove the torchvision, torchaudio and torchcodec it pulls in, which do not

@@ -34,9 +34,10 @@ def lab_loss(model, context, continuation) -> float:
 # Slow (two kvpress runs, each a fresh Python importing torch, transformers and kvpress). One thread on
 # both sides (conftest's `one_thread`, and kvpress's): on a busy 2-core machine a second thread mostly
 # waits for a timeslice (measured here: a 288-token forward 2.4 s on one thread, 8-10 s on two; this test
-# 35 s on one, 100 s on two, the machine busy). It skips where kvpress's environment was not built
-# (`make peers`).
+# 35 s on one, 100 s on two, the machine busy). Marked peers: `make test-peers` builds kvpress's environment
+# (`make peers`) and runs it; elsewhere it skips where that environment was not built.
 @pytest.mark.slow
+@pytest.mark.peers
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(not kvpress.available(), reason="kvpress's environment is not built here (make peers)")
 def test_kvpress_without_a_press_equals_the_labs_loss_and_streaming_llm_forgets_the_middle(smollm2):
@@ -65,6 +66,7 @@ def test_kvpress_without_a_press_equals_the_labs_loss_and_streaming_llm_forgets_
 
 
 @pytest.mark.slow
+@pytest.mark.peers
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(not kvpress.available(), reason="kvpress's environment is not built here (make peers)")
 def test_the_labs_evicting_cache_keeps_what_kvpress_keeps_at_the_same_ratio(smollm2):

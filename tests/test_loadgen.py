@@ -3,8 +3,8 @@
 Oracles: the exponential distribution's moments for the arrival gaps; percentiles worked out by hand and
 numpy's percentile; the engine's own count of what it batched, and each request's max_tokens, for a run
 against the lab's server (uvicorn in a thread on a free port, as tests/test_serve.py serves it). One test
-starts `python -m lab.serve` as a process through `lab_server` and stops it; vLLM's server is tested only
-where .venv-vllm exists, and as a slow test.
+starts `python -m lab.serve` as a process through `lab_server` and stops it; vLLM's server is tested by
+`make test-peers` (marked peers and slow; it skips where .venv-vllm does not exist).
 """
 
 import itertools
@@ -165,6 +165,7 @@ def test_vllm_server_refuses_a_page_size_its_cpu_backend_cannot_use():
 
 
 @pytest.mark.slow
+@pytest.mark.peers
 @pytest.mark.skipif(not (VLLM_BIN / "python").exists(), reason="no .venv-vllm (make vllm)")
 def test_vllm_server_answers_exactly_max_tokens():
     requests = workload(4, math.inf, 0, max_prompt=32, max_output=8)

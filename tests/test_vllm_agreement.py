@@ -22,8 +22,9 @@ def requests(tokenizer):
     return [shared + ps[1][:20], shared + ps[2][:45], shared + ps[1][:20], ps[3][:96], ps[3][:96]]
 
 
-# Not marked slow (it takes about a minute, most of it vLLM starting): `make test` builds vLLM's environment
-# and runs this; it skips only where the environment was not built (a bare pytest run).
+# About a minute, most of it vLLM starting. Marked peers: `make test-peers` builds vLLM's environment and runs
+# this; `make test` leaves it out, and a bare pytest run skips it where the environment was not built.
+@pytest.mark.peers
 @pytest.mark.skipif(not vllm.available(), reason="vLLM's environment is not built here (make vllm)")
 def test_cached_token_counts_and_greedy_tokens_equal_vllms(smollm2):
     prompts = requests(smollm2.tokenizer)
