@@ -5,11 +5,18 @@ offered only under its own identity (model, dtype, tenant), only for ids that ex
 the store must actually keep states (a store that never stores is always correct and useless).
 """
 
+import time
+from collections import OrderedDict
+
 import pytest
+import torch
 
 from lab import results
+from lab.cache import ConcatCache
 from lab.exercises import ch04
 from lab.exercises import ch04_solutions as sol
+from lab.models import forward_cached, load
+from lab.models.load import scaled_copy
 
 
 def test_ch04_prefix_store_check():
@@ -86,6 +93,54 @@ def test_ch04_prefix_store_refuses_a_store_that_breaks_a_rule(store, message):
         ch04.check_prefix_store(store)
 
 
+class Recomputes(sol.LRUPrefixStore):
+    """Keeps only ids, and computes the state of the common prefix on lookup: always right, and every
+    "hit" computed again. It knows the check's models by their manifests."""
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        base = load("tiny-llama")
+        tuned = scaled_copy(base, "model.layers.0.mlp.down_proj.weight", 1.5)
+        self.models = {m.manifest: m for m in (base, tuned)}
+
+    def lookup(self, identity, ids):
+        cache, n = super().lookup(identity, ids)
+        if cache is None:
+            return None, 0
+        model, fresh = self.models[identity.manifest], ConcatCache(self.models[identity.manifest].config)
+        forward_cached(torch.tensor([ids[:n]]), model.weights, model.config, fresh)
+        fresh.owner = None                   # forget which tensors filled it: the check's model takes it
+        return fresh, n
+
+
+class NeverEvicts(sol.LRUPrefixStore):
+    def __init__(self, capacity):
+        super().__init__(10**6)                                   # capacity ignored: every state kept
+
+
+HIDDEN = OrderedDict()
+
+
+class KeepsThemElsewhere(sol.LRUPrefixStore):
+    """Never evicts, and keeps its states outside the object (a module-level dict)."""
+
+    def __init__(self, capacity):
+        super().__init__(10**6)
+        HIDDEN.clear()
+        self.entries = HIDDEN
+
+
+@pytest.mark.parametrize("store, message", [
+    (Recomputes, "ran the model"),
+    (NeverEvicts, "more than its capacity"),
+    (KeepsThemElsewhere, "more than its capacity"),
+])
+def test_ch04_prefix_store_refuses_a_store_that_does_not_store(store, message):
+    with pytest.raises(AssertionError, match=message):
+        ch04.check_prefix_store(store)
+    HIDDEN.clear()
+
+
 @pytest.fixture
 def book(tmp_path):
     """A results file with the book's key cost (the committed file gains it with the next full run)."""
@@ -104,3 +159,19 @@ def test_ch04_key_cost_check(book, capsys):
 def test_ch04_key_cost_check_refuses_a_typed_number(book):
     with pytest.raises(AssertionError, match="do not type or look up a number"):
         ch04.check_key_cost(lambda T: 50.0, T=512, path=book)  # the book's number, not a measurement
+
+
+def test_ch04_key_cost_check_refuses_a_typed_number_after_a_wait(book):
+    def waits(T):
+        time.sleep(0.01)           # long enough for the number to "fit inside" the call
+        return 50.0
+    with pytest.raises(AssertionError, match="do not type a number"):
+        ch04.check_key_cost(waits, T=512, path=book)
+
+
+def test_ch04_key_cost_check_refuses_reading_the_books_number(book):
+    def looked_up(T):
+        sol.key_cost_us(T)
+        return results.lookup(results.read(book), f"ch04.key_cost_us.T{T}")["value"]
+    with pytest.raises(AssertionError, match="forbidden shortcut"):
+        ch04.check_key_cost(looked_up, T=512, path=book)

@@ -2,8 +2,11 @@
 
 Oracles: for smoothing, QuantizedCache's own smoothing (quantize_symmetric on k - mean), itself checked here
 against the cache; for the budget, the loss recomputed at every budget, and decoding_loss through a full cache
-checked against the plain forward's loss.
+checked against the plain forward's loss. Both checks draw fresh cases at every run; a test passes `seed=`
+where it must know them.
 """
+
+import types
 
 import pytest
 import torch
@@ -22,10 +25,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 def test_smoothing_reference_passes():
     assert ch07.check_smoothing(sol7.smooth_and_quantize, sol7.dequantize)
+    assert ch07.check_smoothing(sol7.smooth_and_quantize, sol7.dequantize, seed=4)
+
+
+CASES = [case for seed in (0, 1) for case in ch07.smoothing_cases(seed)]
 
 
 def test_the_oracle_is_the_quantized_caches_smoothing():
-    for _, keys in ch07.SMOOTHING_CASES:
+    for _, keys in CASES:
         B, H, T, D = keys.shape
         config = ModelConfig(arch="llama", n_layers=1, n_heads=H, n_kv_heads=H, head_dim=D)
         cache = QuantizedCache(config, bits=8, smooth=True, batch_size=B)
@@ -36,7 +43,7 @@ def test_the_oracle_is_the_quantized_caches_smoothing():
 
 
 def test_every_case_gains_clearly_from_smoothing():
-    for name, keys in ch07.SMOOTHING_CASES:
+    for name, keys in CASES:
         smoothed, plain = ch07.smoothed_oracle(keys)[2], ch07.plain_oracle(keys)[1]
         assert ch07.mse(plain, keys) > 10 * ch07.mse(smoothed, keys), name
 
@@ -75,10 +82,40 @@ def uses_quantized_cache(keys):
     return with_mean(lambda keys: cache.k_mean[0])(keys)
 
 
-@pytest.mark.parametrize("shortcut", [calls_the_lab, uses_quantized_cache])
+def calls_a_copy_of_the_oracle(keys):
+    copy = types.FunctionType(ch07.smoothed_oracle.__code__, ch07.smoothed_oracle.__globals__)
+    mu, scale, _ = copy(keys)
+    x = keys - mu
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale, mu
+
+
+def torch_quantizer(keys):
+    mean = keys.mean(2, keepdim=True)
+    x = keys - mean
+    scales = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.quantize_per_channel(x.flatten(0, 2), scales.flatten(), torch.zeros(scales.numel(), dtype=torch.long),
+                                   0, torch.qint8)
+    return q.int_repr().view_as(keys), scales, mean
+
+
+@pytest.mark.parametrize("shortcut", [calls_the_lab, uses_quantized_cache, calls_a_copy_of_the_oracle, torch_quantizer])
 def test_the_labs_quantizer_is_refused(shortcut):
-    with pytest.raises(AssertionError, match="forbidden shortcut"):
+    with pytest.raises(AssertionError, match="forbidden shortcut|quantize k - mean yourself"):
         ch07.check_smoothing(shortcut, sol7.dequantize)
+
+
+def test_answers_computed_beforehand_for_the_old_keys_fail():
+    old = [ch07.keys_with_outliers(), torch.cat([ch07.keys_with_outliers(1, 4, 48, 16, 2, 12.0, seed=1),
+                                                 ch07.keys_with_outliers(1, 4, 48, 16, 2, -30.0, seed=2)]),
+           ch07.keys_with_outliers(1, 3, 7, 64, 4, 50.0, seed=3)]
+    known = {k.sum().item(): ch07.smoothed_oracle(k) for k in old}     # the oracle, run before the check
+
+    def looked_up(keys):
+        mu, scale, _ = known.get(keys.sum().item(), (keys.mean(), keys.abs().amax() / 127, None))
+        return torch.round((keys - mu) / scale).clamp(-127, 127).to(torch.int8), scale, mu
+
+    with pytest.raises(AssertionError):
+        ch07.check_smoothing(looked_up, sol7.dequantize)
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -133,6 +170,10 @@ def test_parts_in_float64_pass():
 # ---- exercise 2: the smallest budget -----------------------------------------------------------------------
 
 def test_budget_reference_passes():
+    assert ch07.check_smallest_budget(sol7.smallest_budget, seed=0)
+
+
+def test_budget_reference_passes_on_fresh_cases():
     assert ch07.check_smallest_budget(sol7.smallest_budget)
 
 
@@ -146,20 +187,47 @@ def test_decoding_loss_through_a_full_cache_is_the_plain_forwards():
     assert whole == pytest.approx(plain, abs=1e-5)
 
 
-def qualifying(case):
+def over(case):
     full, losses = ch07.budget_losses(case)
-    return [b for b in ch07.BUDGETS if losses[b] <= (1 + ch07.TOLERANCE) * full]
+    return {b: loss / full - 1 for b, loss in losses.items()}
+
+
+def qualifying(case):
+    return [b for b, o in over(case).items() if o <= ch07.TOLERANCE]
 
 
 def test_every_answer_is_neither_the_first_nor_the_last_budget():
+    for case, (_, _, temperature, seed, budgets) in enumerate(ch07.BUDGET_CASES):
+        assert min(qualifying(case)) not in (budgets[0], budgets[-1])
+        assert budgets[-1] == len(ch07.sampled_text(128, temperature, seed))   # the last holds the whole text
+
+
+def test_every_fixed_budget_is_clear_of_the_line():
     for case in range(len(ch07.BUDGET_CASES)):
-        assert min(qualifying(case)) not in (ch07.BUDGETS[0], ch07.BUDGETS[-1])
-        assert ch07.BUDGETS[-1] == len(ch07.sampled_text(128, *ch07.BUDGET_CASES[case][2:]))  # holds the text
+        assert all(abs(o - ch07.TOLERANCE) >= ch07.MARGIN for o in over(case).values()), ch07.BUDGET_CASES[case]
 
 
 def test_one_case_has_a_failing_budget_above_its_answer():
-    ok = [qualifying(case) for case in range(len(ch07.BUDGET_CASES))]
-    assert any(set(ch07.BUDGETS[ch07.BUDGETS.index(min(q)):]) - set(q) for q in ok)
+    assert any(b > min(qualifying(case)) and o > ch07.TOLERANCE + ch07.MARGIN
+               for case in range(len(ch07.BUDGET_CASES)) for b, o in over(case).items())
+
+
+def test_fresh_cases_vary():
+    cases = [c for seed in range(4) for c in ch07.fresh_budget_cases(seed)]
+    assert len({c[3] for c in cases}) == len(cases) and len({c[4] for c in cases}) > 1
+    assert all(c[4][-1] == 128 for c in cases)
+
+
+OLD_ANSWERS = {"window": 64, "sinks": 48, "h2o": 24}     # the answers of the old fixed cases
+ANSWERS = {"window": 64, "sinks": 48, "h2o": 20}         # the answers of today's fixed cases
+
+
+def hard_coded(model, ids, policy, budgets):
+    return OLD_ANSWERS[policy]
+
+
+def hard_coded_nearest(model, ids, policy, budgets):     # today's fixed answers, or the nearest candidate
+    return min(budgets, key=lambda b: abs(b - ANSWERS[policy]))
 
 
 def full_cache_only(model, ids, policy, budgets):
@@ -203,4 +271,32 @@ def one_below(model, ids, policy, budgets):
 ], ids=["largest", "not-a-candidate", "not-an-int", "full-cache", "one-step", "from-the-top", "one-below"])
 def test_budget_wrong_answers_fail(wrong, message):
     with pytest.raises(AssertionError, match=message):
-        ch07.check_smallest_budget(wrong)
+        ch07.check_smallest_budget(wrong, seed=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("wrong", [hard_coded, hard_coded_nearest], ids=["hard-coded", "hard-coded-nearest"])
+def test_hard_coded_answers_fail(wrong, seed):
+    with pytest.raises(AssertionError):
+        ch07.check_smallest_budget(wrong, seed=seed)
+
+
+def test_the_band_accepts_either_answer_near_the_line():
+    over = {8: 0.05, 16: 0.0105, 24: 0.0095, 32: 0.012, 128: 0.0}
+    for got in (16, 24):            # both within 0.15 points of the line, no budget below them surely qualifies
+        ch07._check_budget("made up", tuple(over), got, [got], 1.0, over)
+    with pytest.raises(AssertionError, match="more than 1% above"):
+        ch07._check_budget("made up", tuple(over), 8, [8], 1.0, over)
+    over[24] = 0.008                # now surely qualifies
+    with pytest.raises(AssertionError, match="the smaller 24 does too"):
+        ch07._check_budget("made up", tuple(over), 128, [128], 1.0, over)
+
+
+def test_patching_the_oracle_fails():
+    def patches(model, ids, policy, budgets):
+        ch07.losses = lambda policy, temperature, seed, budgets: (1.0, {b: 1.0 for b in budgets})
+        return min(budgets)
+
+    with pytest.raises(AssertionError, match="changed lab.exercises.ch07.losses"):
+        ch07.check_smallest_budget(patches, seed=0)
+    assert ch07.losses.__wrapped__.__name__ == "losses"

@@ -40,33 +40,43 @@ def test_each_request_alone_is_clear_of_ties_and_is_what_the_stock_engine_serves
     assert counted[0] == big.stats["computed_tokens"] == ch08.positions_without_recomputation(prompts, news)
 
 
-def test_overtakes_reads_the_waiting_requests_from_a_timeline():
-    def entry(arrived, admitted, preempted=(), cancelled=None):
-        return dict(arrived=arrived, admitted=list(admitted), preempted=list(preempted), cancelled=cancelled)
+def test_cached_prefix_is_what_admission_takes():
+    """The helper the reader ranks with, the check's oracle (a copy of the block manager admits the request)
+    and what _admit really takes agree at every admission of a run."""
+    seen = []
 
-    timeline = [entry(0, [0]),            # size 5, admitted at once
-                entry(0, [2]),            # size 9, waits until step 2
-                entry(1, [1]),            # size 3, arrived at 1, admitted at 1: overtook nobody smaller
-                entry(0, [0, 4], [3]),    # size 7: admitted, preempted at 3, admitted again at 4
-                entry(3, []),             # size 2: never admitted
-                entry(0, [], cancelled=1)]  # size 1: cancelled at step 1, before anything else was admitted
-    sizes = [5, 9, 3, 7, 2, 1]
-    assert ch08.overtakes(timeline, sizes) == [(0, 0, 5), (0, 3, 5), (4, 3, 4)]
-    # sizes in the order of the ids: 3 overtakes 1 at step 0, and 2 (arrived later) overtakes it at step 1
-    assert ch08.overtakes(timeline, [1, 2, 3, 4, 5, 6]) == [(0, 3, 1), (1, 2, 1)]
+    class Watched(sol8.ShortestFirstEngine):
+        def _admit(self, req, budget, now):
+            looked, left = ch08.cached_prefix(self, req), ch08._work_left(self, req)
+            before = req.cached_tokens
+            n = super()._admit(req, budget, now)
+            if n:
+                seen.append((looked, len(req.prompt) + req.max_new_tokens - left, req.cached_tokens - before))
+            return n
+
+    ch08._run_sjf(Watched)
+    assert seen and all(a == b == c for a, b, c in seen)
+    assert sum(c > 0 for _, _, c in seen) >= 4                     # the system prompt and preempted pages
 
 
 def test_the_stock_engine_is_first_come_first_served_and_the_workload_tells_them_apart():
-    timeline = list(ch08.fcfs_timeline())
     prompts, news, arrivals = ch08.sjf_workload()
     assert arrivals == sorted(arrivals)                           # index order is arrival order
-    assert ch08.overtakes(timeline, list(range(len(timeline)))) == []
-    sizes = [ch08.job_size(len(p), n) for p, n in zip(prompts, news, strict=True)]
-    assert len(ch08.overtakes(timeline, sizes)) > 5
+    _, _, timeline, log = ch08._run_sjf(ServingEngine)
+    assert all(rid == min(waiting) for _, rid, waiting, _ in log)  # every choice the earliest arrival
+    assert sum(any(left < waiting[rid][1] for _, left in waiting.values()) for _, rid, waiting, _ in log) > 5
+
+
+def test_the_workload_tells_the_work_left_from_the_size():
+    """Ranking by size (the tokens asked for) and by the work left choose differently at some admission."""
+    _, _, _, log = ch08._run_sjf(sol8.ShortestFirstEngine)
+    differ = [s for s, _, waiting, _ in log
+              if min(waiting, key=lambda r: waiting[r][0]) != min(waiting, key=lambda r: waiting[r][1])]
+    assert len(differ) >= 2
 
 
 def test_the_workloads_preempt():
-    engine, _, timeline = ch08._run_sjf(sol8.ShortestFirstEngine)
+    engine, _, timeline, _ = ch08._run_sjf(sol8.ShortestFirstEngine)
     assert engine.stats["preemptions"] > 0                        # the preempted requests' rule is exercised
     assert any(len(e["admitted"]) > 1 for e in timeline)
     engine = sol8.SwappingEngine(ch08.tiny_model(), **ch08.SWAP_POOL, prefix_caching=False)
@@ -126,6 +136,13 @@ class DropsLongJobs(ServingEngine):
         return best
 
 
+class TotalSize(ServingEngine):
+    """Ranks by the tokens asked for, blind to the pages already cached (the exercise's old rule)."""
+
+    def next_to_admit(self):
+        return min(self.waiting, key=size)
+
+
 class Truncates(sol8.ShortestFirstEngine):
     def next_to_admit(self):
         for req in self.waiting:
@@ -152,15 +169,16 @@ class BiggerPool(sol8.ShortestFirstEngine):
 
 @pytest.mark.parametrize("wrong, message", [
     (ServingEngine, "that is first come, first served"),
-    (LongestFirst, "was admitted while request"),
-    (ShortestPrompt, "was admitted while request"),
+    (LongestFirst, "was chosen while request"),
+    (ShortestPrompt, "was chosen while request"),
     (CancelsLongJobs, "was cancelled"),
     (DropsLongJobs, "dropped from the queue"),
     (Truncates, "tokens of the 16 asked"),
-    (SortedOnArrival, "had been preempted"),
+    (SortedOnArrival, "least work left"),
     (BiggerPool, "a bigger pool"),
+    (TotalSize, "rank by the work left, not by the size"),
 ], ids=["fcfs", "longest-first", "shortest-prompt", "cancels-long-jobs", "drops-long-jobs", "truncates",
-        "sorted-on-arrival", "bigger-pool"])
+        "sorted-on-arrival", "bigger-pool", "total-size"])
 def test_shortest_first_wrong_answers_fail(wrong, message):
     with pytest.raises(AssertionError, match=message):
         ch08.check_shortest_first(wrong)
@@ -282,3 +300,15 @@ class SwapsInABiggerPool(sol8.SwappingEngine):
 def test_swapping_wrong_answers_fail(wrong, message):
     with pytest.raises(AssertionError, match=message):
         ch08.check_swapping(wrong)
+
+
+class PatchesTheOracle(TotalSize):
+    def next_to_admit(self):
+        ch08._work_left = lambda engine, req: len(req.prompt) + req.max_new_tokens     # blind to the cache
+        return super().next_to_admit()
+
+
+def test_patching_the_oracle_fails():
+    with pytest.raises(AssertionError, match="changed lab.exercises.ch08._work_left"):
+        ch08.check_shortest_first(PatchesTheOracle)
+    assert ch08._work_left.__name__ == "_work_left"

@@ -2,7 +2,10 @@
 
 A check raises AssertionError with a hint when the answer is wrong and prints a line when it is right.
 A check also enforces the exercise's rule: where an exercise forbids a shortcut the library offers, the
-check hands the reader's function an object on which that shortcut raises. Reference solutions live in
+shortcut raises while the reader's function runs, however it is reached (`rules.py`), and the reader's
+function may not change the check or its oracle. Where an answer could be looked up, the cases are drawn
+fresh at every run (the seed is printed; `seed=` draws them again) and the oracle runs only after the
+reader's function has answered. Reference solutions live in
 `chNN_solutions.py`; the tests run every check on them and on at least one forbidden shortcut, so an
 exercise can never silently rot or pass trivially.
 

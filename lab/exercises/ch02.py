@@ -1,79 +1,23 @@
 """Chapter 2 exercises: the mask offset, how many sequences fit, crop, and an open-ended timing.
 
-Each check enforces its exercise's rule: the mask must be the reader's own (lab's
-offset_causal_mask is replaced by a stub that raises while the check runs), the sequence count must be
-worked out from the model's shape (lab's caches and sizing functions raise while it runs), and crop
-must not call the cache's own crop (the check hands over a cache whose crop raises).
+Each check enforces its exercise's rule: while the reader's function runs, lab's offset_causal_mask (and
+PyTorch's causal_lower_right, which builds the same mask) raises; lab's caches and sizing functions raise;
+the cache's own crop, reset and truncation raise, however they are reached (rules.functions_raise). The
+cases are drawn fresh at every run (`seed=` draws the same ones again), and the oracles run only after the
+reader's function has answered.
 """
 
-import contextlib
-import functools
-import inspect
-import sys
+import random
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import bias as torch_bias
 
-from .. import cache as lab_cache
-from ..cache import ConcatCache, StaticCache, sizing
+from ..cache import ConcatCache, EvictingCache, PagedCache, QuantizedCache, StaticCache, make_cache, sizing
 from ..cache import base as cache_base
+from ..cache.base import KVCache
 from ..models import forward, forward_cached, load
-
-
-@contextlib.contextmanager
-def _forbidden(objects: dict, reader_fn=None):
-    """While inside, every module attribute bound to one of `objects` ({name: object}), and every
-    closure cell of `reader_fn` that holds one, is a stub that raises AssertionError: a reader's
-    function that calls lab's own version fails, however it was imported."""
-    by_id = {id(obj): name for name, obj in objects.items()}
-    patched = []  # (get, set) pairs: modules' namespaces and the reader's closure cells
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict):
-            patched += [(namespace, attr, val) for attr, val in list(namespace.items()) if id(val) in by_id]
-    cells = [c for c in (getattr(reader_fn, "__closure__", None) or ()) if _filled(c) and id(c.cell_contents) in by_id]
-
-    def stub(name):
-        def forbidden(*args, **kwargs):
-            raise AssertionError(f"your function called lab's {name}: the exercise is to write it "
-                                 "without it")
-        return forbidden
-
-    originals = [c.cell_contents for c in cells]
-    try:
-        for namespace, attr, val in patched:
-            namespace[attr] = stub(by_id[id(val)])
-        for c in cells:
-            c.cell_contents = stub(by_id[id(c.cell_contents)])
-        yield
-    finally:
-        for namespace, attr, val in patched:
-            namespace[attr] = val
-        for c, val in zip(cells, originals, strict=True):
-            c.cell_contents = val
-
-
-def _uses(fn, obj) -> bool:
-    """Is fn the object itself, a wrapper or partial of it, or a closure/default that holds it?"""
-    seen = []
-    while fn is not None and not any(fn is s for s in seen):
-        if fn is obj:
-            return True
-        seen.append(fn)
-        held = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c)]
-        held += list(getattr(fn, "__defaults__", None) or ())
-        if any(h is obj for h in held):
-            return True
-        fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
-    return False
-
-
-def _filled(cell) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return True
+from .rules import drawn_with, fresh_seed, functions_raise, unchanged
 
 
 class _MaskedCache(ConcatCache):
@@ -100,30 +44,43 @@ def _chunked_logits(model, ids, chunk, mask_fn):
     return torch.cat(pieces, dim=1)
 
 
-@torch.no_grad()
-def check_mask_offset(offset_causal_mask):
-    """offset_causal_mask(start, T) -> bool [T, start + T]. Oracle: a one-shot forward without a cache.
+# lab's mask, and PyTorch's own builder of the same mask (causal_lower_right(T, start + T) materialized)
+MASKS = (cache_base.offset_causal_mask, torch_bias.causal_lower_right, torch_bias.causal_upper_left,
+         torch_bias.CausalBias)
+OWN_MASK = ("your function called lab's offset_causal_mask (or PyTorch's causal bias): the exercise is to write "
+            "the mask yourself")
 
-    Rule: write the mask yourself. lab's own offset_causal_mask is rejected, and it raises while the
-    check runs your function.
+
+@torch.no_grad()
+def check_mask_offset(offset_causal_mask, seed=None):
+    """offset_causal_mask(start, T) -> bool [T, start + T]. Oracle: a one-shot forward without a cache, and
+    for starts too large to tabulate beforehand, a triangle shifted right by start.
+
+    Rule: write the mask yourself. lab's own offset_causal_mask (and PyTorch's causal_lower_right) raise while
+    the check runs your function.
     """
-    lab_mask = cache_base.offset_causal_mask
-    module = getattr(inspect.unwrap(offset_causal_mask), "__module__", "") or ""
-    assert not _uses(offset_causal_mask, lab_mask) and not module.startswith(("lab.models", "lab.cache")), (
-        "that is lab's own offset_causal_mask (or a wrapper of it): the exercise is to write the mask yourself")
+    seed = fresh_seed(seed)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     model = load("tiny-llama")
-    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    want = forward(ids, model.weights, model.config)
-    with _forbidden({"offset_causal_mask": lab_mask}, offset_causal_mask):
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=g)
+    far = [(rng.randint(100, 5000), rng.randint(1, 64)) for _ in range(3)]   # (start, T) no table holds
+    with unchanged(__name__), functions_raise(*MASKS, why=OWN_MASK):
         m = offset_causal_mask(3, 4)
         assert isinstance(m, torch.Tensor) and tuple(m.shape) == (4, 7) and m.dtype == torch.bool, (
             f"offset_causal_mask(3, 4) gave {getattr(m, 'dtype', type(m))} {tuple(getattr(m, 'shape', ()))}; "
             "expected a bool [4, 7] (one row per new query, one column per key, cached ones included)")
-        for chunk in (1, 7, 16):
-            got = _chunked_logits(model, ids, chunk, offset_causal_mask)
+        chunked = {chunk: _chunked_logits(model, ids, chunk, offset_causal_mask) for chunk in (1, 7, 16)}
+        masks = [offset_causal_mask(start, T) for start, T in far]
+    want = forward(ids, model.weights, model.config)
+    with drawn_with(seed, "check_mask_offset"):
+        for chunk, got in chunked.items():
             assert torch.allclose(got, want, atol=1e-5), (
                 f"chunks of {chunk}: logits differ from the one-shot forward by {(got - want).abs().max():.3g}. "
                 "Hint: query i of the chunk sits at position start + i.")
+        for (start, T), m in zip(far, masks, strict=True):
+            shifted = torch.ones(T, start + T, dtype=torch.bool).tril(start)   # row i sees keys 0 .. start + i
+            assert isinstance(m, torch.Tensor) and m.shape == shifted.shape and torch.equal(m, shifted), (
+                f"offset_causal_mask({start}, {T}) is not the causal triangle shifted right by {start}")
     wrong = _chunked_logits(model, ids, 7, None)  # is_causal=True: the triangle aligned top-left
     p = int(((wrong - want).abs().amax(-1)[0] > 1e-5).nonzero()[0])
     print(f"correct. Without the offset (is_causal=True), chunks of 7 first go wrong at position {p}, in chunk "
@@ -131,58 +88,65 @@ def check_mask_offset(offset_causal_mask):
     return True
 
 
-def check_sequences_that_fit(fn):
+CACHES = (StaticCache, ConcatCache, PagedCache, QuantizedCache, EvictingCache, make_cache, sizing.cache_bytes,
+          sizing.bytes_per_position)
+OWN_SIZING = ("your function called lab's caches or sizing functions: the exercise is to work it out from the "
+              "model's shape")
+
+
+def check_sequences_that_fit(fn, seed=None):
     """fn(memory_bytes, weight_bytes, config, tokens, dtype_bytes) -> sequences whose caches fit beside the weights.
 
-    Oracle: the bytes of a real StaticCache for one sequence. Rule: work it out from the model's shape
-    (layers, KV heads, head size); lab's caches, cache_bytes and bytes_per_position raise while it runs.
+    Oracle: the bytes of a real StaticCache for one sequence, for memories and lengths drawn fresh. Rule: work
+    it out from the model's shape (layers, KV heads, head size); lab's caches, cache_bytes and
+    bytes_per_position raise while it runs.
     """
+    seed = fresh_seed(seed)
+    rng = random.Random(seed)
     cases = []
-    for name, dtype in (("tiny-llama", torch.float32), ("tiny-gpt2", torch.bfloat16), ("smollm2", torch.float16)):
+    for name in ("tiny-llama", "tiny-gpt2", "smollm2"):
         model = load(name)
         weights = sum(t.nbytes for t in model.weights.values())
-        for tokens, memory in ((128, 2**24), (1000, 2**30), (4096, 80 * 2**30)):
-            per_seq = StaticCache(model.config, tokens, dtype=dtype, device="meta").nbytes()
-            cases.append((name, model.config, tokens, memory, weights, torch.empty((), dtype=dtype).element_size(),
-                          max(0, (memory - weights) // per_seq)))
-    forbidden = {"StaticCache": StaticCache, "ConcatCache": ConcatCache, "PagedCache": lab_cache.PagedCache,
-                 "cache_bytes": sizing.cache_bytes, "bytes_per_position": sizing.bytes_per_position}
-    with _forbidden(forbidden, fn):
-        for name, config, tokens, memory, weights, dtype_bytes, want in cases:
-            got = fn(memory, weights, config, tokens, dtype_bytes)
-            assert got == want, (f"{name}, {tokens} tokens, {memory / 2**30:.2f} GiB: you said {got}, "
-                                 f"the caches say {want}. Hint: whole sequences only.")
-    print("correct")
+        for _ in range(3):
+            dtype = rng.choice((torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32))
+            cases.append((name, model.config, rng.randint(1, 32768), rng.randint(weights // 2, 2**37), weights,
+                          dtype))
+    got = []
+    with unchanged(__name__), functions_raise(*CACHES, why=OWN_SIZING):
+        for _, config, tokens, memory, weights, dtype in cases:
+            got.append(fn(memory, weights, config, tokens, dtype.itemsize))
+    with drawn_with(seed, "check_sequences_that_fit"):
+        for (name, config, tokens, memory, weights, dtype), g in zip(cases, got, strict=True):
+            per_seq = StaticCache(config, tokens, dtype=dtype, device="meta").nbytes()
+            want = max(0, (memory - weights) // per_seq)
+            assert g == want, (f"{name}, {tokens} tokens of {dtype.itemsize} bytes, {memory / 2**30:.2f} GiB: you "
+                               f"said {g}, the caches say {want}. Hint: whole sequences only.")
+    print(f"correct (cases drawn with seed={seed})")
     return True
 
 
-class _NoCropConcatCache(ConcatCache):
-    """A ConcatCache whose own crop (and the _truncate behind it, and reset) refuse to run."""
-
-    def crop(self, n):
-        raise AssertionError("your crop called cache.crop(): the exercise is to crop the cache's tensors "
-                             "yourself, without its own crop")
-
-    def _truncate(self, n):
-        raise AssertionError("your crop called the cache's own truncation (through crop, reset or "
-                             "_truncate): the exercise is to crop the tensors yourself")
+OWN_CROP = ("your crop called the cache's own crop (cache.crop(), reset or _truncate, however reached): the "
+            "exercise is to crop the cache's tensors yourself")
 
 
 @torch.no_grad()
-def check_crop(crop):
+def check_crop(crop, seed=None):
     """crop(cache, n) on a ConcatCache, without its own crop. Oracle: a cache that never held the extra positions.
 
-    Rule: do not call cache.crop (nor reset or _truncate): the cache handed to you raises if you do.
+    Rule: do not call cache.crop (nor reset or _truncate): they raise while your crop runs, however they are
+    reached (unbound, through super(), ...).
     """
     model = load("tiny-llama")
     cfg, w = model.config, model.weights
-    g = torch.Generator().manual_seed(1)
+    seed = fresh_seed(seed)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, 30), generator=g)
     more = torch.randint(0, cfg.vocab_size, (1, 4), generator=g)
     for n in (0, 1, 17, 30):
-        cropped, clean = _NoCropConcatCache(cfg), ConcatCache(cfg)
+        cropped, clean = ConcatCache(cfg), ConcatCache(cfg)
         forward_cached(ids, w, cfg, cropped)
-        crop(cropped, n)
+        with unchanged(__name__), functions_raise(KVCache.crop, KVCache.reset, ConcatCache._truncate, why=OWN_CROP):
+            crop(cropped, n)
         assert cropped.length == n, f"after crop to {n} the length is {cropped.length}"
         if n:
             forward_cached(ids[:, :n], w, cfg, clean)

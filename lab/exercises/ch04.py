@@ -1,17 +1,26 @@
 """Chapter 4 exercises: a store of cached prefixes, keyed by identity, with an eviction rule of your choice;
-and (open-ended) the cost of a prefix key on your own machine, beside the book's."""
+and (open-ended) the cost of a prefix key on your own machine, beside the book's.
 
+A store keeps the states it is given: it never runs the model (the model's code and matrix products raise
+while the store's methods run), and it keeps at most `capacity` of them (the check counts the caches still
+alive after the stream). A key's cost is a measurement: it must fit inside the call, and grow with the ids.
+"""
+
+import contextlib
+import gc
 import random
 import time
 
 import torch
 
-from ..cache import CacheMismatchError, ConcatCache
+from .. import results
+from ..cache import CacheMismatchError, ConcatCache, KVCache
 from ..engine import identity_of
-from ..models import forward, forward_cached, load
+from ..models import forward, forward_cached, gpt2, llama, load
 from ..models.load import scaled_copy
 from ..results import COMMITTED
 from . import compare_with_book
+from .rules import ForbidTorch, functions_raise, unchanged
 
 SYSTEMS = ["You are terse.", "You are a pirate.", "You translate to French.", "You write haiku.",
            "You answer in JSON.", "You are a patient teacher of physics."]
@@ -27,6 +36,39 @@ def request_stream(n=48, seed=0):
              rng.choices(["base", "tuned", "tenant-b"], weights=[6, 1, 1])[0]) for _ in range(n)]
 
 
+NO_MODEL = ("your store ran the model: a store keeps the states it was given and hands out forks of them, it "
+            "never computes one")
+
+
+class _StoreOnly:
+    """The reader's store, each of its calls made while the model's code and its matrix products raise."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def lookup(self, identity, ids):
+        with _no_model():
+            return self.store.lookup(identity, ids)
+
+    def insert(self, identity, ids, cache):
+        with _no_model():
+            return self.store.insert(identity, ids, cache)
+
+
+def _no_model():
+    stack = contextlib.ExitStack()
+    stack.enter_context(unchanged(__name__))
+    stack.enter_context(functions_raise(forward, forward_cached, gpt2.forward, gpt2.forward_cached, gpt2.block,
+                                        llama.forward, llama.forward_cached, llama.block, why=NO_MODEL))
+    stack.enter_context(ForbidTorch(("mm", "matmul", "linear", "embedding", "scaled_dot_product"), NO_MODEL))
+    return stack
+
+
+def _live_caches() -> set:
+    gc.collect()
+    return {id(x) for x in gc.get_objects() if issubclass(type(x), KVCache)}
+
+
 @torch.inference_mode()
 def check_prefix_store(make_store, capacity=3):
     """make_store(capacity) -> an object with lookup(identity, ids) -> (cache or None, n) and
@@ -35,13 +77,16 @@ def check_prefix_store(make_store, capacity=3):
     lookup returns a cache holding exactly ids[:n] (n < len(ids)) stored under the same identity, which the
     caller may extend; insert keeps the state of ids. The check serves a stream of requests through your
     store, compares every answer with recomputation, and reports the hit rate of your eviction rule.
+    Rules: the store never runs the model (lookup hands out stored states, it does not compute them), and it
+    keeps at most `capacity` caches: after the stream, the caches still alive are counted.
     """
     base = load("tiny-llama")
     # layer 0: the keys and values of layer 1 depend on it (the last layer's MLP changes no cached state)
     tuned = scaled_copy(base, "model.layers.0.mlp.down_proj.weight", 1.5)   # a fine-tune: same shapes
     models = {"base": base, "tuned": tuned, "tenant-b": base}
     cfg = base.config
-    store = make_store(capacity)
+    with _no_model():
+        store = _StoreOnly(make_store(capacity))
 
     # the rule itself: a state stored for one tenant is never offered to another, whatever the ids
     ids = base.tokenizer.encode("<system>shared</system>")
@@ -52,7 +97,8 @@ def check_prefix_store(make_store, capacity=3):
     assert other is None and n == 0, "a state stored under one salt was offered to another tenant"
 
     # the rule again, for ids alone: a stored state is offered only for ids that extend its own ids
-    store = make_store(capacity)
+    with _no_model():
+        store = _StoreOnly(make_store(capacity))
     a, b = base.tokenizer.encode("<system>one</system>"), base.tokenizer.encode("<system>two</system>")
     cache = ConcatCache(cfg)
     forward_cached(torch.tensor([a]), base.weights, cfg, cache)
@@ -62,7 +108,10 @@ def check_prefix_store(make_store, capacity=3):
     assert n <= common, (f"lookup offered {n} positions of a state whose ids share only {common} with the "
                          "request: a stored state is reusable only up to the common prefix")
 
-    store = make_store(capacity)
+    del store, cache, other, got
+    before = _live_caches()
+    with _no_model():
+        store = _StoreOnly(make_store(capacity))
     hits, saved, total = 0, 0, 0
     for text, who in request_stream():
         model, salt = models[who], "tenant-b" if who == "tenant-b" else None
@@ -85,6 +134,10 @@ def check_prefix_store(make_store, capacity=3):
             "recomputation: the stored state was not the state of ids[:n] under this identity")
         store.insert(identity, ids, cache)
         hits, saved, total = hits + (n > 0), saved + n, total + len(ids)
+    del cache
+    held = len(_live_caches() - before)
+    assert held <= capacity, (f"after the stream {held} caches are still alive, held by your store: more than its "
+                              f"capacity of {capacity}. Evict: that is the rule you choose")
     stream = request_stream()
     assert hits >= len(stream) // 4, (f"only {hits} of {len(stream)} requests reused a prefix: "
                                       "the store keeps too little")
@@ -98,14 +151,24 @@ def check_key_cost(fn, T=4096, path=COMMITTED):
 
     Open-ended: time lab.engine.prefix_key, or a key of your own (the minimal key of the chapter's first
     cells), however you like (lab.bench.time_call excludes warm-up and reports the median).
-    Rule: it is a measurement, so the time you report must fit inside the time your function took.
-    Then your number is set beside the book's (`ch04.key_cost_us.T<T>` in results/results.json).
+    Rule: it is a measurement, so the time you report must fit inside the time your function took, and a key
+    over four times as many ids must cost more (the check runs fn(4 * T) too: at least 1.5 times as much; a
+    key reads every id). lab.results raises while your function runs. Then your number is set beside the
+    book's (`ch04.key_cost_us.T<T>` in results/results.json).
     """
-    t0 = time.perf_counter()
-    us = fn(T)
-    took_us = (time.perf_counter() - t0) * 1e6
-    assert isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0, (
-        f"expected a positive number of microseconds, got {us!r}")
-    assert us <= took_us, (f"you report {us:.3g} µs for one key, but your function took only {took_us:.3g} µs "
-                           "in all: measure the key, do not type or look up a number")
-    return compare_with_book(f"ch04.key_cost_us.T{T}", us, path=path)
+    costs = []
+    for n in (T, 4 * T):
+        with unchanged(__name__), functions_raise(results.read, results.lookup, compare_with_book):
+            t0 = time.perf_counter()
+            us = fn(n)
+            took_us = (time.perf_counter() - t0) * 1e6
+        assert isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0, (
+            f"expected a positive number of microseconds, got {us!r}")
+        assert us <= took_us, (f"you report {us:.3g} µs for one key, but your function took only {took_us:.3g} "
+                               "µs in all: measure the key, do not type or look up a number")
+        costs.append(us)
+    assert costs[1] >= 1.5 * costs[0], (
+        f"a key over {4 * T} ids cost you {costs[1]:.3g} µs, over {T} ids {costs[0]:.3g} µs: a key reads every id, "
+        "so four times the ids cost more. Build T ids in your function and measure the key over them; do not "
+        "type a number")
+    return compare_with_book(f"ch04.key_cost_us.T{T}", costs[0], path=path)

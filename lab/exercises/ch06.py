@@ -1,14 +1,23 @@
 """Chapter 6 exercises: an eviction rule that keeps what is used often (LFU) for the prefix cache's pages, and a
-test of your own that catches a prefix cache serving pages computed before the weights changed."""
+test of your own that catches a prefix cache serving pages computed before the weights changed.
 
+The LFU workloads are drawn fresh at every run (`seed=` draws the same ones again) and the oracle serves them
+only after the reader's function has answered. The reader's test is judged by what it does on backends: it
+must pass the real PrefixCachingBackend and fail backends that serve stale pages, and every backend it is
+handed is a PrefixCachingBackend (the broken ones are broken in the library's naming functions, for the run).
+"""
+
+import contextlib
 import dataclasses
 import random
+import weakref
 
 from ..cache import BlockManager
-from ..engine import PrefixCachingBackend, identity_of
+from ..engine import PrefixCachingBackend
+from ..engine import prefix as prefix_module
 from ..engine.hashing import page_keys
 from ..models import load
-from .rules import functions_raise
+from .rules import drawn_with, fresh_seed, functions_raise, unchanged
 
 # ---- exercise 1: least-frequently-used eviction ----------------------------------------------------------
 
@@ -66,13 +75,18 @@ def popular_prompts(n=150, num_prompts=3, share=0.5, page_size=4, seed=0) -> lis
             else tokens(rng.randint(4 * page_size, 8 * page_size + page_size - 1)) for _ in range(n)]
 
 
-# (name, requests, num_pages, page_size): in each, LRU and LFU serve different tokens from the cache
-LFU_CASES = (("three system prompts, 12 pages", popular_prompts(150, 3, 0.5, 4, seed=1), 12, 4),
-             ("one system prompt, 10 pages", popular_prompts(100, 1, 0.4, 4, seed=2), 10, 4),
-             ("five prompts, pages of 2, 30 pages", popular_prompts(150, 5, 0.6, 2, seed=3), 30, 2))
+def lfu_cases(seed) -> list:
+    """(name, requests, num_pages, page_size) of three workloads drawn from `seed`: popular system prompts among
+    one-off documents, in pools small enough that LRU and LFU serve different tokens from the cache (they did in
+    every one of 45 draws; tests/test_exercises_ch06.py checks a few)."""
+    rng = random.Random(seed)
+    draw = lambda: rng.randrange(2**31)
+    return [("three system prompts, 12 pages", popular_prompts(150, 3, 0.5, 4, seed=draw()), 12, 4),
+            ("one system prompt, 10 pages", popular_prompts(100, 1, 0.4, 4, seed=draw()), 10, 4),
+            ("five prompts, pages of 2, 30 pages", popular_prompts(150, 5, 0.6, 2, seed=draw()), 30, 2)]
 
 
-def check_lfu_eviction(lfu_cached_tokens):
+def check_lfu_eviction(lfu_cached_tokens, seed=None):
     """lfu_cached_tokens(requests, num_pages, page_size) -> list[int], one per request: how many of its prompt
     tokens were served from the cache.
 
@@ -92,29 +106,36 @@ def check_lfu_eviction(lfu_cached_tokens):
       happens: a parent is used at least as often as the pages that extend it and freed after them, so it is
       never the victim while one of them is cached.
     Rule: work it out yourself; the lab's BlockManager and PrefixCachingBackend (which evict the least
-    recently freed page) raise while your function runs. The oracle is the lab's BlockManager with its victim
-    choice changed to LFU, driven with the real page digests.
+    recently freed page), and the check's own oracle, raise while your function runs. The oracle is the lab's
+    BlockManager with its victim choice changed to LFU, driven with the real page digests, on workloads drawn
+    fresh (`lfu_cases`), after your function has answered.
     """
-    for name, requests, num_pages, page_size in LFU_CASES:
-        want = _served(_LFUBlockManager(num_pages, page_size), requests)
-        lru = _served(BlockManager(num_pages, page_size), requests)
-        with functions_raise(BlockManager.__init__, BlockManager.reserve_prefix, BlockManager._allocate,
-                             PrefixCachingBackend.next_logits):
-            got = lfu_cached_tokens([list(r) for r in requests], num_pages, page_size)
-        got = list(got) if isinstance(got, (list, tuple)) else got
-        assert isinstance(got, list) and len(got) == len(requests), (
-            f"{name}: expected a list of {len(requests)} counts, one per request, got {got!r:.80}")
-        if got == want:
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-        what = (f"{name}: request {i} ({len(requests[i])} tokens) is served {want[i]} tokens from the cache under "
-                f"LFU; you served {got[i]}")
-        if got == lru:
-            what += (". Your counts are exactly what LRU serves (the least recently freed page evicted): "
-                     "evict the page used the fewest times instead")
-        raise AssertionError(what)
-    print("correct")
+    seed = fresh_seed(seed)
+    cases = lfu_cases(seed)
+    with unchanged(__name__), functions_raise(BlockManager, PrefixCachingBackend, _LFUBlockManager, _served):
+        answers = [lfu_cached_tokens([list(r) for r in requests], num_pages, page_size)
+                   for _, requests, num_pages, page_size in cases]
+    with drawn_with(seed, "check_lfu_eviction"):
+        for (name, requests, num_pages, page_size), got in zip(cases, answers, strict=True):
+            _check_lfu_case(name, requests, num_pages, page_size, got)
+    print(f"correct (workloads drawn with seed={seed})")
     return True
+
+
+def _check_lfu_case(name, requests, num_pages, page_size, got):
+    want = _served(_LFUBlockManager(num_pages, page_size), requests)
+    got = list(got) if isinstance(got, (list, tuple)) else got
+    assert isinstance(got, list) and len(got) == len(requests), (
+        f"{name}: expected a list of {len(requests)} counts, one per request, got {got!r:.80}")
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    what = (f"{name}: request {i} ({len(requests[i])} tokens) is served {want[i]} tokens from the cache under "
+            f"LFU; you served {got[i]}")
+    if got == _served(BlockManager(num_pages, page_size), requests):
+        what += (". Your counts are exactly what LRU serves (the least recently freed page evicted): "
+                 "evict the page used the fewest times instead")
+    raise AssertionError(what)
 
 
 def compare_lfu_lru(lfu_cached_tokens, requests=None, num_pages=12, page_size=4) -> dict:
@@ -129,59 +150,93 @@ def compare_lfu_lru(lfu_cached_tokens, requests=None, num_pages=12, page_size=4)
 
 
 # ---- exercise 2: a test that an in-place weight update invalidates every page ----------------------------
+#
+# The broken backends are PrefixCachingBackend itself, run while one of the names it uses in lab.engine.prefix
+# (identity_of, page_keys) is replaced by a broken one: a test cannot tell them apart by type or attributes,
+# only by what they serve.
+
+def _frozen_identity(at_build):
+    """identity_of that gives each backend's pool the identity its model had when the backend was built
+    (at_build), or when the backend first named a page; (its patches, what to do with a backend just built)."""
+    real, frozen = prefix_module.identity_of, weakref.WeakKeyDictionary()
+
+    def identity_of(model, cache, salt=None):
+        if cache not in frozen:
+            frozen[cache] = real(model, cache)
+        return dataclasses.replace(frozen[cache], salt=salt)
+
+    built = (lambda backend: identity_of(backend.model, backend.pool)) if at_build else None
+    return {"identity_of": identity_of}, built
 
 
-class _FrozenIdentityBackend(PrefixCachingBackend):
-    """Wrong: names pages under the identity the model had when the backend was built, so pages computed
-    with the old weights are still found after an in-place update."""
-
-    def __init__(self, model, *args, **kwargs):
-        super().__init__(model, *args, **kwargs)
-        self._identity = identity_of(model, self.pool, self.salt)
-
-    def page_keys(self, ids, salt=None) -> list:
-        identity = dataclasses.replace(self._identity, salt=self.salt if salt is None else salt)
-        return page_keys(ids, self.page_size, (identity,))
+def _salt_only(ids, page_size, extra=()):
+    """Pages named by the ids and the salt alone: the model, tokenizer and dtypes left out of the key."""
+    return page_keys(ids, page_size, (extra[0].salt,))
 
 
-class _FirstPageOnlyBackend(PrefixCachingBackend):
-    """Wrong: page 0 is named under the current identity, but the later pages are chained from a root
-    without it. After an update page 0 misses; once it is computed again, the old later pages match."""
-
-    def page_keys(self, ids, salt=None) -> list:
-        first = super().page_keys(ids, salt)[:1]
-        return first + page_keys(ids, self.page_size, (self.salt if salt is None else salt,))[1:]
+def _first_page_only(ids, page_size, extra=()):
+    """Page 0 named under the identity, the later pages chained from a root without it. After an update page 0
+    misses; once it is computed again, the old later pages match."""
+    return page_keys(ids, page_size, extra)[:1] + page_keys(ids, page_size, (extra[0].salt,))[1:]
 
 
+STALE_BACKENDS = {  # what each broken backend does -> (patches of lab.engine.prefix, called on each backend built)
+    "it names its pages under the identity the model had when the backend was built": lambda: _frozen_identity(True),
+    "it remembers the identity the model had when it first named a page": lambda: _frozen_identity(False),
+    "it names its pages by the ids and the salt alone, not by the model": lambda: ({"page_keys": _salt_only}, None),
+    "a weight update renames only the first page; once that page is computed again, the later pages computed "
+    "with the old weights are found again": lambda: ({"page_keys": _first_page_only}, None),
+}
 INVALIDATION_PAGES = (64, 4)  # (num_pages, page_size) of the backends make_backend builds
 
 
-def check_invalidation_test(reader_test):
+@contextlib.contextmanager
+def stale_backend(how=None):
+    """A make_backend(model) for the backend STALE_BACKENDS[how] describes (None: the real one), valid inside."""
+    patches, built = STALE_BACKENDS[how]() if how else ({}, None)
+    saved = {name: getattr(prefix_module, name) for name in patches}
+
+    def make_backend(model):
+        backend = PrefixCachingBackend(model, *INVALIDATION_PAGES)
+        if built is not None:
+            built(backend)
+        return backend
+
+    try:
+        for name, fn in patches.items():
+            setattr(prefix_module, name, fn)
+        yield make_backend
+    finally:
+        for name, fn in saved.items():
+            setattr(prefix_module, name, fn)
+
+
+def check_invalidation_test(reader_test, seed=None):
     """reader_test(make_backend) -> None: your test, which raises AssertionError when a prefix cache serves a
     page computed before an in-place weight update (`w.mul_(1.5)`, an optimizer step).
 
-    make_backend(model) returns a backend with PrefixCachingBackend's interface (next_logits(ids), stats,
-    pool, page_size) over `model`, 64 pages of 4 tokens. Load your own model (`lab.models.load` builds a new
-    one on every call), so the update changes nothing outside your test. The check runs your test on the
-    real PrefixCachingBackend, where it must pass, then on backends that serve stale pages, where it must
-    fail: one keeps naming pages under the identity the model had when the backend was built; one renames
-    only the first page, keeping every later page reachable.
+    make_backend(model) returns a PrefixCachingBackend over `model` (next_logits(ids), stats, pool, page_size),
+    64 pages of 4 tokens. Load your own model (`lab.models.load` builds a new one on every call), so the update
+    changes nothing outside your test. The check runs your test twice on the real backend, where it must pass,
+    and once on each of four backends that serve stale pages, where it must fail, in an order drawn fresh: one
+    names pages under the identity the model had when the backend was built; one remembers the identity of its
+    first call; one names pages by the ids and the salt alone; one renames only the first page, keeping every
+    later page reachable. Each is a PrefixCachingBackend: only what it serves tells it apart.
     """
-    num_pages, page_size = INVALIDATION_PAGES
-    maker = lambda cls: (lambda model: cls(model, num_pages, page_size))
-    try:
-        reader_test(maker(PrefixCachingBackend))
-    except AssertionError as e:
-        raise AssertionError(f"your test failed on the real PrefixCachingBackend, which renames every page when "
-                             f"the weights change: {e}") from e
-    for cls, how in ((_FrozenIdentityBackend, "its pages are named under the identity the model had when the "
-                      "backend was built"),
-                     (_FirstPageOnlyBackend, "a weight update renames only the first page; once that page is "
-                      "computed again, the later pages computed with the old weights are found again")):
-        try:
-            reader_test(maker(cls))
-        except AssertionError:
-            continue
-        raise AssertionError(f"your test passed a backend that serves stale pages after a weight update ({how})")
+    seed = fresh_seed(seed)
+    runs = [None, None, *STALE_BACKENDS]
+    random.Random(seed).shuffle(runs)
+    for how in runs:
+        failed = None
+        with stale_backend(how) as make_backend, unchanged(__name__):
+            try:
+                reader_test(make_backend)
+            except AssertionError as e:
+                failed = e
+        if how is None and failed:
+            raise AssertionError(f"your test failed on the real PrefixCachingBackend, which renames every page when "
+                                 f"the weights change: {failed}") from failed
+        if how is not None and not failed:
+            raise AssertionError(f"your test passed a backend that serves stale pages after a weight update: {how}")
     print("correct")
     return True

@@ -1,4 +1,4 @@
-"""Chapter 8 exercises: shortest-job-first admission, and preemption by swapping pages to host memory.
+"""Chapter 8 exercises: shortest-remaining-job-first admission, and preemption by swapping pages to host memory.
 
 Both answers are ServingEngine subclasses. The checks run them on the tiny model through a fixed workload
 (a small pool, so that requests queue or are preempted), step by step, and compare every request's tokens
@@ -6,6 +6,7 @@ with the same prompt decoded alone; step numbers stand for time, so every run is
 """
 
 import contextlib
+import copy
 import functools
 import random
 
@@ -16,6 +17,7 @@ from ..engine import ServingEngine
 from ..engine import serving as serving_module
 from ..loadgen import percentile
 from ..models import forward_cached, load
+from .rules import unchanged
 
 # ---- shared: the model, each request alone, a driver that watches every step --------------------------
 
@@ -105,19 +107,26 @@ def _check_outputs(engine, rids, prompts, max_new_tokens, skip=()):
             assert a == b, f"{what}: token {j} is {a}, decoding the prompt alone gives {b}"
 
 
-# ---- exercise 1: shortest job first ----------------------------------------------------------------------
+# ---- exercise 1: shortest remaining job first --------------------------------------------------------------
 
-# (prompt tokens, new tokens, arrival step): a burst at step 0 with long jobs near the head of the queue, then
-# six more over steps 7 to 23, two of them long. Sizes (prompt + new) run from 9 to 58.
-SJF_WORKLOAD = ((40, 16, 0), (36, 12, 0), (6, 4, 0), (44, 14, 0), (9, 3, 0), (5, 6, 0), (12, 5, 0), (6, 14, 0),
-                (8, 8, 0), (38, 16, 7), (10, 6, 7), (7, 4, 10), (42, 12, 14), (4, 5, 21), (11, 3, 23))
+# (prompt tokens of its own, new tokens, arrival step, starts with the system prompt): a burst at step 0 with
+# long jobs near the head of the queue, then nine more over steps 3 to 23. Four requests start with the same
+# 24-token system prompt: once one of them has run, the others find its 6 pages cached, and their work left is
+# 24 positions less than their size. Sizes (system prompt + own prompt + new) run from 9 to 58.
+SJF_WORKLOAD = ((40, 16, 0, False), (36, 12, 0, False), (6, 4, 0, False), (44, 14, 0, False), (9, 3, 0, False),
+                (5, 6, 0, False), (12, 5, 0, False), (6, 14, 0, False), (8, 8, 0, False), (6, 8, 0, True),
+                (10, 6, 3, True), (38, 16, 7, False), (10, 6, 7, False), (4, 10, 9, True), (7, 4, 10, False),
+                (42, 12, 14, False), (8, 6, 16, True), (4, 5, 21, False), (11, 3, 23, False))
+SYSTEM_TOKENS = 24
+SJF_SEED = 21        # the token ids: every request decoded alone is clear of near ties (a test checks it)
 SJF_POOL = dict(num_pages=20, page_size=4, max_batch_tokens=32)   # 80 positions: the burst must queue
 
 
 def sjf_workload() -> tuple:
     """(prompts, max_new_tokens, arrivals) of SJF_WORKLOAD."""
-    prompts = workload_prompts([p for p, _, _ in SJF_WORKLOAD], seed=8)
-    return prompts, [n for _, n, _ in SJF_WORKLOAD], [a for _, _, a in SJF_WORKLOAD]
+    system, *own = workload_prompts([SYSTEM_TOKENS] + [p for p, _, _, _ in SJF_WORKLOAD], seed=SJF_SEED)
+    prompts = [(system if shared else []) + mine for mine, (_, _, _, shared) in zip(own, SJF_WORKLOAD, strict=True)]
+    return prompts, [n for _, n, _, _ in SJF_WORKLOAD], [a for _, _, a, _ in SJF_WORKLOAD]
 
 
 def job_size(prompt_tokens: int, max_new_tokens: int) -> int:
@@ -125,21 +134,42 @@ def job_size(prompt_tokens: int, max_new_tokens: int) -> int:
     return prompt_tokens + max_new_tokens
 
 
-def overtakes(timeline: list, sizes: list) -> list[tuple]:
-    """(step, i, j) for every request i admitted at `step` while a smaller request j waited and was not
-    admitted in that step. timeline: ServingEngine.timeline()'s entries, in the order of `sizes`.
+def cached_prefix(engine, req) -> int:
+    """The positions `req` would take from cached pages if it were admitted now: its longest prefix of full
+    pages that are named in the pool (pages it computed itself before a preemption, or pages another request
+    with the same start named), at most all but its last token. Looks, changes nothing."""
+    if not engine.prefix_caching:
+        return 0
+    P, manager, n = engine.page_size, engine.manager, 0
+    for digest, parent, tokens in engine._page_keys(req, (req.num_tokens - 1) // P):
+        page = manager._cached.get(digest)
+        if page is None or manager._keys[page][1:] != (parent, tuple(tokens)):
+            break
+        n += P
+    return n
 
-    At the admission phase of step s, a request waits when it has arrived (arrived <= s), every admission
-    before s was undone by a preemption at or before s, and it was not cancelled before s."""
-    found = []
-    steps = sorted({s for e in timeline for s in e["admitted"]})
-    for s in steps:
-        admitted = [i for i, e in enumerate(timeline) if s in e["admitted"]]
-        waiting = [i for i, e in enumerate(timeline) if e["arrived"] <= s
-                   and sum(a < s for a in e["admitted"]) == sum(p <= s for p in e["preempted"])
-                   and not (e.get("cancelled") is not None and e["cancelled"] <= s) and i not in admitted]
-        found += [(s, i, j) for i in admitted for j in waiting if sizes[j] < sizes[i]]
-    return found
+
+def _work_left(engine, req) -> int:
+    """The oracle: len(prompt) + max_new_tokens less the positions admission would really take from the cache,
+    found by admitting req into a copy of the engine's block manager."""
+    manager = copy.deepcopy(engine.manager)
+    taken = manager.reserve_prefix(object(), engine._page_keys(req, (req.num_tokens - 1) // engine.page_size))
+    return len(req.prompt) + req.max_new_tokens - taken * engine.page_size
+
+
+def _watch_admissions(engine) -> list:
+    """Record, at every admission the engine tries, (step, the request chosen, {waiting request id: (size,
+    work left)}) before anything changes, and whether it was admitted. Returns the list the records go to."""
+    log, admit = [], engine._admit
+
+    def watched(req, budget, now):
+        waiting = {r.id: (len(r.prompt) + r.max_new_tokens, _work_left(engine, r)) for r in engine.waiting}
+        n = admit(req, budget, now)
+        log.append((now, req.id, waiting, n > 0))
+        return n
+
+    engine._admit = watched
+    return log
 
 
 def ttft_steps(timeline: list) -> list[int]:
@@ -153,13 +183,17 @@ def _ttft_summary(ttfts, longest) -> dict:
 
 
 def _run_sjf(engine_class, check=None):
+    """(engine, request ids, timeline in request order, the admission log) of SJF_WORKLOAD served by
+    engine_class with prefix caching; check(engine) runs once it is built."""
     prompts, news, arrivals = sjf_workload()
-    engine = engine_class(tiny_model(), **SJF_POOL, prefix_caching=False)   # no prefixes shared here
-    if check:
-        check(engine)
-    rids = serve(engine, prompts, news, arrivals)
+    with unchanged(__name__):                      # the reader's engine may not change the check
+        engine = engine_class(tiny_model(), **SJF_POOL, prefix_caching=True)
+        if check:
+            check(engine)
+        log = _watch_admissions(engine)
+        rids = serve(engine, prompts, news, arrivals)
     by_id = {e["id"]: e for e in engine.timeline()}
-    return engine, rids, [by_id[r] for r in rids]
+    return engine, rids, [by_id[r] for r in rids], log
 
 
 @functools.cache
@@ -168,22 +202,55 @@ def fcfs_timeline() -> tuple:
     return tuple(_run_sjf(ServingEngine)[2])
 
 
+def _check_admissions(log, timeline, rids):
+    """Every admission chose a waiting request with the least work left."""
+    index = {rid: i for i, rid in enumerate(rids)}
+    admitted = sorted((s, index[rid]) for s, rid, _, ok in log if ok)
+    assert admitted == sorted((s, i) for i, e in enumerate(timeline) for s in e["admitted"]), (
+        "your engine admitted requests without its _admit (the timeline's admissions are not the ones _admit "
+        "made): choose the request in next_to_admit and let the stock scheduler admit it")
+    first_come = all(rid == min(waiting) for _, rid, waiting, _ in log)
+    for step, rid, waiting, _ in log:
+        (size, left), i = waiting[rid], index[rid]
+        rid_j = min(waiting, key=lambda r: waiting[r][1])
+        if waiting[rid_j][1] >= left:
+            continue
+        (size_j, left_j), j = waiting[rid_j], index[rid_j]
+        what = (f"at step {step}, request {i} (size {size}, {size - left} positions in cached pages: {left} left to "
+                f"compute) was chosen while request {j} (size {size_j}, {size_j - left_j} cached: {left_j} left) "
+                "waited: admit the waiting request with the least work left, len(prompt) + max_new_tokens less "
+                "the positions its cached pages hold (ex.cached_prefix(self, req))")
+        if size <= size_j:
+            what += (f". Request {i} is no larger in all, but request {j} finds {size_j - left_j} of its positions "
+                     "in cached pages: rank by the work left, not by the size")
+        if timeline[j]["preempted"] and size_j != left_j:
+            what += (f". Request {j} had been preempted: the pages it computed before are still named in the pool, "
+                     "and it takes them back")
+        if first_come:
+            what += ". Every admission took the request that arrived first: that is first come, first served"
+        raise AssertionError(what)
+
+
 def check_shortest_first(engine_class):
     """engine_class: a ServingEngine subclass whose `next_to_admit(self) -> Request` returns the waiting
-    request (an element of `self.waiting`) with the smallest size, len(req.prompt) + req.max_new_tokens: the
-    tokens it asks for. Among equal sizes, any. A preempted request (recomputed later) queues by the same
-    rule: it has to compute its prompt and output again, then decode the rest, its whole size once more.
+    request (an element of `self.waiting`) with the least work left: its size, len(req.prompt) +
+    req.max_new_tokens, less the positions it would take from cached pages if admitted now,
+    `cached_prefix(self, req)` (this module's helper). Among equals, any. The engine runs with prefix caching:
+    a request whose prompt starts with a system prompt another request has run finds those pages named in
+    the pool, and a preempted request finds the pages it computed before it was preempted (until they are
+    evicted): shortest *remaining* job first.
 
     The engine admits the request you return, or none in that step if it does not fit: it never skips it.
-    The check builds engine_class(model, num_pages=20, page_size=4, max_batch_tokens=32,
-    prefix_caching=False) on the tiny model and serves SJF_WORKLOAD (15 requests of sizes 9 to 58: a burst
-    at step 0 with long jobs near the head of the queue, then six more over steps 7 to 23) step by step.
-    It verifies:
+    The check builds engine_class(model, num_pages=20, page_size=4, max_batch_tokens=32, prefix_caching=True)
+    on the tiny model and serves SJF_WORKLOAD (19 requests of sizes 9 to 58, four of them starting with the
+    same system prompt: a burst at step 0 with long jobs near the head of the queue, then nine more over steps
+    3 to 23) step by step. It verifies:
     - every request finishes, none cancelled or dropped from the queue, each with all of its max_new_tokens,
       each token equal to decoding its prompt alone (greedy, through a ConcatCache);
     - the pool and the budget are the ones asked for (a bigger pool would hide the queue);
-    - no request was admitted while a smaller one waited (read from timeline(): arrivals, admissions,
-      preemptions, in steps);
+    - every admission chose a waiting request with the least work left, counted at that moment by admitting
+      each waiting request into a copy of the block manager (ranking by size alone fails: a request that
+      finds the system prompt, or its own pages, cached has that much less to compute than its size);
     - the median time to first token (TTFT, in steps) is below first come, first served's (the stock engine
       on the same workload).
     Returns the TTFTs of both policies (median, p99, and the longest job's), and prints them. Shortest job
@@ -193,21 +260,10 @@ def check_shortest_first(engine_class):
     prompts, news, arrivals = sjf_workload()
     sizes = [job_size(len(p), n) for p, n in zip(prompts, news, strict=True)]
     fcfs = list(fcfs_timeline())
-    engine, rids, timeline = _run_sjf(engine_class, lambda e: _check_config(e, engine_class, **SJF_POOL))
+    engine, rids, timeline, log = _run_sjf(engine_class, lambda e: _check_config(e, engine_class, **SJF_POOL))
     _check_outputs(engine, rids, prompts, news)
     assert max(engine.stats["batch_tokens"]) <= SJF_POOL["max_batch_tokens"], "a step ran more tokens than its budget"
-    faults = overtakes(timeline, sizes)
-    if faults:
-        s, i, j = faults[0]
-        what = (f"at step {s}, request {i} (size {sizes[i]} = {len(prompts[i])} prompt + {news[i]} new) was admitted "
-                f"while request {j} (size {sizes[j]} = {len(prompts[j])} + {news[j]}) waited: admit the waiting "
-                "request of the smallest size, len(prompt) + max_new_tokens, first")
-        if timeline[i]["preempted"] and s in timeline[i]["admitted"][1:]:
-            what += (f". Request {i} had been preempted: it recomputes its prompt and output, so its size is "
-                     "still its prompt plus all its new tokens")
-        if not overtakes(timeline, list(range(len(sizes)))):
-            what += ". Every admission followed the order of arrival: that is first come, first served"
-        raise AssertionError(what)
+    _check_admissions(log, timeline, rids)
     longest = max(range(len(sizes)), key=lambda i: sizes[i])
     mine, theirs = _ttft_summary(ttft_steps(timeline), longest), _ttft_summary(ttft_steps(fcfs), longest)
     assert mine["ttft_median_steps"] < theirs["ttft_median_steps"], (
@@ -390,10 +446,10 @@ def check_swapping(engine_class):
     On a CPU the pool is in host memory already: the copy stands for the transfer over PCIe on a GPU.
     """
     prompts, news, arrivals = swap_workload()
-    engine = engine_class(tiny_model(), **SWAP_POOL, prefix_caching=False)
-    _check_config(engine, engine_class, **SWAP_POOL)
     watch = _SwapWatch()
-    with counting_positions() as counted:
+    with counting_positions() as counted, unchanged(__name__):
+        engine = engine_class(tiny_model(), **SWAP_POOL, prefix_caching=False)
+        _check_config(engine, engine_class, **SWAP_POOL)
         rids = serve(engine, prompts, news, arrivals, after_step=watch)
     _check_outputs(engine, rids, prompts, news)
     assert engine.stats["preemptions"] > 0, "no request was preempted: the pool of 18 pages must run out"
@@ -419,8 +475,9 @@ def check_swapping(engine_class):
             assert rid not in engine.swapped, (
                 f"cancel({rid}) of a request swapped out left its host copy in self.swapped: drop it in cancel")
 
-    again = engine_class(tiny_model(), **SWAP_POOL, prefix_caching=False)
-    rids = serve(again, prompts, news, arrivals, after_step=cancel_one)
+    with unchanged(__name__):
+        again = engine_class(tiny_model(), **SWAP_POOL, prefix_caching=False)
+        rids = serve(again, prompts, news, arrivals, after_step=cancel_one)
     assert cancelled, "in the second run, no request was ever swapped out"
     i = rids.index(cancelled[0])
     _check_outputs(again, rids, prompts, news, skip={i})

@@ -1,15 +1,17 @@
-"""Reference solutions for chapter 8: shortest-job-first admission; preemption by swapping pages
+"""Reference solutions for chapter 8: shortest-remaining-job-first admission; preemption by swapping pages
 to host memory."""
 
 from ..cache import OutOfPagesError
 from ..engine import ServingEngine
+from .ch08 import cached_prefix
 
 
 class ShortestFirstEngine(ServingEngine):
     def next_to_admit(self):
-        # a job's size is every token it asks for; a preempted request recomputes, so it has that
-        # much left too and queues by the same rule. min() keeps the first of equals
-        return min(self.waiting, key=lambda req: len(req.prompt) + req.max_new_tokens)
+        # the work left: every token the request asks for, less the positions whose pages are still
+        # named in the pool (a shared system prompt, or its own pages from before a preemption), which
+        # admission takes instead of computing. min() keeps the first of equals
+        return min(self.waiting, key=lambda req: len(req.prompt) + req.max_new_tokens - cached_prefix(self, req))
 
 
 class SwappingEngine(ServingEngine):
