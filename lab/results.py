@@ -41,6 +41,8 @@ from pathlib import Path
 
 import jsonschema
 
+from lab import threads
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = REPO_ROOT / "results" / "results.json"
 FIGURES = REPO_ROOT / "results" / "figures"
@@ -153,6 +155,7 @@ def provenance(mode=None, manifest=None, **extra) -> dict:
             "os": platform.platform(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "openmp": {k: os.environ[k] for k in threads.KEYS if k in os.environ},  # {}: OpenMP's defaults
         },
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "versions": {

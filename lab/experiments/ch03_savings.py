@@ -32,12 +32,15 @@ def settings(quick_mode: bool) -> dict:
         return dict(contexts={"gpt2-random": T, "smollm2": T}, rounds=3, warmup=1,
                     share_contexts={"gpt2-random": [64, 960], "smollm2": [64, 512, 4096]}, share_rounds=5,
                     library_context=128, library_tokens=8, library_reps=1, memory_tokens=128, memory_batches=(1, 8),
-                    memory_models=("gpt2-random",), e2e_tokens=32)
+                    memory_models=("gpt2-random",), e2e_tokens=32,
+                    load_settings=("default", "lab"), load_rounds=1, load_reps=3, load_warmup=1)
     T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 960]  # 960: GPT-2's 1,024 positions, less the generated ones
     return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, rounds=11, warmup=1,
                 share_contexts={"gpt2-random": [64, 256, 512, 960], "smollm2": [64, 256, 512, 1024, 2048, 4096]},
                 share_rounds=15, library_context=512, library_tokens=32, library_reps=5, memory_tokens=960,
-                memory_batches=(1, 8), memory_models=("gpt2-random", "smollm2"), e2e_tokens=32)
+                memory_batches=(1, 8), memory_models=("gpt2-random", "smollm2"), e2e_tokens=32,
+                load_settings=("default", "lab", "short_spin", "one_thread"), load_rounds=3, load_reps=15,
+                load_warmup=3)
 
 
 def ratio_summary(num: list, den: list) -> dict:
@@ -268,6 +271,16 @@ def plot_attention_share(shares: dict, predicted: dict, path=None):
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 
+def under_load(s: dict) -> dict:
+    """A SmolLM2 decode step after 256 positions, idle and beside other torch programs, for each OpenMP setting
+    of s["load_settings"] (lab.experiments.load; a fresh process per case)."""
+    from . import load as busy
+
+    loads = busy.loads_for() if s["load_rounds"] > 1 else (0, busy.loads_for()[-1])   # quick: idle and busiest
+    return busy.compare({k: busy.SETTINGS[k] for k in s["load_settings"]}, loads, rounds=s["load_rounds"],
+                        reps=s["load_reps"], warmup=s["load_warmup"])
+
+
 def measure(quick_mode=None) -> dict:
     from . import library, memory
 
@@ -285,6 +298,7 @@ def measure(quick_mode=None) -> dict:
         library=library.compare(("gpt2-random", "smollm2"), s["library_context"], s["library_tokens"],
                                 s["library_reps"]),
         memory=memory.sweep(s["memory_models"], ("concat", "static"), s["memory_batches"], s["memory_tokens"]),
+        under_load=under_load(s),
     )
 
 
@@ -367,6 +381,8 @@ def record(m: dict, draw: bool = True) -> dict:
             "cache_mib": value(row["cache_bytes"] / 2**20, "MiB", note="the formula, for the final length"),
             "ratio": value(row["peak_extra_bytes"] / row["cache_bytes"], "x")}
     values["memory"]["tokens"] = value(m["settings"]["memory_tokens"], "tokens")
+    if "under_load" in m:
+        values["under_load"] = load_values(m["under_load"])
     figures = {"step_time": {"path": figs / "ch03_step_time.png",
                              "caption": "Step time against context, and the speedup of each cache"},
                "attention_share": {"path": figs / "ch03_attention_share.png",
@@ -374,6 +390,33 @@ def record(m: dict, draw: bool = True) -> dict:
                "memory": {"path": figs / "ch03_memory.png", "caption": "Peak extra memory while decoding"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
+
+
+def load_values(r: dict) -> dict:
+    """results.json entries for lab.experiments.load.compare()'s output: per setting, the step idle ("idle"),
+    beside one other torch program ("one", when measured) and beside the most ("busy"), and how many times
+    slower each load makes it."""
+    from . import load as busy
+
+    out = {}
+    loads = sorted(next(iter(r.values())))
+    named = {"idle": 0, "busy": loads[-1]} | ({"one": 1} if 1 in loads[1:-1] else {})
+    for name, by_load in r.items():
+        idle = by_load[0]["median"]
+        out[name] = {f"{k}_ms": value(_sig3(by_load[n]["median"] * 1e3), "ms", rounds=by_load[n]["rounds"],
+                                      programs=n) for k, n in named.items()}
+        out[name] |= {f"{k}_slowdown": value(by_load[n]["median"] / idle, "x", note=f"{n} programs over idle")
+                      for k, n in named.items() if n}
+        out[name]["threads"] = value(by_load[0]["threads"], "threads")
+        out[name]["setting"] = value(" ".join(f"{k}={v}" for k, v in busy.SETTINGS[name].items())
+                                     or "OpenMP's defaults", None)
+    out["busy_programs"] = value(loads[-1], "programs", note="other torch programs at the heaviest load")
+    if "default" in r and "lab" in r:
+        out["idle_cost"] = value(r["lab"][0]["median"] / r["default"][0]["median"], "x",
+                                 note="the lab's setting over the defaults, idle")
+        out["busy_gain"] = value(r["default"][loads[-1]]["median"] / r["lab"][loads[-1]]["median"], "x",
+                                 note="the defaults over the lab's setting, at the heaviest load")
+    return out
 
 
 def library_values(lib: dict) -> dict:

@@ -1,0 +1,41 @@
+"""
+OpenMP's wait policy, chosen before torch loads, so that a chapter does not collapse on a busy machine.
+
+torch runs its CPU operators on a team of OpenMP threads (GNU libgomp in the PyPI wheels), one per core.
+A decode step of a small model is hundreds of short parallel operators, and between two of them libgomp
+lets its threads *spin*, burning a core while they wait for the next one (by default for about 300,000
+turns of a loop, GOMP_SPINCOUNT, before they sleep). On an idle machine that saves the microseconds of
+waking a sleeping thread. When another program wants the same cores, each spinning thread takes a core
+from the very threads it waits for, and an operator that needs all threads waits for the one the
+scheduler parked: chapter 3 measures a decode step several times slower with every core busy, far more
+than the loss of half the cores would explain.
+
+OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once. libgomp reads it once, when it loads,
+which is when torch is imported; so `import lab` before torch (or transformers, which imports torch) sets
+it, and the notebooks import `lab` first. A value already in the environment wins, and LAB_OMP_DEFAULT=1
+leaves OpenMP's defaults alone (chapter 3's benchmark uses it to measure them). Child processes inherit
+the environment, so the servers, workers and probes the experiments start get the same setting.
+"""
+
+import os
+import sys
+
+SETTINGS = {"OMP_WAIT_POLICY": "PASSIVE"}  # what the lab runs torch with; chapter 3 measures the choice
+KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")  # what a benchmark setting may change
+TORCH_LOADED_FIRST = "torch" in sys.modules  # at `import lab`: then libgomp has read its settings already
+
+
+def configure() -> None:
+    """Put SETTINGS into the environment where they are unset, unless LAB_OMP_DEFAULT=1."""
+    if os.environ.get("LAB_OMP_DEFAULT", "").strip() not in ("1", "true", "yes"):
+        for k, v in SETTINGS.items():
+            os.environ.setdefault(k, v)
+
+
+def describe() -> str:
+    """One line for a notebook's first cell: the OpenMP settings in effect in this process."""
+    shown = ", ".join(f"{k}={os.environ[k]}" for k in KEYS if k in os.environ) or "OpenMP's defaults"
+    if TORCH_LOADED_FIRST:
+        return (f"{shown} in the environment, but torch was imported before lab, so this process runs "
+                f"with whatever the environment held then; restart and import lab first")
+    return f"OpenMP: {shown}"

@@ -1,0 +1,55 @@
+"""lab.threads: `import lab` chooses OpenMP's wait policy before torch loads; lab.experiments.load runs each
+setting in a process of its own and reports what it ran with. (The timings themselves are a benchmark,
+chapter 3's, never asserted here.)"""
+
+import os
+import subprocess
+import sys
+
+from lab import threads
+from lab.experiments import load
+from lab.results import REPO_ROOT
+
+SHOW = "import os, lab; print(os.environ.get('OMP_WAIT_POLICY')); print(lab.threads.describe())"
+
+
+def run(code, **env):
+    base = {k: v for k, v in os.environ.items() if k not in threads.KEYS + ("LAB_OMP_DEFAULT",)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=base | env, timeout=120, check=True)
+    return done.stdout.splitlines()
+
+
+def test_import_lab_sets_the_wait_policy_before_torch():
+    policy, said = run(SHOW)
+    assert policy == "PASSIVE" and said == "OpenMP: OMP_WAIT_POLICY=PASSIVE"
+
+
+def test_a_setting_in_the_environment_wins_and_the_defaults_can_be_kept():
+    assert run(SHOW, OMP_WAIT_POLICY="ACTIVE")[0] == "ACTIVE"
+    assert run(SHOW, LAB_OMP_DEFAULT="1") == ["None", "OpenMP: OpenMP's defaults"]
+
+
+def test_torch_imported_first_is_said_plainly():
+    (_, said) = run("import os, torch, lab; print(os.environ.get('OMP_WAIT_POLICY')); "
+                    "print(lab.threads.describe())")
+    assert "torch was imported before lab" in said and "import lab first" in said
+
+
+def test_a_benchmark_setting_replaces_every_openmp_key():
+    env = load.environment({"GOMP_SPINCOUNT": "10000"})
+    assert env["GOMP_SPINCOUNT"] == "10000" and env["LAB_OMP_DEFAULT"] == "1"
+    assert "OMP_WAIT_POLICY" not in env and "OMP_NUM_THREADS" not in env
+    assert load.environment({})["LAB_OMP_DEFAULT"] == "1"
+
+
+def test_the_worker_runs_with_the_setting_it_was_given():
+    r = load.worker({"OMP_NUM_THREADS": "1"}, context=4, reps=1, warmup=0)
+    assert r["openmp"] == {"OMP_NUM_THREADS": "1"} and r["threads"] == 1 and r["median"] > 0
+    assert load.worker({}, context=4, reps=1, warmup=0)["openmp"] == {}
+
+
+def test_hogs_are_stopped():
+    with load.Hogs(2) as hogs:
+        assert all(p.poll() is None for p in hogs.procs)
+    assert all(p.poll() is not None for p in hogs.procs)
