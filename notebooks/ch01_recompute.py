@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -25,6 +25,8 @@
 # untouched. The first cell says which mode it is in and where it writes.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import platform
 
 import matplotlib
@@ -32,13 +34,14 @@ import pandas as pd
 import torch
 import transformers
 
-import lab
 from lab import results
 from lab.experiments import ch01_recompute as ch01
+from lab.experiments.tables import show
 from lab.models import forward, load
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"matplotlib {matplotlib.__version__}, pandas {pd.__version__}, threads {torch.get_num_threads()}")
+print(lab.threads.describe())
 print("lab from", lab.__file__)
 QUICK = results.quick()
 S = ch01.settings(QUICK)
@@ -132,9 +135,10 @@ print(f"same {N} tokens from both loops; positions: ours {my_positions:,}, "
 from lab.engine import positions_cached, positions_uncached
 
 assert my_positions == loop["positions"] == positions_uncached(P, N)
-pd.DataFrame([dict(new_tokens=n, without_cache=positions_uncached(P, n), with_cache=positions_cached(P, n),
-                   ratio=round(positions_uncached(P, n) / positions_cached(P, n), 1))
-              for n in (1, 8, N, 128, 512)]).set_index("new_tokens")
+show(pd.DataFrame([{"new tokens": n, "positions, no cache": positions_uncached(P, n),
+                    "positions, with a cache": positions_cached(P, n),
+                    "no cache / cache (×)": positions_uncached(P, n) / positions_cached(P, n)}
+                   for n in (1, 8, N, 128, 512)]).set_index("new tokens"))
 
 # %% [markdown]
 # ## The causal mask: an earlier position cannot see a later token
@@ -165,10 +169,12 @@ print(torch.ones(5, 5).tril().int())   # row = query position, column = key posi
 # %%
 causal = ch01.causal_mask(smol)
 unmasked = ch01.bidirectional_shift(smol)
-pd.DataFrame({
-    "with the causal mask": [causal["earlier_max"], float("nan"), causal["last"]],
+causal_earlier = torch.tensor(causal["per_position"][:-1])  # [T - 1]
+show(pd.DataFrame({
+    "with the causal mask": [causal["earlier_max"], causal_earlier.median().item(), causal["last"]],
     "mask removed": [unmasked["earlier_max"], unmasked["earlier_median"], unmasked["last"]],
-}, index=["max |Δ logit|, earlier positions", "median, earlier positions", "|Δ logit| at the last position"])
+}, index=["max |Δ logit|, earlier positions", "median |Δ logit|, earlier positions",
+          "|Δ logit| at the last position"]), digits=2)
 
 # %%
 print(f"without the mask, the top token changes at {unmasked['top_changed']} of {unmasked['earlier']} "
@@ -186,43 +192,61 @@ fig_causal = ch01.plot_causal(causal, unmasked)
 # %%
 gpt2 = load("gpt2-random")
 times = {m.name: ch01.step_times(m, S["contexts"][m.name], S["reps"], S["warmup"]) for m in (gpt2, smol)}
-pd.DataFrame({name: {T: round(t["median"] * 1e3, 1) for T, t in by_T.items()} for name, by_T in times.items()}
-             ).rename_axis("context T").add_suffix(", ms")
+show(pd.DataFrame({f"{name} (ms)": {T: t["median"] * 1e3 for T, t in by_T.items()} for name, by_T in times.items()}
+                  ).rename_axis("context T (positions)"), caption="one uncached step, median")
 
 # %%
 fig_step = ch01.plot_step_times(times)
 
 # %% [markdown]
-# At short contexts the curve is shallow: every step reads all the weights once, whatever $T$ is, and
-# that read is a fixed cost. At long contexts the matrix products dominate and time grows roughly in
-# proportion to $T$, with attention's $T^2$ term on top.
-#
+# What to expect: at short contexts the curve is shallow, because every step reads all the weights once,
+# whatever $T$ is, and that read is a fixed cost; at long contexts the matrix products dominate and time
+# grows roughly in proportion to $T$, with attention's $T^2$ term on top. What this run measured, between
+# the two shortest contexts and the two longest:
+
+# %%
+for name, by_T in times.items():
+    Ts = list(by_T)
+    for a, b in ((Ts[0], Ts[1]), (Ts[-2], Ts[-1])):
+        grow = by_T[b]["median"] / by_T[a]["median"]
+        print(f"{name}: from T = {a} to {b} ({b / a:.1f}× the context) the step takes {grow:.1f}× as long, "
+              f"{'less than' if grow < b / a else 'at least'} in proportion")
+
+# %% [markdown]
 # ## Prefill and decode, timed separately
 #
 # Time to first token (TTFT) is the prefill: one pass over the prompt. Time per output token (TPOT) is
 # the mean of the later steps. Without a cache a decode step is a prefill of a slightly longer
-# sequence, so TPOT is no smaller than TTFT: the naive loop never gets cheaper.
+# sequence, so TPOT should be no smaller than TTFT, up to timing noise: the naive loop never gets cheaper.
 
 # %%
 pdt = {m.name: ch01.prefill_decode(m, S["prefill_prompts"], S["decode_tokens"]) for m in (gpt2, smol)}
-pd.DataFrame([dict(model=name, prompt=P, ttft_ms=round(r["ttft"] * 1e3, 1), tpot_ms=round(r["tpot"] * 1e3, 1),
-                   tpot_over_ttft=round(r["tpot"] / r["ttft"], 2))
-              for name, by_P in pdt.items() for P, r in by_P.items()]).set_index(["model", "prompt"])
+show(pd.DataFrame([{"model": name, "prompt (tokens)": P, "TTFT (ms)": r["ttft"] * 1e3, "TPOT (ms)": r["tpot"] * 1e3,
+                    "TPOT / TTFT": r["tpot"] / r["ttft"]}
+                   for name, by_P in pdt.items() for P, r in by_P.items()]).set_index(["model", "prompt (tokens)"]))
+
+# %%
+low, name, P = min((r["tpot"] / r["ttft"], name, P) for name, by_P in pdt.items() for P, r in by_P.items())
+print(f"smallest TPOT/TTFT in this run: {low:.2f} ({name}, prompt of {P} tokens); "
+      + ("no decode step was cheaper than its prefill" if low >= 1 else
+         "within timing noise of 1" if low > 0.9 else "far below 1: more than timing noise"))
 
 # %% [markdown]
 # ## Bytes per cached position
 #
 # What would a cache hold? For every layer, one key and one value vector per key/value head:
-# `2 × layers × kv_heads × head_dim × bytes per element`. The shapes are those of each model's published
+# $2 \times \text{layers} \times \text{kv_heads} \times \text{head_dim} \times \text{bytes per element}$.
+# The shapes are those of each model's published
 # `config.json` (`lab/models/published.py` names each file). Grouped-query attention lets several query
 # heads share one key/value head, and the cache shrinks by that factor.
 
 # %%
 rows = ch01.bytes_table()
-pd.DataFrame([dict(model=r["model"], layers=r["layers"], q_heads=r["q_heads"], kv_heads=r["kv_heads"],
-                   head_dim=r["head_dim"], kib_per_position=r["bytes"] / 1024,
-                   kib_if_every_head_had_kv=r["mha_bytes"] / 1024, gqa_saving=r["saving"],
-                   gib_at_4096_tokens=round(r["context_gib"], 3)) for r in rows]).set_index("model")
+show(pd.DataFrame([{"model": r["model"], "layers": r["layers"], "query heads": r["q_heads"],
+                    "KV heads": r["kv_heads"], "head dim": r["head_dim"], "KiB / position": r["bytes"] / 1024,
+                    "KiB / position, a KV head per query head": r["mha_bytes"] / 1024,
+                    "GQA saving (×)": r["saving"], "GiB at 4,096 tokens": r["context_gib"]}
+                   for r in rows]).set_index("model"), caption="16-bit cache")
 
 # %%
 fig_bytes = ch01.plot_bytes(rows)
@@ -238,8 +262,8 @@ fig_bytes = ch01.plot_bytes(rows)
 par = ch01.parity(["tiny-gpt2", "tiny-llama", "gpt2-random", "smollm2"], S["parity_tokens"])
 ppl = ch01.perplexities(smol, S["ppl_passages"], S["ppl_tokens"])
 print(f"perplexity on held-out Shakespeare {ppl['heldout']:.1f}, same words shuffled {ppl['shuffled']:.1f}")
-pd.DataFrame({name: {"max |Δ logit|": r["max"], "median |Δ logit|": r["median"], "largest |logit|": r["scale"]}
-              for name, r in par.items()}).T
+show(pd.DataFrame({name: {"max |Δ logit|": r["max"], "median |Δ logit|": r["median"], "largest |logit|": r["scale"]}
+                   for name, r in par.items()}).T, digits={"max |Δ logit|": 2, "median |Δ logit|": 2})
 
 # %% [markdown]
 # ## Record
@@ -263,19 +287,23 @@ print("wrote section ch01 to", results.results_path())
 # 1. Write `positions_without_cache(prompt_len, new_tokens)`: the positions a cache-less loop pushes
 #    through the model. **Rule:** count it with arithmetic from the structure of the loop. The check runs
 #    your function while every torch function (so any model or backend) and the library's
-#    `positions_uncached` raise, and compares with the count of a real backend.
+#    `positions_uncached` raise, and compares with the count of a real backend, on lengths drawn fresh
+#    at every run (some too large to look up in a table made beforehand).
 # 2. Write `bytes_per_position(n_layers, n_kv_heads, head_dim, dtype)`. **Rule:** arithmetic from the
 #    shapes (`dtype.itemsize` is the size of one element); no tensors allocated and no `lab.cache.sizing`.
 #    The check allocates the tensors itself and compares bytes.
 # 3. Write an attention *without* the causal mask, `attend(i, q, k, v)` on `[B, H, T, D]` tensors.
-#    **Rule:** write softmax(q kᵀ / √d) v yourself; the check runs your function while PyTorch's
-#    `scaled_dot_product_attention` raises. It then shows that, with your attention, changing the last
-#    token moves every earlier position's logits: no cache could survive that.
+#    **Rule:** write $\operatorname{softmax}(q k^\top / \sqrt{d})\, v$ yourself; the check runs your function
+#    while PyTorch's fused attention raises, under any of its names (`scaled_dot_product_attention`,
+#    `torch.ops.aten`, `nn.MultiheadAttention`), and so do the lab's attention functions. It then shows
+#    that, with your attention,
+#    changing the last token moves every earlier position's logits: no cache could survive that.
 # 4. (Open-ended.) Time one uncached decode step of SmolLM2 at a context of 256 tokens on your machine,
 #    and compare with the book's figure. Build 256 token ids (`torch.randint(0, model.config.vocab_size,
 #    (1, T))`), time `forward(ids, model.weights, model.config, last_only=True)` with
 #    `lab.bench.time_call(fn, warmup=1, reps=5)`, and return the median in milliseconds. **Rule:** it is a
-#    measurement, so the time you report must fit inside the time your function took. The check prints
+#    measurement, so the time you report must fit inside the time your function took, and agree within a
+#    factor of 3 with the check's own timing of the same step, taken right after. The check prints
 #    yours beside `ch01.step_ms.smollm2.T256` from the committed results and the ratio
 #    (`lab.exercises.compare_with_book`). Then try other contexts (`T=` 16, 64, 512) and think about
 #    which part of the ratio is your processor and which is your thread count.

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -17,7 +17,7 @@
 # Chapter 2 showed that a cached forward computes the same function as recomputation. This chapter
 # measures what the cache buys and what it costs:
 #
-# - the time of one decode step against the context length T, with and without a cache;
+# - the time of one decode step against the context length $T$, with and without a cache;
 # - where the time of a cached step goes: how much of it is attention over the cache;
 # - the engine end to end, generating tokens;
 # - the lab's cached decode against the transformers library's own;
@@ -27,6 +27,8 @@
 # sweeps are short and the numbers go to a temporary results file; `make results` runs the full sweeps.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import platform
 import time
 
@@ -38,10 +40,12 @@ from lab import results
 from lab.cache import StaticCache
 from lab.experiments import ch03_savings as ch03
 from lab.experiments import library, memory
+from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
+print(lab.threads.describe())
 QUICK = results.quick()
 S = ch03.settings(QUICK)
 FIGS = results.figures_dir()
@@ -51,16 +55,16 @@ print("quick mode (short sweeps; a temporary results file)" if QUICK else "full 
 # %% [markdown]
 # ## Timing one step by hand
 #
-# What is measured: one **decode step**, the work of producing the next token when T tokens came before.
+# What is measured: one **decode step**, the work of producing the next token when $T$ tokens came before.
 #
-# - *Without a cache* the model runs over all T + 1 positions again (only the last position's logits
+# - *Without a cache* the model runs over all $T + 1$ positions again (only the last position's logits
 #   are needed).
-# - *With a cache* holding the T earlier positions' keys and values, it runs over the one new position.
+# - *With a cache* holding the $T$ earlier positions' keys and values, it runs over the one new position.
 #
 # A timing needs three precautions. The first call of anything is slow (memory is allocated, kernels are
 # picked), so it is a warm-up and not counted. One call is noisy, so we repeat it and take the median.
 # And the cached step adds one position to the cache, so before each call the cache is cropped back to
-# T positions; cropping only sets a length, so it costs nothing worth timing.
+# $T$ positions; cropping only sets a length, so it costs nothing worth timing.
 #
 # Here it is by hand, with `time.perf_counter`, for SmolLM2 at two contexts.
 
@@ -90,13 +94,15 @@ def one_step_ms(T):
     return uncached, cached
 
 
-for T in (16, 256):
-    uncached, cached = one_step_ms(T)
+by_hand = {T: one_step_ms(T) for T in (16, 256)}
+for T, (uncached, cached) in by_hand.items():
     print(f"T={T:>4}: uncached {uncached:6.3g} ms, cached {cached:6.3g} ms, speedup {uncached / cached:5.3g}x")
+(u16, c16), (u256, c256) = by_hand.values()
+print(f"16x the context: the uncached step takes {u256 / u16:.1f}x as long, the cached one {c256 / c16:.2f}x")
 
 
 # %% [markdown]
-# The uncached step grows with T; the cached one barely moves. That is the chapter in two lines. The
+# The uncached step grows with $T$; the cached one, far less. That is the chapter in two lines. The
 # rest makes the measurement trustworthy and asks where the remaining time goes.
 #
 # ## Why interleaved rounds
@@ -110,7 +116,7 @@ for T in (16, 256):
 # headline.
 #
 # `ch03.step_times` does this for three variants per context (uncached, a concatenating cache, a static
-# cache). The sweep starts at T = 1, a single cached position, so that the point where the cache starts
+# cache). The sweep starts at $T = 1$, a single cached position, so that the point where the cache starts
 # to pay is found rather than assumed.
 
 # %%
@@ -119,18 +125,26 @@ rows = []
 for name, by_T in times.items():
     sp = ch03.speedups(by_T)
     for T, row in by_T.items():
-        ms = {f"{d} ms": row[d]["median"] * 1e3 for d in ("uncached", "concat", "static")}
+        ms = {f"{d} (ms)": row[d]["median"] * 1e3 for d in ("uncached", "concat", "static")}
         rows.append({"model": name, "T": T, **ms,
-                     "speedup, static": sp[T]["static"]["median"],
-                     "lowest round": sp[T]["static"]["min"], "highest round": sp[T]["static"]["max"],
-                     "speedup, concat": sp[T]["concat"]["median"]})
+                     "speedup, static (×)": sp[T]["static"]["median"],
+                     "lowest round (×)": sp[T]["static"]["min"], "highest round (×)": sp[T]["static"]["max"],
+                     "speedup, concat (×)": sp[T]["concat"]["median"]})
     print(f"{name}: the static cache is faster than recomputation from T = {ch03.pays_from(by_T)} on")
 ch03.plot_step_times(times, FIGS / "ch03_step_time.png")
-pd.DataFrame(rows).set_index(["model", "T"]).style.format("{:.3g}")
+show(pd.DataFrame(rows).set_index(["model", "T"]))
+
+# %%
+for name, by_T in times.items():
+    sp = ch03.speedups(by_T)
+    Ts = list(sp)
+    print(f"{name}: speedup {sp[Ts[0]]['static']['median']:.2g}x at T = {Ts[0]}, "
+          f"{sp[Ts[-1]]['static']['median']:.3g}x at T = {Ts[-1]}: "
+          + ("it grows with T" if sp[Ts[-1]]["static"]["median"] > sp[Ts[0]]["static"]["median"] else "no growth"))
 
 # %% [markdown]
-# What the table shows: the speedup grows about in proportion to T, because the uncached step's work
-# grows with T and the cached step's does not (apart from attention, below). At T = 1 recomputation
+# What to read in the table: the speedup should grow about in proportion to $T$, because the uncached
+# step's work grows with $T$ and the cached step's does not (apart from attention, below). At $T = 1$ recomputation
 # processes two positions and the cached step one, and both read every weight once: the first rows say
 # whether a cache already pays for a single cached position. A speedup whose rounds fall on both sides
 # of 1 means "the same speed".
@@ -143,20 +157,20 @@ pd.DataFrame(rows).set_index(["model", "T"]).style.format("{:.3g}")
 # rounds of four or more agree (the interquartile range of the ratio lies on one side of 1).
 
 # %%
-pd.DataFrame([{"model": name, "T": T, "concat / static": r["median"], "q1": r["q1"], "q3": r["q3"],
-               "faster": r["faster"]}
-              for name, by_T in times.items() for T, r in ch03.faster_design(by_T).items()]
-             ).set_index(["model", "T"]).style.format("{:.3g}", subset=["concat / static", "q1", "q3"])
+show(pd.DataFrame([{"model": name, "T": T, "concat / static, median": r["median"], "first quartile": r["q1"],
+                    "third quartile": r["q3"], "faster": r["faster"]}
+                   for name, by_T in times.items() for T, r in ch03.faster_design(by_T).items()]
+                  ).set_index(["model", "T"]), caption="step time ratio per round")
 
 # %% [markdown]
 # ## Where the time of a cached step goes
 #
 # Counting FLOPs (exercise 2 below) gives attention a large part of a SmolLM2 cached step at 4,096
-# positions. The clock may disagree, so we measure it: fill a static cache with T positions of random
+# positions. The clock may disagree, so we measure it: fill a static cache with $T$ positions of random
 # keys and values (the time does not depend on the values, and it spares a long prefill), then time the
 # same decode step twice per round — as it is, and with attention replaced by a no-op that returns the
 # query (a tensor of the same shape; the new key and value are still written). The share of attention is
-# 1 − without / with, per round.
+# $1 - \text{without} / \text{with}$, per round.
 #
 # Beside it, two predictions: the share of the step's **FLOPs** (counted by PyTorch's FLOP counter) and
 # the share of the **bytes** it reads (the cached keys and values against every weight read once). A
@@ -167,12 +181,12 @@ pd.DataFrame([{"model": name, "T": T, "concat / static": r["median"], "q1": r["q
 shares = {m.name: ch03.attention_share(m, S["share_contexts"][m.name], S["share_rounds"]) for m in (gpt2, smol)}
 predicted = {m.name: ch03.predicted_shares(m, S["share_contexts"][m.name]) for m in (gpt2, smol)}
 ch03.plot_attention_share(shares, predicted, FIGS / "ch03_attention_share.png")
-pd.DataFrame([{"model": name, "T": T, "measured %": r["share"]["median"] * 100,
-               "lowest round %": r["share"]["min"] * 100, "highest round %": r["share"]["max"] * 100,
-               "FLOPs predict %": predicted[name][T]["flops"] * 100,
-               "bytes predict %": predicted[name][T]["bytes"] * 100}
-              for name, by_T in shares.items() for T, r in by_T.items()]
-             ).set_index(["model", "T"]).style.format("{:.3g}")
+shown = {"measured": lambda r, p: r["share"]["median"], "lowest round": lambda r, p: r["share"]["min"],
+         "highest round": lambda r, p: r["share"]["max"], "FLOPs predict": lambda r, p: p["flops"],
+         "bytes predict": lambda r, p: p["bytes"]}
+show(pd.DataFrame([{"model": name, "T": T} | {k: f(r, predicted[name][T]) for k, f in shown.items()}
+                   for name, by_T in shares.items() for T, r in by_T.items()]).set_index(["model", "T"]),
+     caption="attention's share of a cached decode step", percent=list(shown))
 
 # %% [markdown]
 # SmolLM2's 9 query heads share 3 key-value heads, so each cached key serves three queries: attention does
@@ -189,13 +203,21 @@ pd.DataFrame([{"model": name, "T": T, "measured %": r["share"]["median"] * 100,
 # %%
 e2e = {m.name: ch03.end_to_end(m, 17, S["e2e_tokens"]) for m in (gpt2, smol)}
 print({name: e["tokens_identical"] for name, e in e2e.items()}, "<- identical tokens from all three backends")
-pd.DataFrame([{"model": name, "backend": b, "positions": e[b]["positions"], "TTFT ms": e[b]["ttft"] * 1e3,
-               "TPOT ms": e[b]["tpot"] * 1e3, "total s": e[b]["total"]}
-              for name, e in e2e.items() for b in ("recompute", "concat", "static")]
-             ).set_index(["model", "backend"]).style.format("{:.3g}", subset=["TTFT ms", "TPOT ms", "total s"])
+show(pd.DataFrame([{"model": name, "backend": b, "positions": e[b]["positions"], "TTFT (ms)": e[b]["ttft"] * 1e3,
+                    "TPOT (ms)": e[b]["tpot"] * 1e3, "total (s)": e[b]["total"]}
+                   for name, e in e2e.items() for b in ("recompute", "concat", "static")]
+                  ).set_index(["model", "backend"]))
+
+# %%
+for name, e in e2e.items():
+    gain = e["recompute"]["total"] / e["static"]["total"]
+    longest = max(times[name])
+    step = ch03.speedups(times[name])[longest]["static"]["median"]
+    print(f"{name}: the whole generation {gain:.2g}x faster with the static cache, one step at T = {longest} "
+          f"{step:.3g}x" + (": far less" if gain < step / 3 else ""))
 
 # %% [markdown]
-# The whole generation gains far less than the step at 512: these contexts are short (17 to 49
+# The whole generation gains much less than a step at a long context: these contexts are short (17 to 49
 # positions), where one step's speedup is small (the first table), and the prefill is the same.
 #
 # ## Against the library
@@ -207,11 +229,14 @@ pd.DataFrame([{"model": name, "backend": b, "positions": e[b]["positions"], "TTF
 
 # %%
 lib = library.compare(("gpt2-random", "smollm2"), S["library_context"], S["library_tokens"], S["library_reps"])
-timed = ["lab concat ms", "library dynamic ms", "ratio concat", "lab static ms", "library static ms", "ratio static"]
-pd.DataFrame([{"model": name, "context": r["context"], "same tokens": r["tokens_match"],
-               **dict(zip(timed, (r["lab_concat"] * 1e3, r["library_dynamic"] * 1e3, r["ratio_concat"],
-                                  r["lab_static"] * 1e3, r["library_static"] * 1e3, r["ratio_static"]), strict=True))}
-              for name, r in lib.items()]).set_index("model").style.format("{:.3g}", subset=timed)
+timed = ["lab concat (ms)", "library dynamic (ms)", "lab / library, dynamic", "lab static (ms)",
+         "library static (ms)", "lab / library, static"]
+show(pd.DataFrame([{"model": name, "context (tokens)": r["context"], "tokens": r["tokens_match"],
+                    **dict(zip(timed, (r["lab_concat"] * 1e3, r["library_dynamic"] * 1e3, r["ratio_concat"],
+                                       r["lab_static"] * 1e3, r["library_static"] * 1e3, r["ratio_static"]),
+                               strict=True))}
+                   for name, r in lib.items()]).set_index("model"), words={"tokens": ("identical", "different")},
+     caption="one decode step, median")
 
 # %% [markdown]
 # ## Memory, measured in a fresh process
@@ -223,9 +248,32 @@ pd.DataFrame([{"model": name, "context": r["context"], "same tokens": r["tokens_
 # %%
 mem = memory.sweep(S["memory_models"], ("concat", "static"), S["memory_batches"], S["memory_tokens"])
 memory.plot(mem, FIGS / "ch03_memory.png")
-pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batch_size"],
-               "peak extra MiB": r["peak_extra_bytes"] / 2**20, "formula MiB": r["cache_bytes"] / 2**20}
-              for r in mem]).set_index(["model", "design", "batch"]).style.format("{:.3g}")
+show(pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batch_size"],
+                    "peak extra (MiB)": r["peak_extra_bytes"] / 2**20, "formula (MiB)": r["cache_bytes"] / 2**20}
+                   for r in mem]).set_index(["model", "design", "batch"]))
+
+# %% [markdown]
+# ## A busy machine
+#
+# A reader's laptop is never idle. torch runs each operator on a team of OpenMP threads, one per core,
+# and between two operators OpenMP lets its threads *spin* for a while rather than sleep, to save the
+# time of waking them. When another program wants the same cores, a spinning thread takes a core from
+# the thread it is waiting for, and a decode step of a few hundred small operators can take several
+# times as long. `lab` sets `OMP_WAIT_POLICY=PASSIVE` (threads sleep while they wait) when it is
+# imported, which is why every notebook imports `lab` before `torch`: OpenMP reads the setting once,
+# when torch loads (`lab/threads.py`).
+#
+# `lab.experiments.load` times the same decode step in fresh processes (a setting takes effect only in a
+# process of its own), idle and with one spinning process per core beside it, with OpenMP's defaults and
+# with the lab's setting:
+
+# %%
+busy = ch03.under_load(S)
+show(pd.DataFrame({name: {f"{'idle' if n == 0 else f'{n} busy processes'} (ms)": r["median"] * 1e3
+                          for n, r in by_load.items()} for name, by_load in busy.items()}).T.rename_axis("setting"))
+for name, by_load in busy.items():
+    idle, loaded = by_load[min(by_load)]["median"], by_load[max(by_load)]["median"]
+    print(f"{name}: {loaded / idle:.1f}x slower with every core busy")
 
 # %% [markdown]
 # ## Record
@@ -235,7 +283,7 @@ pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batch_siz
 
 # %%
 m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times,
-         shares=shares, predicted=predicted, end_to_end=e2e, library=lib, memory=mem)
+         shares=shares, predicted=predicted, end_to_end=e2e, library=lib, memory=mem, under_load=busy)
 ch03.record(m, draw=False)
 print("wrote section ch03 to", results.results_path())
 
@@ -253,17 +301,19 @@ print("wrote section ch03 to", results.results_path())
 # ## Exercises
 #
 # 1. **Where does the work go?** Write `decode_flops(config, T)`: the FLOPs (2 per multiply-add) of one
-#    cached decode step at context T (projections, attention over T + 1 keys, MLP, output head). The check
-#    compares with PyTorch's FLOP counter on a real step. Count from the shapes in `config`: your function
-#    runs while every torch function and the check's own counter raise.
+#    cached decode step at context $T$ (projections, attention over $T + 1$ keys, MLP, output head). The check
+#    compares with PyTorch's FLOP counter on a real step, for the book's models and for model shapes drawn
+#    fresh at every run. Count from the shapes in `config`: your function runs while every torch function
+#    and the check's own counter raise.
 # 2. **When does attention dominate the FLOPs?** Write `attention_share(config, T)`: the fraction of those
 #    FLOPs spent in attention over the cache, by the same rule.
 # 3. **Open-ended: does the clock agree on your machine?** Write `measured_attention_share(model, T)`: the
-#    percentage of one cached SmolLM2 step's *time* spent in attention at T = 1,024. Fill a `StaticCache`
-#    with T positions of random keys and values (`cache.update(i, k, v)` for every layer, then
+#    percentage of one cached SmolLM2 step's *time* spent in attention at $T = 1024$. Fill a `StaticCache`
+#    with $T$ positions of random keys and values (`cache.update(i, k, v)` for every layer, then
 #    `cache.advance(T)`); time the step as it is and with `cache.attend` set to a function that stores k, v
 #    and returns q (delete the attribute afterwards); use `lab.bench.time_rounds(..., setup=lambda:
-#    cache.crop(T))`. The check counts your attention calls and sets your number beside the book's.
+#    cache.crop(T))`. The check counts your attention calls, refuses the book's own measuring function and
+#    reading the book's number, and sets your number beside the book's.
 
 # %%
 from lab.exercises import ch03 as ex

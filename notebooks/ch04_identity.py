@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -26,6 +26,8 @@
 # the rule eight ways on purpose to measure what each break does to the scores.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import platform
 
 import pandas as pd
@@ -36,11 +38,13 @@ from lab import results
 from lab.cache import CacheMismatchError, ConcatCache, StaticCache
 from lab.engine import CachedBackend, identity_of, key_for, prefix_key
 from lab.experiments import ch04_identity as ch04
+from lab.experiments.tables import show
 from lab.models import load, owner
 from lab.models.load import scaled_copy
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
+print(lab.threads.describe())
 QUICK = results.quick()
 S = ch04.settings(QUICK)
 print("quick mode (short runs; a temporary results file)" if QUICK else "full mode",
@@ -139,7 +143,7 @@ for change, fields in changes.items():
                  "lab's prefix_key": "changes" if labs != lab0 else "SAME"})
 assert [r["minimal key"] for r in rows] == ["changes"] * 3 + ["SAME"] * 4     # what the text below says
 assert all(r["lab's prefix_key"] == "changes" for r in rows)
-pd.DataFrame(rows).set_index("change")
+show(pd.DataFrame(rows).set_index("change"))
 
 # %% [markdown]
 # The minimal key notices the first three changes and misses the last four. What each field protects
@@ -190,8 +194,8 @@ print("key_for(identity_of(model, cache), ids) == prefix_key(...):", lab0[:16], 
 # every call it computes the identity under which it would compute now and the key of the request's
 # prefix `ids[:-k]`:
 #
-# - equal keys for some k ≥ 1: run only the k new tokens (a **hit**);
-# - anything else — another model, tokenizer, dtype or salt; identical ids (k = 0: the state of
+# - equal keys for some $k \ge 1$: run only the $k$ new tokens (a **hit**);
+# - anything else — another model, tokenizer, dtype or salt; identical ids ($k = 0$: the state of
 #   `ids[:-0]` does not exist); a diverging prefix — discard the cache and recompute (a **miss**).
 #
 # A miss costs time, never correctness. A few requests of greedy tokens (`S["requests"]` of
@@ -199,7 +203,15 @@ print("key_for(identity_of(model, cache), ids) == prefix_key(...):", lab0[:16], 
 
 # %%
 eng = ch04.engine_check(smol, S["requests"], S["new_tokens"], S["prompt"])
-pd.Series({k: v for k, v in eng.items()}, name="engine check").to_frame()
+engine_rows = {"calls": "calls", "hits": "hits", "misses": "misses", "positions": "positions per request, cached",
+               "recompute_positions": "positions per request, recomputed", "tokens_identical": "tokens"}
+show(pd.Series({label: eng[k] for k, label in engine_rows.items()}, name="engine check").to_frame(),
+     words=("identical to recomputation", "different from recomputation"))
+
+# %%
+assert eng["misses"] == S["requests"] and eng["hits"] == eng["calls"] - eng["misses"] and eng["tokens_identical"]
+print(f"{eng['misses']} misses, {eng['hits']} hits; {max(eng['positions'])} positions a request at most, "
+      f"against {eng['recompute_positions']} without a cache")
 
 # %% [markdown]
 # One miss a request (its first call: the previous request's state belongs to other ids), a hit on every
@@ -288,7 +300,7 @@ writes = {"an in-place op, w.add_(...)": lambda w: w.add_(1e-3),
           "a write through a NumPy view": lambda w: w.numpy().__iadd__(1e-3)}
 seen = {what: "noticed" if noticed(f) else "MISSED" for what, f in writes.items()}
 assert seen["an in-place op, w.add_(...)"] == seen["Adam step (foreach)"] == "noticed"
-pd.Series(seen, name="manifest after the write").to_frame()
+show(pd.Series(seen, name="manifest after the write").to_frame())
 
 # %% [markdown]
 # Writes that bypass the counter — `.data`, a NumPy view, and kernels that write without counting (here,
@@ -323,11 +335,17 @@ print(f"its own state again: hits {b.hits}, misses {b.misses}")
 
 # %%
 kc = ch04.key_cost(smol, S["key_lengths"], S["key_reps"], S["step_reps"])
-pd.DataFrame({T: {"prefix_key (µs)": c["key"]["median"] * 1e6, "spread, IQR (µs)": c["key"]["iqr"] * 1e6,
-                  "backend check (µs)": c["check"]["median"] * 1e6,
-                  "decode step (ms)": c["step"]["median"] * 1e3,
-                  "check / step (%)": 100 * c["check"]["median"] / c["step"]["median"]}
-              for T, c in kc.items()}).T.rename_axis("ids in the key").round(3)
+show(pd.DataFrame({T: {"prefix_key (µs)": c["key"]["median"] * 1e6, "spread, IQR (µs)": c["key"]["iqr"] * 1e6,
+                       "backend check (µs)": c["check"]["median"] * 1e6,
+                       "decode step (ms)": c["step"]["median"] * 1e3,
+                       "check / step": c["check"]["median"] / c["step"]["median"]}
+                   for T, c in kc.items()}).T.rename_axis("ids in the key"), percent=["check / step"])
+
+# %%
+(T0, a), (T1, b) = list(kc.items())[0], list(kc.items())[-1]
+check_growth, step_growth = b["check"]["median"] / a["check"]["median"], b["step"]["median"] / a["step"]["median"]
+print(f"from {T0} to {T1} ids the check's time grows {check_growth:.2g}x, the decode step's {step_growth:.2g}x: "
+      f"the step's grows {'less' if step_growth < check_growth else 'more'}")
 
 # %% [markdown]
 # The check's cost grows with the number of ids it hashes; the decode step's cost, dominated at these
@@ -343,12 +361,18 @@ pd.DataFrame({T: {"prefix_key (µs)": c["key"]["median"] * 1e6, "spread, IQR (µ
 # %%
 cc = ch04.check_cost(smol, S["key_reps"], S["rehash_reps"])
 per_call = cc["manifest"]["median"] + cc["owner"]["median"]       # a hit reads the manifest once
-pd.DataFrame({"Model.manifest, weights unchanged (µs)": cc["manifest"]["median"] * 1e6,
-              "owner(weights, config) (µs)": cc["owner"]["median"] * 1e6,
-              "per call: manifest + owner (µs)": per_call * 1e6,
-              "rehash after an in-place change (s)": cc["rehash"]["median"],
-              **{f"per call / step at {T} (%)": 100 * per_call / c["step"]["median"] for T, c in kc.items()}},
-             index=["SmolLM2"]).T.round(4)
+from IPython.display import display
+
+display(show(pd.DataFrame({"Model.manifest, weights unchanged (µs)": cc["manifest"]["median"] * 1e6,
+                           "owner(weights, config) (µs)": cc["owner"]["median"] * 1e6,
+                           "per call: manifest + owner (µs)": per_call * 1e6,
+                           "rehash after an in-place change (s)": cc["rehash"]["median"]}, index=["SmolLM2"]).T))
+show(pd.DataFrame({T: {"manifest + owner / decode step": per_call / c["step"]["median"]} for T, c in kc.items()}
+                  ).T.rename_axis("ids in the key"), percent=["manifest + owner / decode step"])
+
+# %%
+print(f"on every call: {per_call * 1e6:.3g} µs; once after a change: {cc['rehash']['median']:.2g} s, "
+      f"{cc['rehash']['median'] / per_call:,.0f} calls' worth")
 
 # %% [markdown]
 # Noticing in-place changes costs the same small amount on every call, whatever the context, and a rehash
@@ -371,8 +395,8 @@ pd.DataFrame({"Model.manifest, weights unchanged (µs)": cc["manifest"]["median"
 # same model object.
 
 # %%
-pd.DataFrame({"what goes wrong": ch04.HAZARDS,
-              "identity that changes": {k: v or "none" for k, v in ch04.IDENTITY_CHANGES.items()}})
+show(pd.DataFrame({"what goes wrong": ch04.HAZARDS,
+                   "identity that changes": {k: v or "none" for k, v in ch04.IDENTITY_CHANGES.items()}}))
 
 # %% [markdown]
 # The trials show a progress bar; in quick mode there are fewer of them.
@@ -381,28 +405,40 @@ pd.DataFrame({"what goes wrong": ch04.HAZARDS,
 haz = ch04.hazards(smol, S["trials"], S["prefix"])
 table = pd.DataFrame({name: {"median |Δ logit|": r["delta_median"], "max |Δ logit|": r["delta_max"],
                              "same top token": f"{r['argmax_agree']}/{r['trials']}",
-                             "KL, median (nats)": f"{r['kl_median']:.2g}",
+                             "KL, median (nats)": r["kl_median"],
                              "cache refuses": f"{r['refused_by_cache']}/{r['trials']}",
                              "backend refuses": f"{r['refused']}/{r['trials']}",
                              "backend correct": f"{r['backend_correct']}/{r['trials']}"}
                       for name, r in haz.items()}).T
-table
+show(table, digits=2)
 
 # %% [markdown]
-# |Δ logit| is the absolute difference of the scores over the whole vocabulary; KL is KL(correct ‖ wrong)
-# of the next-token distributions. The left panel shows how far the scores move (a log axis: the
-# hazards span several orders of magnitude); the right one, in how many trials the top token is still
-# the right one.
+# $\left\lvert \Delta\,\text{logit} \right\rvert$ is the absolute difference of the scores over the whole
+# vocabulary; KL is $\mathrm{KL}(\text{correct} \,\Vert\, \text{wrong})$ of the next-token distributions.
+# The left panel shows how far the scores move (a log axis: the hazards span several orders of
+# magnitude); the right one, in how many trials the top token is still the right one.
 
 # %%
 fig = ch04.plot_hazards(haz)
 
+# %%
+for name, r in haz.items():
+    kept = r["argmax_agree"] / r["trials"]
+    print(f"{name:22s} top token kept in {r['argmax_agree']:2d}/{r['trials']}: "
+          f"{'loud' if kept < 0.5 else 'quiet' if kept >= 0.9 else 'in between'}; "
+          f"refused by the backend in {r['refused']}/{r['trials']}, by the cache in {r['refused_by_cache']}")
+print("the quietest, by the median KL:", min(haz, key=lambda n: haz[n]["kl_median"]))
+changed = [n for n in haz if ch04.IDENTITY_CHANGES[n]]
+every = all(haz[n]["refused"] == haz[n]["backend_correct"] == haz[n]["trials"] for n in changed)
+print("every identity change refused by the backend, its scores then correct:", "yes" if every else "NO")
+
 # %% [markdown]
-# **Loud and quiet.** Another prompt, a wrong position and draft tokens left behind move the top token in
-# most trials: a test that compares generated text catches them. The adapter, the in-place update and the
-# bfloat16 cache move every score a little and leave the top token alone: greedy text looks right while
-# every probability is off, and sampling, beam search or anything that reads the probabilities inherits
-# the error. One optimizer step is the quietest of all, and a cache kept across several steps drifts
+# **Loud and quiet**, as the lines above classify them (loud: the top token moves in most trials).
+# Another prompt, a wrong position and draft tokens left behind move the top token in most trials: a
+# test that compares generated text catches them. The adapter, the in-place update and the bfloat16
+# cache move every score a little and leave the top token alone: greedy text looks right while every
+# probability is off, and sampling, beam search or anything that reads the probabilities inherits the
+# error. One optimizer step is the quietest of all, and a cache kept across several steps drifts
 # further with each.
 #
 # Every hazard that changes the identity — the ids, the manifest, the dtypes — is refused by the
@@ -416,7 +452,8 @@ fig = ch04.plot_hazards(haz)
 
 # %%
 cost = ch04.refusal_cost(smol, S["prefix"])
-print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {cost['recompute'] * 1e3:.3g} ms")
+print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {cost['recompute'] * 1e3:.3g} ms, "
+      f"a ratio of {cost['refused'] / cost['recompute']:.2f}")
 
 # %% [markdown]
 # ## Record
@@ -440,7 +477,9 @@ print("wrote section ch04 to", results.results_path())
 # the state of `ids`. `check_prefix_store` serves a stream of requests that share system prompts (some to
 # a fine-tuned variant of the model, some from another tenant) through your store, compares every answer
 # with recomputation and reports your hit rate. It fails a store that offers a state under another
-# identity, offers more than the common prefix, or keeps nothing.
+# identity, offers more than the common prefix, or keeps nothing; one that runs the model to make a state
+# (a store hands out forks of the states it was given: the model's code raises while its methods run);
+# and one that keeps more than `capacity` caches (the check counts the caches still alive afterwards).
 
 # %%
 from lab.exercises import ch04 as ex
@@ -469,9 +508,9 @@ except NotImplementedError:
 #
 # Write `key_cost_us(T)`: build T token ids, time one prefix key over them — `prefix_key`, or your own
 # `minimal_key` from the top of this notebook — with `lab.bench.time_call(fn, warmup=5, reps=200)`, and
-# return the median in microseconds (`result["median"] * 1e6`). The check sets your number beside the
-# book's at 4,096 ids. Then ask: what share of a decode step on your machine is it, and what would a
-# per-page chained hash save?
+# return the median in microseconds (`result["median"] * 1e6`). The check also runs it at 4 × T ids, where
+# a key must cost more (it reads every id), then sets your number beside the book's at 4,096 ids. Then
+# ask: what share of a decode step on your machine is it, and what would a per-page chained hash save?
 
 # %%
 def key_cost_us(T):

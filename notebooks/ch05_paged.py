@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -25,6 +25,8 @@
 # indirection costs on this CPU.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import os
 import platform
 
@@ -40,9 +42,11 @@ import transformers
 
 from lab import data, results
 from lab.experiments import ch05_paged as ch05
+from lab.experiments.tables import show
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
+print(lab.threads.describe())
 QUICK = results.quick()
 S = ch05.settings(QUICK)
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
@@ -79,7 +83,7 @@ def slot_mapping(table, start, n):
 
 rows = [dict(sequence=seq, position=p, page=tables[seq][p // PAGE], offset=p % PAGE,
              slot=slot_mapping(tables[seq], p, 1)[0]) for seq in "AB" for p in range(lengths[seq])]
-pd.DataFrame(rows).set_index(["sequence", "position"]).T
+show(pd.DataFrame(rows).set_index(["sequence", "position"]).T)
 
 # %% [markdown]
 # Now write keys. Each sequence's keys are made contiguous first (`keys[seq]`, `[length, H, D]`), then
@@ -169,9 +173,12 @@ for row, ids in enumerate(prompts):
 # %%
 agree = ch05.token_agreement(smol, S["page_sizes"], 37, S["new_tokens"])
 ragged = ch05.ragged_batch(smol, new_tokens=S["new_tokens"] // 2)
-pd.DataFrame({f"pages of {ps}": {"identical tokens": r["identical"], "largest |Δ logit|": f"{r['max_diff']:.2g}"}
-              for ps, r in agree.items()}
-             | {f"ragged batch {ragged['lengths']}": {"identical tokens": ragged["identical"]}})
+show(pd.DataFrame({f"pages of {ps}": {"tokens against ConcatCache": r["identical"], "largest |Δ logit|": r["max_diff"]}
+                   for ps, r in agree.items()}
+                  | {f"ragged batch of {ragged['lengths']} tokens": {"tokens against ConcatCache": ragged["identical"],
+                                                                     "largest |Δ logit|": None}}).T,
+     digits=2, words=("identical", "different"),
+     note="— : the ragged batch is compared by its tokens only (each sequence against itself generated alone)")
 
 # %% [markdown]
 # A live cache with three sequences of different lengths and a fork, drawn from its own block manager:
@@ -211,12 +218,12 @@ print(code_listing("lab/kernels/triton_paged.py", "paged_decode_loop"))
 #   slice (`kv_head * stride_kh`). With the pool laid out `[pages, page_size, kv_heads, head_dim]` that
 #   is a strided block inside one contiguous page. Positions past the sequence's length in its last page
 #   are masked (`t_mask`) and load as 0.
-# - **Scores.** `s = q @ kᵀ`, `[GROUP, PAGE]`, with masked positions set to −∞.
+# - **Scores.** $s = q k^\top$, `[GROUP, PAGE]`, with masked positions set to $-\infty$.
 # - **Online softmax.** A softmax needs the maximum over all positions, but the program sees one page
 #   at a time. It keeps three running quantities: `m_i`, the largest score so far; `l_i`, the sum of
-#   `exp(score − m_i)` so far; `acc`, the sum of `exp(score − m_i) · v` so far. When a page brings a
-#   larger maximum `m_new`, everything summed so far was scaled by `exp(−m_i)` and must be scaled by
-#   `exp(−m_new)` instead: multiply by `alpha = exp(m_i − m_new)`. Then add the page's own terms.
+#   $\exp(s - m_i)$ so far; `acc`, the sum of $\exp(s - m_i)\, v$ so far. When a page brings a
+#   larger maximum `m_new`, everything summed so far was scaled by $\exp(-m_i)$ and must be scaled by
+#   $\exp(-m_\text{new})$ instead: multiply by `alpha = tl.exp(m_i - m_new)`. Then add the page's own terms.
 # - **The end.** `acc / l_i` is the softmax-weighted sum of values, exactly; it is stored for the
 #   group's query heads.
 #
@@ -277,7 +284,7 @@ except Exception as e:  # no Triton, or the interpreter after torch._dynamo was 
 #
 # Request lengths are **synthetic**: log-normal draws whose means match the statistics the vLLM paper
 # published for ShareGPT (input 161.31, output 337.99 tokens) and Alpaca (19.31, 58.45); the spread
-# (σ = 1 in log space) is an assumption. Each scheme reserves positions per request at completion:
+# ($\sigma = 1$ in log space) is an assumption. Each scheme reserves positions per request at completion:
 # contiguous at the maximum length (2,048), contiguous for the prompt plus a 512-position answer budget,
 # or pages of a given size (the tail of the last page is the only waste).
 
@@ -286,12 +293,14 @@ lengths = {d: data.synthetic_lengths(d, S["requests"], seed=i) for i, d in enume
 util = {d: ch05.utilization(i, o) for d, (i, o) in lengths.items()}
 by_manager = {d: ch05.utilization_by_manager(i[:S["manager_requests"]], o[:S["manager_requests"]])
               for d, (i, o) in lengths.items()}
-table = pd.DataFrame(util).rename(index=lambda k: k.replace("paged_", "pages of ").replace("_", " "))
-table.loc["pages of 16, real BlockManager"] = by_manager
-table.loc["mean input (tokens)"] = {d: i.mean() for d, (i, o) in lengths.items()}
-table.loc["mean output (tokens)"] = {d: o.mean() for d, (i, o) in lengths.items()}
-table.style.format("{:.1%}", subset=pd.IndexSlice[table.index[:-2], :]).format(
-    "{:.1f}", subset=pd.IndexSlice[table.index[-2:], :])
+from IPython.display import display
+
+util_table = pd.DataFrame(util).rename(index=lambda k: k.replace("paged_", "pages of ").replace("_", " "))
+util_table.loc["pages of 16, real BlockManager"] = pd.Series(by_manager)
+display(show(util_table.rename_axis("reservation scheme"), percent=list(util_table.columns),
+             caption="share of the reserved positions that hold tokens, per synthetic trace"))
+show(pd.DataFrame({d: {"mean input (tokens)": i.mean(), "mean output (tokens)": o.mean()}
+                   for d, (i, o) in lengths.items()}).T.rename_axis("trace (synthetic)"))
 
 # %%
 fig_util = ch05.plot_utilization(util)
@@ -305,7 +314,8 @@ from lab.cache import cache_bytes
 budget = 2**30 // cache_bytes(smol.config, 1, 1, torch.float16)
 conc = {d: ch05.concurrency(i, o, budget) for d, (i, o) in lengths.items()}
 print(f"1 GiB holds {budget:,} positions")
-pd.DataFrame(conc)
+show(pd.DataFrame(conc).T.rename(columns=lambda k: k.replace("paged_", "pages of ").replace("_", " "))
+     .rename_axis("trace (synthetic)"), caption="requests that fit at once in 1 GiB")
 
 # %% [markdown]
 # ### What reading pages costs on the CPU
@@ -314,7 +324,7 @@ pd.DataFrame(conc)
 # reference, for the whole batch in a fixed number of calls:
 #
 # - **whole pages are copied**: one `index_select` per pool, each page one contiguous block, laid end to
-#   end so that row t of a sequence is its position t;
+#   end so that row $t$ of a sequence is its position $t$;
 # - **every sequence of the batch at once**: the tables are cut to the longest sequence's pages and each
 #   sequence's positions past its length are masked, so there is no loop over sequences in Python;
 # - **one `scaled_dot_product_attention` call** under that mask reads the copies through strides and
@@ -342,8 +352,7 @@ for (B, L), r in speed.items():
         if name in r:
             rows[(B, L, name.replace("_", " "))] = speed_row(r[name])
 speed_table = pd.DataFrame(rows).T.rename_axis(["batch", "context", "case"])
-speed_table.style.format({"pages (ms)": "{:.3g}", "contiguous (ms)": "{:.3g}", "ratio": "{:.2f}",
-                          "lowest ratio": "{:.2f}", "highest ratio": "{:.2f}", "runs": "{:.0f}"})
+show(speed_table, caption="decode attention, pages against contiguous (ratio: pages / contiguous)")
 
 # %%
 fig_speed = ch05.plot_speed(speed)
@@ -373,7 +382,8 @@ print("wrote section ch05 to", results.results_path())
 # 1. **Rollback on pages.** After `drafted` draft tokens were written to a `PagedCache` and only the
 #    first `accepted` were accepted, roll the cache back so it holds exactly the accepted ones. The rule:
 #    go through the block manager (`cache.manager`, one call per sequence in `cache.seqs`), not the
-#    cache's own `crop`; the check hands you a cache whose `crop` raises. Rollback on pages is
+#    cache's own `crop`, which raises in the check however you reach it (on the cache, unbound, through
+#    `super()`, or the `_truncate` behind it). Rollback on pages is
 #    bookkeeping: the block table gets shorter, pages past the new end go back to the free list, and no
 #    key in the pool moves. The check counts the pages in use and decodes on against a cache that only
 #    ever saw the accepted tokens.
@@ -383,7 +393,8 @@ print("wrote section ch05 to", results.results_path())
 #    work a page costs beyond its positions: a table entry, a loop iteration, a load to issue). Every
 #    request starts with the same `shared_prefix` tokens, stored once but only in full pages (a page can
 #    be shared, and hashed for prefix caching, only when it is full); `lengths` are the tokens after the
-#    prefix. The check counts the pages by running each candidate through a real `BlockManager`. Small
+#    prefix. The check counts the pages by running each candidate through a real `BlockManager`, on
+#    workloads drawn fresh at every run, after your function has answered (it raises meanwhile). Small
 #    pages waste little but cost more entries; large ones waste up to a page per request and share less
 #    of the prefix. vLLM's default is 16.
 # 3. **Open-ended: the indirection on your machine.** Time decode attention over pages against a

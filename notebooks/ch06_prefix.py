@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -27,6 +27,8 @@
 # money.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import platform
 import random
 
@@ -37,9 +39,11 @@ from IPython.display import display
 
 from lab import data, results
 from lab.experiments import ch06_prefix as ch06
+from lab.experiments.tables import show
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
+print(lab.threads.describe())
 QUICK = results.quick()
 S = ch06.settings(QUICK)
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
@@ -47,10 +51,10 @@ print("quick mode" if QUICK else "full mode", "-> results in", results.results_p
 # %% [markdown]
 # ## 1. A page's name, by hand
 #
-# Page *i* of a sequence holds positions `i * PAGE` to `i * PAGE + PAGE - 1`. Its keys and values
+# Page $i$ of a sequence holds positions `i * PAGE` to `i * PAGE + PAGE - 1`. Its keys and values
 # depend on every token before it, not only on its own, so its name must too. Hashing the whole prefix
-# for every page would cost quadratic time; a **chain** costs one hash per page: page *i*'s name hashes
-# page *i − 1*'s name and page *i*'s own tokens. The chain starts from a **root** that hashes everything
+# for every page would cost quadratic time; a **chain** costs one hash per page: page $i$'s name hashes
+# page $(i - 1)$'s name and page $i$'s own tokens. The chain starts from a **root** that hashes everything
 # else the state depends on: the model, the tokenizer, the dtypes, and a salt. A partial last page gets
 # no name: its positions are not final, so nobody may share it.
 
@@ -202,8 +206,8 @@ for who, ids, salt in (("user 1", system_prompt + questions[0], None), ("user 2"
     rows.append({"request": who, "tokens": len(ids),
                  "from cache": backend.stats["cached_tokens"] - before["cached_tokens"],
                  "computed": backend.stats["computed_tokens"] - before["computed_tokens"],
-                 "largest |Δ logit| vs recomputation": f"{diff:.1g}"})
-pd.DataFrame(rows).set_index("request")
+                 "largest |Δ logit| vs recomputation": diff})
+show(pd.DataFrame(rows).set_index("request"), digits={"largest |Δ logit| vs recomputation": 1})
 
 # %% [markdown]
 # User 2 finds the six full pages of the 100-token system prompt (96 tokens) and computes the rest. The
@@ -224,7 +228,9 @@ chat = ChatSession(smol, PrefixCachingBackend(smol, num_pages=128, page_size=16)
                    system="You are a helpful assistant who answers in one sentence.", max_new_tokens=24)
 for text in ("What is a key-value cache?", "Why does it save time?", "And what does it cost?"):
     print(">", text, "\n ", chat.say(text).strip()[:200])
-pd.DataFrame(chat.turns).rename_axis("turn")
+show(pd.DataFrame(chat.turns).rename(columns={"prompt_tokens": "prompt (tokens)", "common_prefix": "common prefix",
+                                                "reused_tokens": "from cache", "reply_tokens": "reply (tokens)"}
+                                       ).rename_axis("turn"))
 
 # %% [markdown]
 # From the second turn on, the common prefix is the whole earlier conversation, the previous prompt and
@@ -252,7 +258,9 @@ pd.DataFrame(chat.turns).rename_axis("turn")
 # %%
 workloads = {name: make(smol.config.vocab_size, S["scale"]) for name, make in ch06.WORKLOADS.items()}
 sweep = ch06.hit_rate_sweep(smol, workloads, S["pool_fractions"])
-pd.DataFrame({name: r["shape"] for name, r in sweep.items()}).T.style.format("{:,.0f}")
+show(pd.DataFrame({name: r["shape"] for name, r in sweep.items()}).T.rename(columns={
+    "mean_tokens": "mean prompt (tokens)", "max_tokens": "longest prompt (tokens)", "tokens": "prompt tokens",
+    "distinct_pages": "distinct full pages"}).rename_axis("workload (synthetic)"))
 
 # %%
 fig_hit_rate = ch06.plot_hit_rate(sweep)
@@ -270,12 +278,18 @@ fig_hit_rate = ch06.plot_hit_rate(sweep)
 
 # %%
 ttft = ch06.ttft(smol, S["prefixes"], S["ttft_rounds"])
-pd.DataFrame({L: {"hit (ms)": r["hit"]["median"] * 1e3, "miss (ms)": r["miss"]["median"] * 1e3,
-                  "miss / hit": r["ratio"], "tokens from cache": r["cached"]} for L, r in ttft.items()}
-             ).T.rename_axis("prefix").style.format("{:.3g}")
+show(pd.DataFrame({L: {"hit (ms)": r["hit"]["median"] * 1e3, "miss (ms)": r["miss"]["median"] * 1e3,
+                       "miss / hit (×)": r["ratio"], "tokens from cache": r["cached"]} for L, r in ttft.items()}
+                  ).T.rename_axis("cached prefix (tokens)"), caption="time to first token, median")
 
 # %%
 fig_ttft = ch06.plot_ttft(ttft)
+
+# %%
+short, long_ = ttft[min(ttft)], ttft[max(ttft)]
+print(f"from {min(ttft)} to {max(ttft)} cached tokens, a hit's time grows "
+      f"{long_['hit']['median'] / short['hit']['median']:.2f}x and a miss's "
+      f"{long_['miss']['median'] / short['miss']['median']:.1f}x")
 
 # %% [markdown]
 # A hit still runs the 16 new tokens through every layer, and its attention reads the whole prefix, so
@@ -300,12 +314,18 @@ print(f"hashing: {hashing['per_token'] * 1e6:.2f} µs per token; computing: {per
 
 # %%
 side = ch06.side_channel(smol, S["trials"])
-pd.DataFrame({case: {"AUC": side[case]["auc"], "right guess (ms)": side[case]["right_ms"],
-                     "wrong guess (ms)": side[case]["wrong_ms"]} for case in ("shared", "salted")}
-             ).T.style.format("{:.3g}")
+show(pd.DataFrame({case: {"ROC AUC": side[case]["auc"], "right guess (ms)": side[case]["right_ms"],
+                          "wrong guess (ms)": side[case]["wrong_ms"]} for case in ("shared", "salted")}
+                  ).T.rename_axis("cache"), caption="the attacker's time to first token, median")
 
 # %%
 fig_roc = ch06.plot_roc(side)
+
+# %%
+print(f"one cache for all: AUC {side['shared']['auc']:.2f}, "
+      + ("the clock tells" if side["shared"]["auc"] > 0.75 else "the clock tells little in this run")
+      + f"; a salt per tenant: AUC {side['salted']['auc']:.2f}, "
+      + ("chance, within the noise of these trials" if abs(side["salted"]["auc"] - 0.5) < 0.1 else "off chance"))
 
 # %% [markdown]
 # With one cache for all, the attacker's own clock reads the victim's prompt; with a salt per tenant the
@@ -324,9 +344,10 @@ fig_roc = ch06.plot_roc(side)
 
 # %%
 econ = ch06.economics(smol, per_token)
-pd.DataFrame({name: {"model": ch06.PRICES[name]["model"], "no cache (¢)": c["without"] * 100,
-                     "cached (¢)": c["cached"] * 100, "saving": f"{1 - c['cached'] / c['without']:.0%}"}
-              for name, c in econ["costs"].items()}).T
+show(pd.DataFrame({name: {"model": ch06.PRICES[name]["model"], "no cache (¢)": c["without"] * 100,
+                          "cached (¢)": c["cached"] * 100, "saving": 1 - c["cached"] / c["without"]}
+                   for name, c in econ["costs"].items()}).T, percent=["saving"],
+     caption="input cost of the conversation, published prices")
 
 # %%
 fig_costs = ch06.plot_costs(econ)
@@ -350,18 +371,19 @@ if same["value"] == results.NOT_RUN:
 else:
     names = ["shared prefix + tail A", "shared prefix + tail B", "tail A again", "three whole pages",
              "three whole pages again", "the next chat turn"]
-    display(pd.DataFrame({"prompt tokens": same["prompt_tokens"], "cached, lab": same["lab"],
-                          "cached, vLLM": same["vllm"]}, index=names))
-    display(pd.DataFrame({side: {"hit (ms)": book[side]["ttft_hit_ms"]["value"],
-                                 "miss (ms)": book[side]["ttft_miss_ms"]["value"],
-                                 "miss / hit": book[side]["ratio"]["value"]} for side in ("lab", "vllm")}
-                         ).T.style.format("{:.3g}"))
-    print(f"greedy tokens identical: {book['tokens_identical']['value']}; the lab on "
+    display(show(pd.DataFrame({"prompt tokens": same["prompt_tokens"], "cached, lab": same["lab"],
+                               "cached, vLLM": same["vllm"]}, index=names), caption="tokens from cache"))
+    display(show(pd.DataFrame({side: {"hit (ms)": book[side]["ttft_hit_ms"]["value"],
+                                      "miss (ms)": book[side]["ttft_miss_ms"]["value"],
+                                      "miss / hit (×)": book[side]["ratio"]["value"]} for side in ("lab", "vllm")}
+                              ).T, caption="time to first token, the book's run"))
+    print(f"cached tokens: {'identical' if same['value'] else 'different'}; greedy tokens: "
+          f"{'identical' if book['tokens_identical']['value'] else 'different'}; the lab on "
           f"{book['lab_threads']['value']} threads, vLLM's engine on cores {book['vllm_cores']['core_ids']}")
 
 # %% [markdown]
-# Both engines take whole pages of a prompt and always run its last token, so they report the same
-# cached tokens for every request, and greedy decoding gives the same 32 tokens.
+# Both engines take whole pages of a prompt and always run its last token, which is why they can report
+# the same cached tokens for every request (the line above says whether they did in the book's run).
 #
 # ## Record
 #
@@ -383,17 +405,20 @@ print("wrote section ch06 to", results.results_path())
 #    used the fewest times (1 for being named, plus 1 per request that took it), the least recently
 #    freed among equals; return the tokens each request found cached. The rules in full are in
 #    `help(ex.check_lfu_eviction)`. The lab's `BlockManager` and `PrefixCachingBackend` raise while your
-#    function runs: they evict LRU. Then compare the two on a stream of popular prompts and one-off
-#    documents, `ex.compare_lfu_lru(lfu_cached_tokens)`, and on this chapter's workloads, e.g.
+#    function runs: they evict LRU. The workloads are drawn fresh at every run. Then compare the two on a
+#    stream of popular prompts and one-off documents, `ex.compare_lfu_lru(lfu_cached_tokens)`, and on
+#    this chapter's workloads, e.g.
 #    `ex.compare_lfu_lru(lfu_cached_tokens, ch06.few_shot_prompts(320), num_pages=100, page_size=16)`
 #    (token ids below 320: the bookkeeping runs on the tiny model). Where does LFU win, and where does it
 #    hold on to pages that were popular once?
 # 2. **Prove that a weight update invalidates every page.** Write a test, `weight_update_test(make_backend)`,
 #    that fills a prefix cache, changes a weight in place (an optimizer step does that), and asserts that
-#    nothing stale is served afterwards. The check runs your test on the real `PrefixCachingBackend`,
-#    where it must pass, and on two backends that serve stale pages, where it must fail: one that names
-#    pages under the identity the model had when the backend was built, one that renames only the first
-#    page. A test that looks only at the first request after the update misses the second.
+#    nothing stale is served afterwards. The check runs your test twice on the real `PrefixCachingBackend`,
+#    where it must pass, and on four backends that serve stale pages, where it must fail, in an order
+#    drawn fresh: one names pages under the identity the model had when the backend was built, one keeps
+#    the identity of its first call, one names pages by the ids and the salt alone, one renames only the
+#    first page. Each is a `PrefixCachingBackend`: only what it serves tells them apart, not its type. A
+#    test that looks only at the first request after the update misses the last.
 # 3. **Open-ended: the side channel on your machine.** Run `ch06.side_channel(smol, 200, probe=1)`: the
 #    attacker's own part is one token. Does the AUC move? What does it take, on your machine, to push the
 #    unsalted AUC towards 0.5 without a salt (a larger probe, another page size)?

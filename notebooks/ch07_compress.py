@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -25,6 +25,8 @@
 # NVIDIA's kvpress.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import platform
 
 import pandas as pd
@@ -34,9 +36,11 @@ from IPython.display import display
 
 from lab import data, results
 from lab.experiments import ch07_compress as ch07
+from lab.experiments.tables import show
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"threads {torch.get_num_threads()}")
+print(lab.threads.describe())
 QUICK = results.quick()
 S = ch07.settings(QUICK)
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
@@ -45,8 +49,9 @@ print("quick mode" if QUICK else "full mode", "-> results in", results.results_p
 # ## 1. Eight bits per value, by hand
 #
 # Take one layer's keys of a real prompt, `[B, H_kv, T, D]`. **Per-token** quantization gives every
-# token of every head its own scale, `s = max|k| / 127`, and stores `round(k / s)` as an int8 code in
-# −127..127. Dequantized, `k̂ = s · code`, and no element is off by more than half a step, `s / 2`.
+# token of every head its own scale, $s = \max_i \left\lvert k_i \right\rvert / 127$, and stores
+# $\operatorname{round}(k / s)$ as an int8 code in $-127, \ldots, 127$. Dequantized,
+# $\hat{k} = s \cdot \text{code}$, and no element is off by more than half a step, $s / 2$.
 
 # %%
 from lab.cache import ConcatCache, QuantizedCache
@@ -74,11 +79,13 @@ assert ((k_hat - k).abs() <= scale / 2 + 1e-6).all()
 # %% [markdown]
 # ### The scale comes out of the dot product
 #
-# Attention needs `q · k̂` for every cached key. Since `k̂ = s · code` with one `s` per key,
-# `q · k̂ = s · (q · code)`: the dot products can run on the codes and each key's score be scaled once
-# afterwards, instead of dequantizing the whole cache first. The two orders agree up to float rounding
-# (the same products, summed and scaled in another order). And the error the codes leave in a score is
-# bounded by the error in each element: `|q · k̂ − q · k| ≤ Σ |q_d| · s / 2 = ‖q‖₁ · s / 2`.
+# Attention needs $q \cdot \hat{k}$ for every cached key. Since $\hat{k} = s \cdot \text{code}$ with one $s$ per
+# key, $q \cdot \hat{k} = s \cdot (q \cdot \text{code})$: the dot products can run on the codes and each key's
+# score be scaled once afterwards, instead of dequantizing the whole cache first. The two orders agree
+# up to float rounding (the same products, summed and scaled in another order). And the error the codes
+# leave in a score is bounded by the error in each element:
+# $\left\lvert q \cdot \hat{k} - q \cdot k \right\rvert \le \sum_d \left\lvert q_d \right\rvert \cdot s / 2
+# = \left\lVert q \right\rVert_1 \cdot s / 2$.
 
 # %%
 q = torch.randn(1, 3, 1, cfg.head_dim)                                          # one query per KV head
@@ -114,9 +121,9 @@ print(f"largest |Δ logit|: {float((mine - theirs).abs().max()):.1e}")
 assert torch.allclose(mine, theirs, atol=1e-3)      # float32, different summation order: ~1e-5 on logits ~10
 
 # %% [markdown]
-# What it saves: a position holds `2 · layers · H_kv · D` values. In bfloat16 that is 2 bytes each; in
-# INT8 it is 1 byte each plus a 2-byte scale per vector, so the cache shrinks to `(D + 2) / 2D` of
-# bfloat16's, 0.516 at D = 64.
+# What it saves: a position holds $2 \cdot \text{layers} \cdot H_\text{kv} \cdot D$ values. In bfloat16 that is
+# 2 bytes each; in INT8 it is 1 byte each plus a 2-byte scale per vector, so the cache shrinks to
+# $(D + 2) / (2D)$ of bfloat16's, 0.516 at $D = 64$.
 
 # %%
 bf16 = ch07.float_bytes(cfg, torch.bfloat16)
@@ -174,7 +181,7 @@ print("SinkCache and EvictingCache(policy='sinks') give identical logits at all"
 # cache at all:
 #
 # - **KL divergence** (nats): how far the distributions are apart, 0 if identical;
-# - **Δ perplexity**: the change in exp(mean loss) on the real next tokens;
+# - **$\Delta$ perplexity**: the change in $\exp(\text{mean loss})$ on the real next tokens;
 # - **top-1 agreement**: how often the most likely token is the same.
 
 # %%
@@ -184,18 +191,36 @@ print(f"{ids.shape[0]} passages of {ids.shape[1]} tokens: a {prefill}-token prom
 bits = ch07.measure_bits(smol, ids, prefill, ref, S)
 
 
-def table(runs: dict, extra=None):
-    rows = {name: {"KL (nats)": r["kl"], "Δ perplexity": r["delta_ppl"], "top-1 (%)": 100 * r["top1"]} |
+def table(runs: dict, extra=None, percent=(), note=None):
+    rows = {name: {"KL (nats)": r["kl"], "Δ perplexity": r["delta_ppl"], "top-1 agreement": r["top1"]} |
             (extra(name, r) if extra else {}) for name, r in runs.items()}
-    return pd.DataFrame(rows).T.style.format("{:.3g}")
+    return show(pd.DataFrame(rows).T, percent=["top-1 agreement", *percent], note=note)
 
 
-bf16_share = {n: b / bf16 for n, b in bits["bytes_per_position"].items()}
-table(bits["quantized"], lambda n, r: {"bytes / bfloat16's": bf16_share.get(n, float("nan"))})
+def held_share(r):  # bytes the cache held at the end of the passages / what a float32 cache holds
+    return r["nbytes"] / (r["batch"] * r["length"] * ch07.float_bytes(cfg))
+
+
+# bytes per position: codes and scales of a quantized position; the float cache holds float32, 2x bfloat16;
+# the simulated per-tensor cache stores floats, so it has no bytes of its own to count
+per_position = bits["bytes_per_position"] | {"float": ch07.float_bytes(cfg)}
+table(bits["quantized"], lambda n, r: {"bytes / position, over bfloat16's (×)": per_position[n] / bf16
+                                       if n in per_position else None, "bytes held / float32's": held_share(r)},
+      percent=["bytes held / float32's"],
+      note="— : per_tensor_8 simulates INT8 with one scale per layer but stores floats, so it has no bytes of "
+           "its own to count. Bytes held include the float tail (KIVI's residual window).")
+
+# %%
+q = bits["quantized"]
+smoother = "lower" if q["per_token_8_smooth"]["kl"] < q["per_token_8"]["kl"] else "not lower"
+print(f"float cache KL {q['float']['kl']:.0e}; per-token INT8 {q['per_token_8']['kl']:.1e}, smoothed "
+      f"{q['per_token_8_smooth']['kl']:.1e} ({smoother}); "
+      f"4-bit per-token {q['per_token_4']['kl']:.2g} against KIVI 4-bit {q['kivi_4']['kl']:.2g} "
+      f"({q['per_token_4']['kl'] / q['kivi_4']['kl']:.0f}x); KIVI 2-bit {q['kivi_2']['kl']:.2g}")
 
 # %% [markdown]
-# The float cache's KL is rounding only. Per-token INT8 changes the distributions very little at half
-# of bfloat16's bytes; **smoothing** keys (subtracting each channel's mean over the prompt, kept in
+# What to look for: the float cache's KL is rounding only. Per-token INT8 changes the distributions very
+# little at half of bfloat16's bytes; **smoothing** keys (subtracting each channel's mean over the prompt, kept in
 # float, before quantizing) takes a little more off. At 4 bits per-token keys fall apart, while
 # **KIVI** (keys quantized per *channel* over groups of 32 tokens, values per token, the newest 128
 # positions kept in float) holds at 4 bits and degrades at 2.
@@ -210,26 +235,31 @@ table(bits["quantized"], lambda n, r: {"bytes / bfloat16's": bf16_share.get(n, f
 # rest take the range of every token's scale. SmolLM2's keys are fairly even:
 
 # %%
-pd.DataFrame({"SmolLM2": bits["key_spread"], "with outlier channels": bits["outliers"]["key_spread"]}
-             ).rename(index={"channel_max": "largest channel / median channel (worst head)",
-                             "channel_median": "largest channel / median channel (median head)",
-                             "tensor_over_token": "a tensor's scale / a token's (median)"}).style.format("{:.3g}")
+show(pd.DataFrame({"SmolLM2 (×)": bits["key_spread"], "with outlier channels (×)": bits["outliers"]["key_spread"]}
+                  ).rename(index={"channel_max": "largest channel / median channel (worst head)",
+                                  "channel_median": "largest channel / median channel (median head)",
+                                  "tensor_over_token": "a tensor's scale / a token's (median)"}))
 
 # %% [markdown]
 # To see what outliers do, `with_outlier_channels` builds the *same function* with uneven keys: in every
 # layer one RoPE pair of key channels is multiplied by 16 and the matching query channels divided by 16,
-# so every q · k, and every logit, is unchanged (checked below), while the keys' range is not.
+# so every $q \cdot k$, and every logit, is unchanged (checked below), while the keys' range is not.
 
 # %%
 o = bits["outliers"]
 print(f"largest |Δ logit| against SmolLM2: {o['same_function']:.1e}")
 table({n: o[n] for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")})
 
+# %%
+print(f"with outlier channels: one scale per tensor KL {o['per_tensor_8']['kl']:.2g} (published: 0.030); "
+      f"per-token INT8 {o['per_token_8']['kl']:.1e}, {o['per_token_8']['kl'] / q['per_token_8']['kl']:.1f}x "
+      f"its KL on SmolLM2's own keys")
+
 # %% [markdown]
-# With outlier channels, one scale per tensor lands near the published figure, and per-token INT8 gets
-# several times worse. Subtracting the mean helps only as far as the outliers are an offset that every
-# token shares; outliers that are large in *spread* need their scale divided out per channel instead,
-# which is what smoothing by a model's key-norm weights does.
+# With outlier channels, one scale per tensor should land near the published figure, and per-token INT8
+# several times worse, as the line above shows for this run. Subtracting the mean helps only as far as
+# the outliers are an offset that every token shares; outliers that are large in *spread* need their
+# scale divided out per channel instead, which is what smoothing by a model's key-norm weights does.
 #
 # ### KIVI at 2 bits: the float window and the group sizes
 #
@@ -255,7 +285,7 @@ table({f"key group {g}, value group {vg}": r for (g, vg), r in bits["groups"].it
 # %%
 hf = ch07.against_transformers(smol, ids, prefill, ref)
 full_bytes = ch07.float_bytes(cfg) * ids.numel()
-table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes})
+table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes}, percent=["bytes held / float32's"])
 
 # %% [markdown]
 # ## 4. Keeping fewer positions
@@ -273,26 +303,36 @@ table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes})
 positions = ch07.measure_positions(smol, ids, prefill, ref, S)
 ref_loss = bits["quantized"]["float"]["ref_loss"]                  # the uncompressed model's loss
 fig_loss_budget = ch07.plot_loss_budget(positions["eviction"], ref_loss=ref_loss, rerotated=positions["rerotate"])
-pd.DataFrame({name: {"loss": r["loss"], "KL": r["kl"], "top-1 (%)": 100 * r["top1"]}
-              for name, r in positions["eviction"].items()}).T.style.format("{:.3g}")
+show(pd.DataFrame({name: {"loss (nats)": r["loss"], "KL (nats)": r["kl"], "top-1 agreement": r["top1"]}
+                   for name, r in positions["eviction"].items()}).T.rename_axis("policy_budget"),
+     percent=["top-1 agreement"])
+
+# %%
+ev = positions["eviction"]
+for b in S["budgets"]:
+    w, k, h = ev[f"window_{b}"]["loss"], ev[f"sinks_{b}"]["loss"], ev[f"h2o_{b}"]["loss"]
+    print(f"budget {b:4d}: window {w:.2f}, sinks {k:.2f} ({w - k:+.2f} for the window), "
+          f"H2O {h:.2f}, {'below' if h < k else 'above'} the sinks")
 
 # %% [markdown]
 # A window alone loses the sinks as soon as the prompt is longer than the budget, and its loss jumps;
-# the same budget with four sinks holds far better. Beyond the sinks, choosing by attention is no sure
-# gain on this model: compare H2O with the sinks budget by budget. SnapKV chooses once, at the end of
-# the prompt; the tokens decoded afterwards push its choices out, and a small budget ends up as a plain
-# window (a budget no larger than its observation window is one from the start).
+# the same budget with four sinks holds far better (the lines above give the gap). Beyond the sinks,
+# choosing by attention is no sure gain on this model: compare H2O with the sinks budget by budget.
+# SnapKV chooses once, at the end of the prompt; the tokens decoded afterwards push its choices out, and
+# a small budget ends up as a plain window (a budget no larger than its observation window is one from
+# the start).
 #
 # ### Positions and RoPE
 #
 # Keys are stored rotated by their position. After eviction the cache can either keep every key's
 # original position, as above, or **re-rotate** the kept keys so that positions inside the cache are
 # contiguous, as StreamingLLM does (`EvictingCache(..., rerotate=True)`): new tokens are then numbered
-# from the cache's length, and a key that slides down by Δ positions is turned back by Δ.
+# from the cache's length, and a key that slides down by $\Delta$ positions is turned back by $\Delta$.
 
 # %%
-pd.DataFrame({b: {"original positions": positions["eviction"][f"sinks_{b}"]["loss"], "re-rotated": r["loss"]}
-              for b, r in positions["rerotate"].items()}).T.rename_axis("budget").style.format("{:.4g}")
+show(pd.DataFrame({b: {"original positions (nats)": positions["eviction"][f"sinks_{b}"]["loss"],
+                       "re-rotated (nats)": r["loss"]} for b, r in positions["rerotate"].items()}
+                  ).T.rename_axis("budget"), caption="sinks: held-out loss", digits=4)
 
 # %% [markdown]
 # Re-rotation keeps every distance inside the cache within the range the model was trained on, but
@@ -325,10 +365,16 @@ book = results.read(results.COMMITTED)["sections"].get("ch07", {}).get("values",
 if "ratio_50" not in book:
     print("the book's results have no kvpress comparison yet: run `make results`")
 else:
-    display(pd.DataFrame({f"{ratio} {press}": {k: x[k]["value"] for k in ("lab_loss", "peer_loss", "diff",
-                                                                          "overlap", "lab_kl", "peer_kl")}
-                          for ratio, presses in book.items() if ratio != "versions"
-                          for press, x in presses.items()}).T.style.format("{:.3g}"))
+    columns = {"lab_loss": "loss, lab (nats)", "peer_loss": "loss, kvpress (nats)", "diff": "lab − kvpress (nats)",
+               "overlap": "kept positions shared", "lab_kl": "KL, lab (nats)", "peer_kl": "KL, kvpress (nats)"}
+    rows = {f"{ratio} {press}": x for ratio, presses in book.items() if ratio != "versions"
+            for press, x in presses.items()}
+    recorded = lambda leaf: None if leaf["value"] == results.NOT_RUN else leaf["value"]    # noqa: E731
+    frame = pd.DataFrame({name: {label: recorded(x[k]) for k, label in columns.items()}
+                          for name, x in rows.items()}).T.astype(float)
+    frame["kept positions shared"] /= 100                                                 # recorded in %
+    reasons = sorted({x["overlap"]["reason"] for x in rows.values() if recorded(x["overlap"]) is None})
+    display(show(frame, percent=["kept positions shared"], note=f"— : {'; '.join(reasons)}" if reasons else None))
     print(book["versions"]["value"])
 
 # %% [markdown]
@@ -339,15 +385,23 @@ else:
 
 # %%
 steps = ch07.measure_steps(smol, S)
-pd.DataFrame({n: {"ms per step": t["median"] * 1e3, "× float": t["median"] / steps["float"]["median"]}
-              for n, t in steps.items()}).T.style.format("{:.3g}")
+show(pd.DataFrame({n: {"step (ms)": t["median"] * 1e3, "over float (×)": t["median"] / steps["float"]["median"]}
+                   for n, t in steps.items()}).T.rename_axis("cache"),
+     caption=f"one decode step after {S['step_context']:,} positions, median")
+
+# %%
+fastest_quantized = min(steps[n]["median"] for n in ("per_token_8", "kivi_4", "kivi_2")) / steps["float"]["median"]
+evicting = [n for n in steps if n.rsplit("_", 1)[0] in ch07.POLICIES]
+fastest_evicting = min(steps[n]["median"] for n in evicting) / steps["float"]["median"]
+print(f"the fastest quantized cache takes {fastest_quantized:.2f}x the float cache's step, "
+      f"the fastest evicting one {fastest_evicting:.2f}x")
 
 # %% [markdown]
-# On a CPU in PyTorch, a quantized cache is *slower* per step: the codes are converted to float before
-# each matrix product, and the saving in bytes read does not pay for that. The speed comes from kernels
-# that read the small codes and scale in registers, like the INT8 Triton kernel in `lab.kernels`, which
-# the GPU script measures. Evicting caches attend over fewer positions; at this context the weights,
-# not the cache, dominate a step.
+# On a CPU in PyTorch, a quantized cache is *slower* per step (when the first ratio above is over 1):
+# the codes are converted to float before each matrix product, and the saving in bytes read does not
+# pay for that. The speed comes from kernels that read the small codes and scale in registers, like the
+# INT8 Triton kernel in `lab.kernels`, which the GPU script measures. Evicting caches attend over fewer
+# positions; at this context the weights, not the cache, dominate a step.
 #
 # ## Record
 #
@@ -359,6 +413,25 @@ m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), pr
          float_bytes=ch07.float_bytes(cfg), bf16_bytes=bf16, transformers=hf, steps=steps,
          kvpress=ch07.kvpress_comparison(smol, ids, S)) | bits | positions
 fig_kl_bytes = ch07.plot_kl_bytes(ch07.kl_bytes_points(ch07.values(m)))
+int8 = held_share(bits["quantized"]["per_token_8"])
+committed = results.read(results.COMMITTED)["sections"].get("ch07", {}).get("values", {})
+for name in ("kivi_4", "kivi_2"):                # where the bytes axis puts KIVI against INT8, and why
+    r, q = bits["quantized"][name], ch07.QUANTIZED[name]
+    tail = r["length"] - max(0, (r["length"] - q["residual"]) // q["group_size"] * q["group_size"])
+    why = (f"its newest positions stay in float32 until a whole group of {q['group_size']} has left the "
+           f"{q['residual']}-position residual window: {tail} of the {r['length']:,} positions of each passage "
+           f"({tail / r['length']:.0%}) here")
+    if held_share(r) > int8:
+        print(f"{name} holds MORE bytes than per_token_8 in this run ({held_share(r):.1%} of the float32 cache's "
+              f"against {int8:.1%}), though a quantized position takes {bits['bytes_per_position'][name]:,.0f} "
+              f"bytes against {bits['bytes_per_position']['per_token_8']:,.0f}: {why}.")
+        if name in committed.get("quantized", {}):
+            held = {n: committed["quantized"][n]["held_share"]["value"] for n in (name, "per_token_8")}
+            print(f"  The book's run, passages of {committed['passages']['tokens']:,} tokens: {name} "
+                  f"{held[name]:.1f}% against {held['per_token_8']:.1f}%.")
+    else:
+        print(f"{name} holds fewer bytes than per_token_8 ({held_share(r):.1%} of the float32 cache's against "
+              f"{int8:.1%}); {why}.")
 
 # %%
 ch07.record(m, drawn={"kl_bytes": fig_kl_bytes, "loss_budget": fig_loss_budget, "kept": fig_kept,
@@ -371,14 +444,17 @@ print("wrote section ch07 to", results.results_path())
 # 1. **Smooth the keys.** Write `smooth_and_quantize(keys)` for keys `[B, H, T, D]` with outlier
 #    channels: subtract each channel's mean over the positions (kept in float), quantize per token to
 #    INT8, and return `(codes, scales, mean)`; and `dequantize(codes, scales, mean)`. The rules are in
-#    `help(ex.check_smoothing)`; the lab's quantizers raise while your functions run, and a mean per
-#    token, a mean over the channels, or one scale per tensor fail.
+#    `help(ex.check_smoothing)`; the lab's quantizers (and PyTorch's) raise while your functions run, the
+#    keys are drawn fresh at every run, and a mean per token, a mean over the channels, or one scale per
+#    tensor fail.
 # 2. **The smallest budget.** Write `smallest_budget(model, ids, policy, budgets)`: the smallest budget
 #    whose loss, with the text fed through an `EvictingCache` as decoding feeds it (`ex.decoding_loss`),
-#    stays within 1% of the full cache's. The loss need not fall steadily as the budget grows. Then run
-#    it on SmolLM2 and a real passage for each policy.
+#    stays within 1% of the full cache's. The loss need not fall steadily as the budget grows. The check
+#    runs it on fixed texts and on texts and budget lists drawn fresh at every run (a budget within 0.15
+#    points of the 1% line may be taken either way). Then run it on SmolLM2 and a real passage for each
+#    policy.
 # 3. **Open-ended: where do the sinks come from?** Measure, per layer, the share of attention the first
-#    position receives on a held-out passage (a forward with `ConcatCache`, then softmax of q · k by
+#    position receives on a held-out passage (a forward with `ConcatCache`, then softmax of $q \cdot k$ by
 #    hand). Which layers rely on it most?
 
 # %%

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -29,6 +29,8 @@
 # the lab's server against vLLM's on the same two cores.
 
 # %%
+import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
+
 import platform
 
 import pandas as pd
@@ -38,9 +40,11 @@ from IPython.display import display
 from lab import loadgen, results
 from lab.engine import ServingEngine
 from lab.experiments import ch08_serving as ch08
+from lab.experiments.tables import show
 from lab.models import load
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+print(lab.threads.describe())
 QUICK = results.quick()
 S = ch08.settings(QUICK)
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
@@ -51,17 +55,22 @@ smol = load("smollm2")
 #
 # One decode step of a 135M-parameter model multiplies each token's activations by every weight matrix.
 # With one sequence, that is a matrix-vector product: the step's time goes to reading the weights, and
-# the arithmetic units mostly wait. With *B* sequences the same weights are read once for *B* tokens.
-# `ch08.profile` runs real decode steps through the engine with *B* sequences of 64 positions each:
+# the arithmetic units mostly wait. With $B$ sequences the same weights are read once for $B$ tokens.
+# `ch08.profile` runs real decode steps through the engine with $B$ sequences of 64 positions each:
 
 # %%
 steps = {B: ch08.profile(smol, B, 64, steps=4) for B in (1, 4, 16)}
-display(pd.DataFrame({f"B={B}": {"step (ms)": r["step_s"] * 1e3, "tokens / s": B / r["step_s"]}
-                      for B, r in steps.items()}).T.style.format("{:.1f}"))
+display(show(pd.DataFrame({B: {"step (ms)": r["step_s"] * 1e3, "throughput (tokens/s)": B / r["step_s"]}
+                           for B, r in steps.items()}).T.rename_axis("sequences B"),
+             caption="one decode step, 64 positions each"))
+
+# %%
+one, sixteen = steps[1]["step_s"], steps[16]["step_s"]
+print(f"a step of 16 sequences takes {sixteen / one:.1f}x the time of a step of one, for 16x the tokens")
 
 # %% [markdown]
-# Sixteen sequences cost little more than one sequence's step, not sixteen times as much: every token of
-# the batch shares the weight traffic. That is the whole case for a server that batches. The hard part is that
+# Sixteen sequences cost a few times one sequence's step, not sixteen times as much: every token of the
+# batch shares the weight traffic. That is the whole case for a server that batches. The hard part is that
 # requests do not arrive together, nor end together.
 #
 # ## 2. A scheduler loop, by hand
@@ -113,7 +122,8 @@ def toy_scheduler(requests, budget):
 
 reqs = [(0, 90, 6), (0, 20, 12), (2, 50, 8), (3, 10, 10), (5, 70, 4)]
 toy = toy_scheduler(reqs, budget=48)
-pd.DataFrame(toy, index=[f"{p}+{n} tokens, arrives at {a}" for a, p, n in reqs])
+show(pd.DataFrame(toy, index=[f"{p}+{n} tokens, arrives at {a}" for a, p, n in reqs]).rename(columns={
+    "admitted": "admitted (step)", "first_token": "first token (step)", "finished": "finished (step)"}))
 
 # %% [markdown]
 # The 90-token prompt is prefilled in two chunks, 48 then 42; the 20-token prompt joins in the second
@@ -156,13 +166,18 @@ print(f"timeline identical to the toy's for {len(reqs)} requests; tokens identic
 tl = ch08.timeline_run(smol)
 fig_timeline = ch08.plot_timeline(tl)
 print(f"{tl['steps']} steps, {tl['preemptions']} preemptions")
+for r in tl["timeline"]:
+    print(f"req {r['id']} ({r['prompt_tokens']}+{r['output_tokens']}): arrived at step {r['arrived']}, admitted at "
+          f"{' and '.join(map(str, r['admitted']))}, first token at {r['first_token']}, finished at {r['finished']}"
+          + (f"; preempted at {', '.join(map(str, r['preempted']))}" if r["preempted"] else ""))
 
 # %% [markdown]
-# The first three requests decode side by side (blue). The 120-token request is admitted when the first
-# finishes and prefills what the free pages hold (orange); then it waits, and when the two decoding
-# requests need its pages to grow, it is preempted (×): its prefill is thrown away and computed again
-# once they finish. The last request waits behind it, first come, first served. Recomputation costs
-# compute; exercise 2 keeps the pages in host memory instead.
+# Read the figure with the steps above. Requests 0 and 1 decode side by side (blue); request 2 waits
+# until request 0 finishes, then decodes beside request 1. The 120-token request is admitted at the same
+# step and prefills what the free pages hold (orange); then it waits, and when the two decoding requests
+# need its pages to grow, it is preempted (×): its prefill is thrown away and computed again once they
+# finish. The last request waits behind it, first come, first served. Recomputation costs compute;
+# exercise 2 keeps the pages in host memory instead.
 #
 # ## 4. A server, and a load
 #
@@ -178,35 +193,45 @@ print(f"{tl['steps']} steps, {tl['preemptions']} preemptions")
 with loadgen.lab_server(cores=None, threads=torch.get_num_threads()) as (_, url):
     recs = loadgen.run_load(url, ch08.fixed(4, 32, 16, seed=5), "smollm2", timeout_s=120)
 summary = loadgen.summarize(recs, slo_ttft=2.0, slo_itl=0.5)
-display(pd.DataFrame({k: summary[k] for k in ("completed", "output_tokens", "throughput_tok_s", "ttft_median_s",
-                                               "itl_median_s", "itl_p99_s")}, index=["4 at once"]))
+display(show(pd.DataFrame({"completed": summary["completed"], "output tokens": summary["output_tokens"],
+                           "throughput (tokens/s)": summary["throughput_tok_s"],
+                           "median TTFT (ms)": summary["ttft_median_s"] * 1e3,
+                           "median ITL (ms)": summary["itl_median_s"] * 1e3,
+                           "p99 ITL (ms)": summary["itl_p99_s"] * 1e3},
+                          index=["4 at once"])))
 
 # %% [markdown]
 # ## 5. Measuring
 #
 # ### Batching: throughput against requests in flight
 #
-# *c* requests of the same length arrive at once; the engine batches them. The same engine serving one
+# $c$ requests of the same length arrive at once; the engine batches them. The same engine serving one
 # request after another gives the baseline.
 
 # %%
 batching = ch08.batching(smol, S)
-display(pd.DataFrame({**{f"{c} at once": r["tok_s"] for c, r in batching["batched"].items()},
-                      "one at a time": batching["sequential"]["tok_s"]}, index=["output tokens / s"]))
+display(show(pd.DataFrame({"output (tokens/s)": {**{f"{c} at once": r["tok_s"] for c, r in batching["batched"].items()},
+                                                 "one at a time": batching["sequential"]["tok_s"]}}
+                          ).rename_axis("requests")))
 
 # %% [markdown]
 # ### Chunked prefill: a long prompt among decoding requests
 #
 # A few requests are decoding when a long prompt arrives. Prefilled whole, it makes one step as long as
 # its whole prefill, and every decoding request waits that long for its next token. In chunks of 256
-# tokens, each step stays short; the long prompt's own first token comes a little later.
+# tokens, each step stays short. Whether the long prompt's own first token comes earlier or later, the
+# line below the table says.
 
 # %%
 chunked = ch08.chunked_prefill(smol, S)
-display(pd.DataFrame({k: {"worst inter-token gap (ms)": r["itl_max_s"] * 1e3,
-                          "median gap (ms)": r["itl_median_s"] * 1e3,
-                          "long prompt's TTFT (ms)": r["ttft_long_s"] * 1e3, "chunks": r["long_chunks"]}
-                      for k, r in chunked.items()}).T.style.format("{:.0f}"))
+display(show(pd.DataFrame({k: {"worst inter-token gap (ms)": r["itl_max_s"] * 1e3,
+                               "median gap (ms)": r["itl_median_s"] * 1e3,
+                               "long prompt's TTFT (ms)": r["ttft_long_s"] * 1e3, "chunks": r["long_chunks"]}
+                           for k, r in chunked.items()}).T))
+c, w = chunked["chunked"], chunked["whole"]
+print(f"in chunks the worst gap is {w['itl_max_s'] / c['itl_max_s']:.1f}x shorter; the long prompt's first token "
+      f"comes {'earlier' if c['ttft_long_s'] < w['ttft_long_s'] else 'later'} "
+      f"({c['ttft_long_s'] * 1e3:,.0f} ms in chunks, {w['ttft_long_s'] * 1e3:,.0f} ms whole)")
 
 # %% [markdown]
 # ### Preemption against pool size
@@ -216,9 +241,10 @@ display(pd.DataFrame({k: {"worst inter-token gap (ms)": r["itl_max_s"] * 1e3,
 
 # %%
 pre = ch08.preemption(smol, S)
-display(pd.DataFrame({f"{k} pages": {"preemptions": r["preemptions"], "positions recomputed":
-                                     r["computed"] - r["ideal"], "steps": r["steps"], "seconds": r["seconds"],
-                                     "tokens identical": r["identical"]} for k, r in pre["runs"].items()}).T)
+display(show(pd.DataFrame({k: {"preemptions": r["preemptions"], "positions recomputed": r["computed"] - r["ideal"],
+                               "steps": r["steps"], "time (s)": r["seconds"], "tokens": r["identical"]}
+                           for k, r in pre["runs"].items()}).T.rename_axis("pool (pages)"),
+             words={"tokens": ("identical", "different")}))
 print(f"each request needs {pre['need']} pages at its longest; all {pre['requests']} at once: {pre['all_pages']}")
 
 # %% [markdown]
@@ -228,9 +254,9 @@ print(f"each request needs {pre['need']} pages at its longest; all {pre['request
 
 # %%
 prefix = ch08.prefix_sharing(smol, S)
-display(pd.DataFrame({k: {"positions computed": prefix[k]["computed"], "from cache": prefix[k]["cached"],
-                          "seconds": prefix[k]["seconds"], "median TTFT (ms)": prefix[k]["ttft_median_s"] * 1e3}
-                      for k in ("cached", "uncached")}).T)
+display(show(pd.DataFrame({k: {"positions computed": prefix[k]["computed"], "from cache": prefix[k]["cached"],
+                               "time (s)": prefix[k]["seconds"], "median TTFT (ms)": prefix[k]["ttft_median_s"] * 1e3}
+                           for k in ("cached", "uncached")}).T.rename_axis("prefix caching")))
 
 # %% [markdown]
 # ### Where a step's time goes
@@ -240,24 +266,35 @@ display(pd.DataFrame({k: {"positions computed": prefix[k]["computed"], "from cac
 
 # %%
 prof = ch08.profile(smol, S["profile_batch"], S["prompt"])
-display(pd.DataFrame({k: {"ms": t * 1e3, "share (%)": 100 * t / prof["step_s"]} for k, t in prof["parts"].items()}).T)
+display(show(pd.DataFrame({k: {"time (ms)": t * 1e3, "share of the step": t / prof["step_s"]}
+                           for k, t in prof["parts"].items()}).T.rename_axis("part"), percent=["share of the step"],
+             caption=f"one decode step of {S['profile_batch']} sequences"))
+
+# %%
+share = {k: t / prof["step_s"] for k, t in prof["parts"].items()}
+print(f"scheduler and batch building {share['schedule'] + share['batch']:.1%} of the step; attention "
+      f"{share['attention']:.0%}, the rest of the forward {share['forward']:.0%}")
 
 # %% [markdown]
 # The scheduler costs almost nothing; the weight matrices take most of the step, and attention over
-# the pages the rest. Profiling the engine against vLLM found three more costs. `F.linear` has the CPU's
-# matrix library repack every weight on every call, which with 16 rows costs about as much as the
-# product, so the engine holds the weights prepacked once, as vLLM's CPU backend does. On this machine
-# torch runs the same step slower from a second thread than from the main one. And a server that steps
-# its engine in the process that serves HTTP makes the two take turns on one interpreter lock. So
-# `python -m lab.serve` steps its engine in the main thread of a process of its own. The same step three
-# ways:
+# the pages the rest (the line above). Profiling the engine against vLLM found three more costs.
+# `F.linear` has the CPU's matrix library repack every weight on every call, which with 16 rows costs
+# about as much as the product, so the engine holds the weights prepacked once, as vLLM's CPU backend
+# does. On the machine the book was measured on, torch ran the same step slower from a second thread
+# than from the main one. And a server that steps its engine in the process that serves HTTP makes the
+# two take turns on one interpreter lock. So `python -m lab.serve` steps its engine in the main thread of
+# a process of its own. The same step three ways:
 
 # %%
 costs = ch08.step_costs(smol, S["profile_batch"], S["prompt"])
-display(pd.DataFrame({k: {"step (ms)": r["step_s"] * 1e3, "attention (ms)": r["parts"]["attention"] * 1e3}
-                      for k, r in costs.items()}).T.rename(index={"engine": "prepacked, main thread",
-                      "unpacked": "F.linear", "thread": "prepacked, second thread"}).style.format("{:.1f}"))
-#
+display(show(pd.DataFrame({k: {"step (ms)": r["step_s"] * 1e3, "attention (ms)": r["parts"]["attention"] * 1e3}
+                           for k, r in costs.items()}).T.rename(index={"engine": "prepacked, main thread",
+                           "unpacked": "F.linear", "thread": "prepacked, second thread"})))
+base = costs["engine"]["step_s"]
+print(f"F.linear: {costs['unpacked']['step_s'] / base:.2f}x the prepacked step; a second thread: "
+      f"{costs['thread']['step_s'] / base:.2f}x the main thread's, on this machine in this run")
+
+# %% [markdown]
 # ### The lab's server against vLLM's
 #
 # The load generator sends the same requests to the lab's server and to vLLM's, one after the other,
@@ -272,8 +309,9 @@ if ratio["value"] == results.NOT_RUN:
     print("the book's results have no vLLM comparison:", ratio["reason"])
 else:
     cs = sorted(book["lab"]["concurrency"], key=lambda c: int(c[1:]))
-    display(pd.DataFrame({side: {c: book[side]["concurrency"][c]["throughput"]["value"] for c in cs}
-                          for side in ("lab", "vllm")}).T.style.format("{:.1f}"))
+    display(show(pd.DataFrame({side: {f"{c[1:]} in flight": book[side]["concurrency"][c]["throughput"]["value"]
+                                      for c in cs} for side in ("lab", "vllm")}).T.rename_axis("server"),
+                 caption="output tokens per second, the book's run"))
     print(f"lab / vLLM at 16 in flight: {ratio['value']:.2f}; greedy tokens identical for "
           f"{book['agreement']['identical']} of {book['agreement']['requests']} requests")
     if "process_gain" in book:
@@ -295,14 +333,18 @@ print("wrote section ch08 to", results.results_path())
 # %% [markdown]
 # ## Exercises
 #
-# 1. **Shortest job first.** First come, first served makes a short request wait behind every long one
-#    that arrived before it. Write a `ServingEngine` subclass whose `next_to_admit()` returns the waiting
-#    request with the fewest tokens in all (prompt plus `max_new_tokens`), the first of equals. The check,
-#    `ex.check_shortest_first(YourEngine)`, runs a burst of long and short jobs on a small pool, compares
-#    every request's tokens with the same prompt decoded alone, fails a policy that lets a request be
-#    admitted while a smaller one waits, and one that drops, cancels or shortens long jobs to look fast;
-#    then it prints median and p99 time to first token against first come, first served. What happens to
-#    the longest job, and how would you bound its wait?
+# 1. **Shortest remaining job first.** First come, first served makes a short request wait behind every
+#    long one that arrived before it. Write a `ServingEngine` subclass whose `next_to_admit()` returns the
+#    waiting request with the least work left, the first of equals: its tokens in all (prompt plus
+#    `max_new_tokens`) less the positions it would take from cached pages if admitted now,
+#    `ex.cached_prefix(self, req)`. The engine runs with prefix caching, so a request that starts with a
+#    system prompt another request has run, or one preempted after computing some pages, has less left
+#    than its size. The check, `ex.check_shortest_first(YourEngine)`, runs a burst of long and short jobs
+#    on a small pool, compares every request's tokens with the same prompt decoded alone, counts the work
+#    left of every waiting request at each admission, and fails a policy that chooses a request while one
+#    with less work left waits (ranking by size alone fails), and one that drops, cancels or shortens long
+#    jobs to look fast; then it prints median and p99 time to first token against first come, first
+#    served. What happens to the longest job, and how would you bound its wait?
 # 2. **Preempt by swapping, not recomputing.** Recomputation throws away work the pool could not keep.
 #    Write a subclass that, when it preempts a request, copies its pages' keys and values to host memory
 #    (CPU tensors) before releasing them, and on readmission writes them into fresh pages instead of

@@ -319,6 +319,21 @@ def agreement(h, levels) -> dict:
 
 # ---- figures ------------------------------------------------------------------------------------------------
 
+def timeline_values(timeline: list) -> dict:
+    """What happened to each request of the timeline run, as results values: the engine step it arrived at, was
+    first and last admitted at, got its first token at (the end of its prefill) and finished at, how often it
+    was preempted and first when. The manuscript describes the figure from these."""
+    step = lambda s: value(s, "step") if s is not None else not_run("did not happen in this run", "step")
+    first = lambda xs: xs[0] if xs else None
+    return {f"r{r['id']}": {"prompt": value(r["prompt_tokens"], "tokens"),
+                            "output": value(r["output_tokens"], "tokens"), "arrived": step(r["arrived"]),
+                            "admitted": step(first(r["admitted"])),
+                            "last_admitted": step(r["admitted"][-1] if r["admitted"] else None),
+                            "first_token": step(r["first_token"]), "finished": step(r["finished"]),
+                            "preempted": value(len(r["preempted"]), "times"),
+                            "preempted_at": step(first(r["preempted"]))} for r in timeline}
+
+
 def plot_timeline(t: dict, path=None):
     fig, ax = plots.figure(height=3.0)
     end = t["steps"]
@@ -477,7 +492,8 @@ def record(m: dict, drawn: dict | None = None) -> dict:
         v["step_costs"]["packing_gain"] = value(sc["unpacked"]["step_s"] / sc["engine"]["step_s"], "x")
         v["step_costs"]["thread_cost"] = value(sc["thread"]["step_s"] / sc["engine"]["step_s"], "x")
     t = m["timeline"]
-    v["timeline"] = {"steps": value(t["steps"], "steps"), "preemptions": value(t["preemptions"], "preemptions")}
+    v["timeline"] = {"steps": value(t["steps"], "steps"), "preemptions": value(t["preemptions"], "preemptions"),
+                     "requests": timeline_values(t["timeline"])}
     h = m["http"]
     if h is None:
         v["http"] = {"lab": not_run("run without the servers")}
