@@ -40,6 +40,10 @@ HEADLINES = [
     ("Ch. 3 — peak extra memory decoding 960 tokens at batch 8, GPT-2 shape, concat / static (MiB)",
      ("ch03.memory.gpt2-random.concat.B8.peak_extra_mib", "ch03.memory.gpt2-random.static.B8.peak_extra_mib"),
      ".0f"),
+    ("Ch. 3 — a SmolLM2 decode step beside four other torch programs on two cores, over idle: OpenMP's defaults / "
+     "the lab's OMP_WAIT_POLICY=PASSIVE; and PASSIVE's cost on an idle machine",
+     ("ch03.under_load.default.busy_slowdown", "ch03.under_load.lab.busy_slowdown", "ch03.under_load.idle_cost"),
+     ".1f"),
     ("Ch. 3 — the same on a GPU", "ch03_gpu.step_ms", ""),
     ("Ch. 4 — another prompt's cache: median / max abs Δ logit against a correct computation",
      ("ch04.hazards.other_prompt.delta_median", "ch04.hazards.other_prompt.delta_max"), ".2f"),

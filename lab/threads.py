@@ -5,10 +5,10 @@ torch runs its CPU operators on a team of OpenMP threads (GNU libgomp in the PyP
 A decode step of a small model is hundreds of short parallel operators, and between two of them libgomp
 lets its threads *spin*, burning a core while they wait for the next one (by default for about 300,000
 turns of a loop, GOMP_SPINCOUNT, before they sleep). On an idle machine that saves the microseconds of
-waking a sleeping thread. When another program wants the same cores, each spinning thread takes a core
-from the very threads it waits for, and an operator that needs all threads waits for the one the
-scheduler parked: chapter 3 measures a decode step several times slower with every core busy, far more
-than the loss of half the cores would explain.
+waking a sleeping thread. When other programs want the same cores, a spinning thread takes a core from
+the very threads it waits for, and an operator that needs all threads waits for the one the scheduler
+parked. Chapter 3 measures a SmolLM2 decode step beside other torch programs, with the defaults and with
+PASSIVE, and what PASSIVE costs on an idle machine (results key ch03.under_load).
 
 OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once. libgomp reads it once, when it loads,
 which is when torch is imported; so `import lab` before torch (or transformers, which imports torch) sets
