@@ -1,14 +1,22 @@
-"""The lab's HTTP app served by uvicorn in a thread, for the server and load-generator tests
-(tests/test_serve.py, tests/test_loadgen.py)."""
+"""Servers for the server and load-generator tests (tests/test_serve.py, tests/test_defects_serve.py,
+tests/test_loadgen.py): the lab's HTTP app served by uvicorn in a thread, or `python -m lab.serve` as a
+process of its own."""
 
+import http.client
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
 from lab.serve import create_app
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextmanager
@@ -30,3 +38,38 @@ def serving(engine, **kw):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def health(port) -> int | None:
+    """The status of GET /health, or None if nothing listens on `port`."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")
+        status = conn.getresponse().status
+        conn.close()
+        return status
+    except OSError:
+        return None
+
+
+@contextmanager
+def serve_process(*args, timeout_s: float = 60):
+    """`python -m lab.serve --port P *args` as a process, once its /health answers 200; yields (process,
+    port) with its output in `process.stdout`; kills it if it still runs at the end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "lab.serve", "--port", str(port), *args]
+    proc = subprocess.Popen(command, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while health(port) != 200:
+            assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{proc.stdout.read()}"
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,35 +1,35 @@
 """`python -m lab.serve`: the OpenAI-compatible server over the ServingEngine, spoken to over real HTTP.
 
 Oracle: the same prompt ids through a fresh ServingEngine's `generate` (itself checked token for token
-against each request decoded alone, tests/test_serving.py). Tolerance: none, the tokens must be equal. The
-server runs in this process (uvicorn in a thread, on a free port of 127.0.0.1) so a test can look at its
-engine's pool; the engine in a process of its own (EngineProcess, what `python -m lab.serve` runs) is
-looked at through its snapshots; one test starts `python -m lab.serve` as a process and stops it with
-SIGTERM.
+against each request decoded alone, tests/test_serving.py), and for text the tokenizer's decoding of all
+the ids at once. Tolerance: none, the tokens and the text must be equal. The server runs in this process
+(uvicorn in a thread, on a free port of 127.0.0.1) so a test can look at its engine's pool; the engine in
+a process of its own (EngineProcess, what `python -m lab.serve` runs) is looked at through its
+snapshots; one test starts `python -m lab.serve` as a process and stops it with SIGTERM. Defects found
+and fixed have their regression tests in tests/test_defects_serve.py.
 """
 
 import dataclasses
 import http.client
+import importlib
 import json
-import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from servers import serving
+from hypothesis import given
+from hypothesis import strategies as st
+from servers import serve_process, serving
 
 from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
 from lab.models import load
-from lab.models.tokenizer import ByteTokenizer
-from lab.serve import EngineProcess
+from lab.models.load import RANDOM, smollm2_folder
+from lab.models.tokenizer import ByteTokenizer, Tokenizer
+from lab.serve import EngineProcess, IncrementalDetokenizer, RequestIdError
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 NUM_PAGES, PAGE_SIZE = 64, 16                       # 1,024 positions; tiny-llama has 2,048
 
@@ -183,6 +183,61 @@ def test_models_and_health(server):
     assert call(port, "/health", method="GET") == (200, {"status": "ok"})
 
 
+# ---- text, token by token ----
+MULTI_BYTE = "aé€😀日本 \n"                      # 1, 2, 3 and 4 bytes in UTF-8, a space, a newline
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return Tokenizer.from_folder(smollm2_folder())
+
+
+def detokenize(tokenizer, ids, cuts) -> str:
+    """The concatenated text an IncrementalDetokenizer gives for `ids` fed in pieces cut at `cuts`, then
+    flushed."""
+    d, at, out = IncrementalDetokenizer(tokenizer), 0, []
+    for cut in sorted(cuts) + [len(ids)]:
+        out.append(d.add(ids[at:cut]))
+        at = cut
+    return "".join(out) + d.flush()
+
+
+@pytest.mark.parametrize("which", ["bytes", "smollm2"])
+@given(data=st.data())
+def test_incremental_detokenizing_equals_decoding_all_ids(which, data, smollm2_tokenizer):
+    """The oracle: `tokenizer.decode(all ids)`, for random ids (any byte, half characters, special tokens)
+    and for the ids of random text with multi-byte characters, fed one id or a few at a time."""
+    tok = ByteTokenizer() if which == "bytes" else smollm2_tokenizer
+    if data.draw(st.booleans(), label="from text"):
+        ids = tok.encode(data.draw(st.text(MULTI_BYTE, min_size=1, max_size=30), label="text"))
+    else:
+        ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=40), label="ids")
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)), label="cuts")
+    assert detokenize(tok, ids, cuts) == tok.decode(ids)
+    assert detokenize(tok, ids, range(len(ids))) == tok.decode(ids)        # one id at a time, as served
+
+
+class CountingBytes(ByteTokenizer):
+    """The byte tokenizer, counting the ids it decodes."""
+
+    decoded = 0
+
+    def decode(self, ids) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_incremental_detokenizing_decodes_a_short_window():
+    """2,000 ids one at a time: decoding everything at every id would decode n(n+1)/2 = 2,001,000 ids. The
+    window is the last shown piece plus the held-back ids (at most 3 bytes of a character here), decoded
+    twice per id: under 20 ids per id."""
+    tok = CountingBytes()
+    ids = tok.encode(MULTI_BYTE * 200)[:2000]
+    assert len(ids) == 2000
+    assert detokenize(tok, ids, range(len(ids))) == ByteTokenizer().decode(ids)
+    assert tok.decoded < 20 * len(ids), tok.decoded
+
+
 # ---- many at once ----
 def test_concurrent_requests_complete_and_are_batched(server, tiny):
     port, _, engine = server
@@ -255,6 +310,8 @@ def test_a_failing_engine_answers_500_and_hangs_nothing(server, monkeypatch):
     monkeypatch.setattr(engine, "step", broken)
     status, answer = call(port, "/v1/completions", dict(prompt=P, max_tokens=2))
     assert status == 500 and answer["error"]["type"] == "server_error" and "a bug in step" in answer["error"]["message"]
+    *_, error, done = events(port, "/v1/completions", dict(prompt=P, max_tokens=2))   # streamed: an error event
+    assert done == "[DONE]" and "a bug in step" in error["error"]["message"], error
     monkeypatch.undo()
     assert engine.requests[max(engine.requests)].state == "cancelled" and not engine.waiting
     assert call(port, "/v1/completions", dict(prompt=P, max_tokens=2))[0] == 200   # the thread lives on
@@ -306,10 +363,10 @@ def test_a_draining_server_refuses_new_requests(server):
 # ---- the engine in a process of its own ----
 @pytest.fixture(scope="module")
 def remote(tiny):
-    engine = EngineProcess(tiny, NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1)
+    engine = EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1)
     engine.start()
     try:
-        with serving(engine, loop=engine) as (port, app):
+        with serving(engine) as (port, app):
             yield port, engine
     finally:
         engine.stop()
@@ -351,25 +408,35 @@ def test_an_engine_process_frees_the_pages_of_a_client_that_leaves(remote):
     assert snap["free_pages"] == baseline and snap["computed_tokens"] - before["computed_tokens"] < 20 + 900
 
 
+def test_an_engine_process_loads_no_weights_in_the_server(monkeypatch, smollm2):
+    """The server's side takes the config and tokenizer from the folder (or the random model's table);
+    only the engine's process loads weights. Oracle: what `load` gives."""
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded in the server's process")
+
+    module = importlib.import_module("lab.models.load")       # `lab.models.load` is the function
+    monkeypatch.setattr(module, "load_folder", no_weights)
+    monkeypatch.setattr(module, "random_model", no_weights)
+    folder = smollm2_folder()
+    engine = EngineProcess(str(folder), NUM_PAGES, PAGE_SIZE)
+    assert engine.config == dataclasses.replace(smollm2.config, name=folder.name) and engine.name == folder.name
+    assert engine.tokenizer.sha256 == smollm2.tokenizer.sha256
+    tiny = EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE)
+    assert tiny.config == RANDOM["tiny-llama"] and isinstance(tiny.tokenizer, ByteTokenizer)
+    assert not engine.process.is_alive() and not tiny.process.is_alive()   # not started: nothing loaded
+
+
+def test_an_engine_process_refuses_an_id_that_is_not_an_int(remote):
+    port, engine = remote
+    for bad in (True, 2.0, "1"):
+        with pytest.raises(RequestIdError, match="int"):
+            engine.cancel(bad)
+    assert call(port, "/v1/completions", dict(prompt=[1, 2], max_tokens=2))[0] == 200
+
+
 def test_sigterm_finishes_the_stream_in_flight_then_exits_cleanly():
     """`python -m lab.serve` as a process: SIGTERM while a stream runs lets it finish, then exit code 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "lab.serve", "--model", "tiny-llama", "--port", str(port), "--threads", "1",
-               "--num-pages", "128"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if call(port, "/health", method="GET")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
+    with serve_process("--model", "tiny-llama", "--threads", "1", "--num-pages", "128") as (proc, port):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = dict(prompt=[1, 2, 3], max_tokens=1000, stream=True)
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -383,7 +450,3 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_cleanly():
         log = proc.stdout.read()
         assert "Waiting for connections to close" in log, log      # the stream was still running at SIGTERM
         assert "Finished server process" in log, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

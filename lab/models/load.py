@@ -51,8 +51,9 @@ class Model:
     def manifest(self) -> str:
         """sha256 of the weight files and the config; of the tensors and the config for random models, and
         once any weight was changed in place (an optimizer step, `w.mul_(3)`) or replaced, when the files no
-        longer describe them. Every call compares the weights' version counters and storages (about 50 us
-        for SmolLM2) and hashes the tensors again only when those changed."""
+        longer describe them. Every call compares the weights' state (`weights_state`: version counters,
+        storages and a sampled fingerprint; under a millisecond for SmolLM2, chapter 4 measures it) and hashes
+        the tensors again only when that changed."""
         state = weights_state(self.weights)
         if self.files and state == self._loaded:
             if self._manifest is None:
@@ -84,8 +85,23 @@ def load(name: str = "smollm2", dtype=torch.float32) -> Model:
     "tiny-mqa", a local folder in Hugging Face format, or a repo id already in the local HF cache."""
     if name in RANDOM:
         return random_model(RANDOM[name], dtype=dtype)
+    return load_folder(*locate(name), dtype)
+
+
+def load_config(name: str = "smollm2") -> tuple[ModelConfig, object]:
+    """The config and tokenizer of the model `load(name)` loads, without its weights (the HTTP process of
+    `python -m lab.serve` needs no more)."""
+    if name in RANDOM:
+        return RANDOM[name], ByteTokenizer()
+    folder, shown = locate(name)
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), name=shown)
+    return config, Tokenizer.from_folder(folder)
+
+
+def locate(name: str) -> tuple[Path, str]:
+    """(folder, name the model goes by) for a model that is not random: see `load`."""
     if name == "smollm2":
-        return load_folder(smollm2_folder(), "smollm2", dtype)
+        return smollm2_folder(), "smollm2"
     if name in ("gpt2", "openai-community/gpt2"):
         folder = hf_cache_folder("openai-community/gpt2") or hf_cache_folder("gpt2")
         if folder is None:
@@ -95,12 +111,12 @@ def load(name: str = "smollm2", dtype=torch.float32) -> Model:
                 "`huggingface-cli download openai-community/gpt2` (or "
                 "`python -c \"import transformers; transformers.AutoModelForCausalLM.from_pretrained('gpt2')\"`)"
                 ", then copy the cache here. The experiments use 'gpt2-random', which has GPT-2 small's shape.")
-        return load_folder(folder, "gpt2", dtype)
+        return folder, "gpt2"
     folder = Path(name).expanduser()
     if folder.is_dir():
-        return load_folder(folder, folder.name, dtype)
+        return folder, folder.name
     if "/" in name and (folder := hf_cache_folder(name)) is not None:
-        return load_folder(folder, name, dtype)
+        return folder, name
     raise ValueError(f"unknown model {name!r}. Known names: {', '.join(KNOWN)}; or a local folder with "
                      "config.json, *.safetensors and tokenizer.json; or a repo id in the local Hugging Face cache")
 

@@ -1,0 +1,107 @@
+"""`python -m lab.serve`: the command line. The engine runs in a process of its own unless `--one-process`.
+
+If the engine's process dies (killed, out of memory, a crash in native code), the requests in flight fail
+(a streamed one with an error event), /health answers 503, and the server exits with code 1. It does not
+restart the engine itself: a single-engine server has nothing to serve meanwhile, and a supervisor
+(systemd's Restart=on-failure, Kubernetes' restartPolicy and liveness probe on /health) already restarts a
+process that exits non-zero, with back-off, counting and logging the restarts where operators look. A
+server restarting its own engine would hide a crash loop from them.
+
+On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish, then stops the
+engine and exits 0.
+"""
+
+import argparse
+import signal
+import threading
+
+import torch
+import uvicorn
+
+from ..engine import ServingEngine
+from ..models import load
+from .api import MAX_BODY_BYTES
+from .app import create_app
+from .engine_loop import EngineProcess, EngineThread
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with the app told first on SIGINT or SIGTERM: it answers new requests with 503 while
+    uvicorn stops listening and waits for the admitted ones to finish; then the engine's loop stops."""
+
+    def __init__(self, config, app):
+        super().__init__(config)
+        self.lab_app = app
+
+    def handle_exit(self, sig, frame):
+        self.lab_app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lab.serve", description="An OpenAI-compatible server over the "
+                                "ServingEngine: /v1/completions, /v1/chat/completions, /v1/models, /health.")
+    p.add_argument("--model", default="smollm2", help="any lab.models.load name or folder (default smollm2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-pages", type=int, default=512, help="pages in the pool (default 512: 8,192 positions)")
+    p.add_argument("--page-size", type=int, default=16, help="positions per page")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens in one step's forward, at most")
+    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies get 413 "
+                   f"(default {MAX_BODY_BYTES:,}: 1 MiB, the default model's whole context is about 40 KB)")
+    p.add_argument("--one-process", action="store_true", help="step the engine in this process's main thread "
+                   "and serve HTTP from a second thread, instead of giving the engine a process of its own")
+    args = p.parse_args(argv)
+    engine_args = (args.num_pages, args.page_size, args.max_batch_tokens)
+    if args.one_process:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        client = EngineThread(ServingEngine(load(args.model), *engine_args,
+                                            prefix_caching=not args.no_prefix_caching))
+    else:
+        torch.set_num_threads(1)       # this process parses and detokenizes; the engine's has the threads
+        client = EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
+                               threads=args.threads)
+    app = create_app(client, max_body_bytes=args.max_body_bytes)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
+    died = []
+
+    def engine_died(why: str):         # from the reader thread: fail fast, let the supervisor restart us
+        print(f"{why}: stopping the server", flush=True)
+        died.append(why)
+        server.should_exit = True
+
+    if not args.one_process:
+        client.on_exit = engine_died
+        client.start()
+    where = "in this process" if args.one_process else "in a process of its own"
+    print(f"serving {client.name} (pool of {args.num_pages} pages of {args.page_size}, max_batch_tokens="
+          f"{args.max_batch_tokens}, the engine {where}) on http://{args.host}:{args.port}", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
+        signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0
+    if args.one_process:
+        serve_beside(server, client)
+    else:
+        try:
+            server.run()               # until SIGINT or SIGTERM; the app's shutdown stops the engine
+        finally:
+            client.stop()
+    raise SystemExit(0 if server.started and not died else 1)
+
+
+def serve_beside(server, client: EngineThread):
+    """HTTP from a second thread, the engine stepped in the main thread: torch ran the engine's steps about
+    1.3 times slower from a second thread on the book's 2-core machine (chapter 8). Both share one
+    interpreter lock."""
+    def serve_http():                  # uvicorn installs no signal handlers off the main thread: ours did
+        try:
+            server.run()
+        finally:
+            client.stop()              # a server that ended (or never started) ends the engine's loop
+
+    http = threading.Thread(target=serve_http, name="http", daemon=True)
+    http.start()
+    client.run()                       # the engine steps here until the server stops
+    http.join()

@@ -1,0 +1,42 @@
+"""Incremental detokenization: a reply's text, token by token, decoding only a short window each time.
+
+Decoding every token so far at every step costs O(n^2) over a reply of n tokens. vLLM's
+`detokenize_incrementally` keeps two offsets into the ids instead: `prefix_offset`, where a short window of
+context starts, and `read_offset`, where the ids not yet shown start. Each step decodes the window with and
+without the new ids, and shows what the new ids added. The window matters because a token's text can depend
+on its neighbours: a byte-level token may hold half of a multi-byte UTF-8 character, which decodes to
+"\ufffd" until the token with the rest arrives. Text ending in "\ufffd" is therefore held back, and shown
+once the character is complete (or when the reply ends, whatever it is then).
+"""
+
+
+class IncrementalDetokenizer:
+    """One reply's text as its ids arrive: `add(ids)` returns the text they complete.
+
+    The concatenation of everything `add` and `flush` return equals `tokenizer.decode(all the ids)`, for a
+    tokenizer whose decoding of a sequence starts with its decoding of any prefix that does not end in
+    "\ufffd" (byte-level BPE and the byte tokenizer, whose UTF-8 decoder replaces invalid bytes).
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids = []              # every id so far
+        self.prefix_offset = 0     # the window of context starts here ...
+        self.read_offset = 0       # ... and the ids whose text was not shown yet start here
+
+    def add(self, ids: list[int]) -> str:
+        """Take new ids; the text they complete ("" while it ends inside a character)."""
+        self.ids += ids
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (the reply ended): shown as it is, "\ufffd" included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""                              # nothing new, or a character still incomplete
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]

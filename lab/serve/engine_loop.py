@@ -1,0 +1,236 @@
+"""The engine's loop, and the two ways to run it: on a thread of this process, or in a process of its own.
+
+`EngineLoop` is the one piece of code that touches a ServingEngine: round after round it takes the
+messages that arrived (new requests, cancellations), steps the engine while any request waits or runs, and
+answers with each step's new tokens in one message; it sleeps while the engine has nothing to do. Whatever
+arrives while others decode joins the next step's batch (continuous batching). Its transport is the only
+difference between the two modes:
+
+- `EngineThread`: the loop on a thread of this process; messages go through a queue, answers are handed
+  to the Router directly. Server and engine then share one interpreter lock.
+- `EngineProcess`: the loop in a process of its own, as vLLM runs its engine core apart from its API
+  server; messages and answers go through a pipe, and a reader thread hands the answers to the Router.
+  Only the tokenizer and the config are loaded on the server's side; the engine's process loads the model.
+
+Both are a `Router` (lab/serve/router.py) with `start`/`stop`, and describe the engine to the HTTP app
+(`name`, `config`, `tokenizer`, `num_pages`, `page_size`).
+"""
+
+import contextlib
+import multiprocessing
+import queue
+import signal
+import threading
+
+import torch
+
+from ..engine import ServingEngine
+from ..models import load
+from ..models.load import load_config
+from .router import EngineFailed, Router
+
+# ---- the loop ----
+
+
+class EngineLoop:
+    """Adds, cancels and steps, in that order, round after round. `transport.receive(wait)` returns the
+    messages that arrived (with `wait`, at least one); `transport.send(message)` answers."""
+
+    def __init__(self, engine: ServingEngine, transport):
+        self.engine, self.transport = engine, transport
+
+    def run(self):
+        """Until a ("stop",) message: every request still in flight is cancelled, then ("stopped",)."""
+        engine = self.engine
+        while True:
+            idle = not (engine.running or engine.waiting)
+            try:
+                for kind, *args in self.transport.receive(wait=idle):
+                    if kind == "stop":
+                        self._cancel_all()
+                        self.transport.send(("stopped",))
+                        return
+                    self._handle(kind, *args)
+                if engine.running or engine.waiting:
+                    self.transport.send(("tokens", finished_tokens(engine, engine.step())))
+            except Exception as e:                       # a bug: every request fails (500), none hangs
+                self._cancel_all()
+                self.transport.send(("failed", f"{type(e).__name__}: {e}"))
+
+    def _handle(self, kind, *args):
+        if kind == "add":
+            key, ids, max_new_tokens, eos_id = args
+            try:
+                rid, error = self.engine.add_request(ids, max_new_tokens, eos_id), None
+            except Exception as e:                       # a bad request: the engine is unchanged
+                rid, error = None, e
+            self.transport.send(("admitted", key, rid, error))
+        elif kind == "cancel":
+            self.engine.cancel(args[0])                  # False if it had finished: fine
+        elif kind == "snapshot":
+            engine = self.engine
+            self.transport.send(("snapshot", dict(engine.stats, free_pages=engine.manager.num_free,
+                                                  in_flight=len(engine.running) + len(engine.waiting))))
+        else:
+            raise ValueError(f"unknown message {kind!r} for the engine's loop")
+
+    def _cancel_all(self):
+        for req in self.engine.running + list(self.engine.waiting):
+            with contextlib.suppress(Exception):         # an engine that failed mid-step may refuse: go on
+                self.engine.cancel(req.id)
+
+
+def finished_tokens(engine: ServingEngine, new: dict) -> list:
+    """(request id, token, finish_reason) for one step's new tokens: None while a request runs, "stop" at
+    its eos token, "length" at its max_tokens."""
+    out = []
+    for rid, token in new.items():
+        req = engine.requests[rid]
+        out.append((rid, token, None if req.state != "finished" else "stop" if token == req.eos_id else "length"))
+    return out
+
+
+# ---- transports ----
+
+
+class QueueTransport:
+    """The loop's side in a thread: messages from a queue, answers straight to `deliver` (the Router)."""
+
+    def __init__(self, deliver):
+        self.inbox, self.deliver = queue.SimpleQueue(), deliver
+
+    def receive(self, wait: bool) -> list:
+        messages = [self.inbox.get()] if wait else []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                messages.append(self.inbox.get_nowait())
+        return messages
+
+    def send(self, message):
+        self.deliver(message)
+
+
+class PipeTransport:
+    """The loop's side in the engine's process: messages from the pipe, answers into it."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def receive(self, wait: bool) -> list:
+        try:
+            messages = [self.conn.recv()] if wait else []
+            while self.conn.poll():
+                messages.append(self.conn.recv())
+        except (EOFError, OSError):                      # the server's process is gone
+            return [("stop",)]
+        return messages
+
+    def send(self, message):
+        with contextlib.suppress(OSError):               # the server's process is gone: nobody to tell
+            self.conn.send(message)
+
+
+# ---- the two modes ----
+
+
+class EngineThread(Router):
+    """The loop on a thread of this process. `start` runs it on a thread of its own (an app served inside
+    another program: the tests); `python -m lab.serve --one-process` calls `run` in its main thread."""
+
+    def __init__(self, engine: ServingEngine):
+        transport = QueueTransport(self.receive)
+        super().__init__(transport.inbox.put)
+        self.engine, self.loop, self.thread = engine, EngineLoop(engine, transport), None
+        self.name, self.config, self.tokenizer = engine.model.name, engine.model.config, engine.model.tokenizer
+        self.num_pages, self.page_size = engine.num_pages, engine.page_size
+
+    def start(self):
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread.start()
+
+    def run(self):
+        self.loop.run()
+
+    def stop(self):
+        """Cancel whatever is left and end the loop (and wait for its thread, if it has one)."""
+        self.send(("stop",))
+        if self.thread is not None:
+            self.thread.join()
+
+
+class EngineProcess(Router):
+    """The loop in a process of its own, over the model `load(model)` returns (a name or a folder).
+
+    The server's side loads only the tokenizer and the config (`load_config`). The engine's process ending
+    unexpectedly fails every request in flight, and `alive` turns False for good; `on_exit(why)`, if set,
+    is then called from the reader thread (`python -m lab.serve` stops the server with it).
+    """
+
+    def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
+                 prefix_caching: bool = True, threads: int | None = None):
+        self.config, self.tokenizer = load_config(model)
+        self.name, self.num_pages, self.page_size = self.config.name, num_pages, page_size
+        ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
+        self.conn, child = ctx.Pipe()
+        self.send_lock = threading.Lock()               # one message at a time into the pipe, whichever thread
+        super().__init__(self._send)
+        engine_args = dict(num_pages=num_pages, page_size=page_size, max_batch_tokens=max_batch_tokens,
+                           prefix_caching=prefix_caching)
+        self.process = ctx.Process(target=engine_process, args=(child, model, engine_args, threads),
+                                   name="lab-engine", daemon=True)
+        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self.on_exit = None
+
+    def start(self, timeout_s: float = 600):
+        """Start the engine's process and wait until its model is loaded; RuntimeError if it fails to."""
+        self.process.start()
+        if not self.conn.poll(timeout_s):
+            self.process.kill()
+            raise RuntimeError(f"the engine's process did not start within {timeout_s} s")
+        kind, *info = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the engine's process failed to start: {info[0]}")
+        self.reader.start()
+
+    def stop(self):
+        """Cancel whatever is left, end the engine's process and wait for it."""
+        with contextlib.suppress(OSError):
+            self._send(("stop",))
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+        self.reader.join(5)
+
+    def _send(self, message):
+        with self.send_lock:
+            self.conn.send(message)
+
+    def _read(self):
+        """This process's side of the pipe: every answer to the Router, until the engine ends."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):                  # the engine's process ended without a word
+                self.process.join(5)
+                why = f"the engine's process ended (exit code {self.process.exitcode})"
+                self.fail(EngineFailed(why), final=True)
+                if self.on_exit is not None:
+                    self.on_exit(why)
+                return
+            self.receive(message)
+            if message[0] == "stopped":
+                return
+
+
+def engine_process(conn, model: str, engine_args: dict, threads: int | None):
+    """The engine's process: load the model, then run the loop over the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)         # the server decides when to stop (it drains first)
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        engine = ServingEngine(load(model), **engine_args)
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready",))
+    EngineLoop(engine, PipeTransport(conn)).run()

@@ -1,0 +1,126 @@
+"""The server's side of the engine: which request each message from the engine's loop belongs to.
+
+`Router` sends requests to the loop (`send`, the transport's way in) and hands what comes back to the
+asyncio queue of the request it belongs to: admissions, every step's tokens, failures. It is the one
+place that knows request id -> stream, and the one place that fails them all when the engine fails or
+its process ends.
+"""
+
+import asyncio
+import itertools
+import queue
+import threading
+
+
+class EngineFailed(RuntimeError):
+    """The engine's loop failed or ended while this request waited: the request cannot finish."""
+
+
+class RequestIdError(TypeError):
+    """A request id that is not an int (True and 2.0 are not the ids 1 and 2)."""
+
+
+class Router:
+    """Requests in, (token, finish_reason) pairs out, each to its request's asyncio.Queue.
+
+    `send(message)` puts a message on the way to the engine's loop; `receive(message)` is called with each
+    of the loop's answers, from whichever thread reads them. `alive` turns False for good once the engine
+    failed or ended; why is in `failure`.
+    """
+
+    def __init__(self, send):
+        self.send = send
+        self.keys = itertools.count()
+        self.pending = {}                   # key -> (event loop, admitted future, tokens queue), awaiting an id
+        self.streams = {}                   # request id -> (event loop, tokens queue)
+        self.replies = queue.SimpleQueue()  # answers to `snapshot`
+        self.lock = threading.Lock()        # pending and streams: the event loop's thread and the reader's
+        self.failure = None                 # an EngineFailed, once the engine can take nothing more
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None
+
+    async def add(self, ids, max_new_tokens: int, eos_id: int | None) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its id and the queue its (token, finish_reason) pairs (or an EngineFailed)
+        arrive on. Raises what the engine's `add_request` raises: a bad request changes nothing."""
+        if self.failure is not None:
+            raise self.failure
+        loop = asyncio.get_running_loop()
+        admitted, tokens, key = loop.create_future(), asyncio.Queue(), next(self.keys)
+        with self.lock:
+            self.pending[key] = (loop, admitted, tokens)
+        self.send(("add", key, list(ids), max_new_tokens, eos_id))
+        return await admitted, tokens
+
+    def cancel(self, rid: int):
+        """Drop request `rid`: its pages are freed, its stream gets nothing more."""
+        if type(rid) is not int:
+            raise RequestIdError(f"a request id is an int, got {rid!r} ({type(rid).__name__})")
+        with self.lock:
+            self.streams.pop(rid, None)
+        if self.alive:
+            self.send(("cancel", rid))
+
+    def snapshot(self, timeout_s: float = 30) -> dict:
+        """The engine's stats, free pages and requests in flight, from its loop (for tests and checks)."""
+        self.send(("snapshot",))
+        return self.replies.get(timeout=timeout_s)
+
+    def receive(self, message: tuple):
+        """One message from the engine's loop: ("admitted", key, rid, error), ("tokens", [(rid, token,
+        finish_reason), ...]), ("snapshot", dict), ("failed", why) or ("stopped",)."""
+        kind, *args = message
+        if kind == "admitted":
+            key, rid, error = args
+            with self.lock:
+                waiting = self.pending.pop(key, None)    # None: failed meanwhile
+                if waiting is not None and error is None:
+                    self.streams[rid] = (waiting[0], waiting[2])
+            if waiting is not None:
+                waiting[0].call_soon_threadsafe(settle, self, waiting[1], rid, error)
+            elif rid is not None:
+                self.cancel(rid)
+        elif kind == "tokens":
+            by_loop = {}
+            with self.lock:
+                for rid, token, finish in args[0]:
+                    stream = self.streams.pop(rid, None) if finish else self.streams.get(rid)
+                    if stream is not None:
+                        by_loop.setdefault(stream[0], []).append((stream[1], (token, finish)))
+            for loop, items in by_loop.items():          # one wake-up of each event loop per step
+                loop.call_soon_threadsafe(deliver, items)
+        elif kind == "snapshot":
+            self.replies.put(args[0])
+        elif kind == "failed":                           # a bug in a step: these requests fail, the loop lives
+            self.fail(EngineFailed(args[0]))
+        elif kind == "stopped":
+            self.fail(EngineFailed("the server stopped"), final=True)
+
+    def fail(self, error: EngineFailed, final: bool = False):
+        """Hand `error` to every request waiting for an id or tokens; with `final`, refuse every later one."""
+        with self.lock:
+            waiting, self.pending = list(self.pending.values()), {}
+            streams, self.streams = list(self.streams.values()), {}
+            if final and self.failure is None:
+                self.failure = error
+        for loop, admitted, _ in waiting:
+            loop.call_soon_threadsafe(lambda f=admitted: f.done() or f.set_exception(error))
+        for loop, tokens in streams:
+            loop.call_soon_threadsafe(tokens.put_nowait, error)
+
+
+def settle(router: Router, admitted: asyncio.Future, rid, error):
+    """On the event loop: answer the handler waiting in `add`, or cancel if it stopped waiting."""
+    if admitted.cancelled():                              # the client left before its request was in
+        if rid is not None:
+            router.cancel(rid)
+    elif error is not None:
+        admitted.set_exception(error)
+    else:
+        admitted.set_result(rid)
+
+
+def deliver(items):
+    for tokens, item in items:
+        tokens.put_nowait(item)
