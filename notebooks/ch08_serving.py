@@ -37,7 +37,8 @@ import pandas as pd
 import torch
 from IPython.display import display
 
-from lab import loadgen, results
+from lab import loadgen, results, step_cost
+from lab.cache import PagedCache
 from lab.engine import ServingEngine
 from lab.experiments import ch08_serving as ch08
 from lab.experiments.tables import show
@@ -56,10 +57,10 @@ smol = load("smollm2")
 # One decode step of a 135M-parameter model multiplies each token's activations by every weight matrix.
 # With one sequence, that is a matrix-vector product: the step's time goes to reading the weights, and
 # the arithmetic units mostly wait. With $B$ sequences the same weights are read once for $B$ tokens.
-# `ch08.profile` runs real decode steps through the engine with $B$ sequences of 64 positions each:
+# `lab.step_cost.profile` runs real decode steps through the engine with $B$ sequences of 64 positions each:
 
 # %%
-steps = {B: ch08.profile(smol, B, 64, steps=4) for B in (1, 4, 16)}
+steps = {B: step_cost.profile(smol, B, 64, steps=4) for B in (1, 4, 16)}
 display(show(pd.DataFrame({B: {"step (ms)": r["step_s"] * 1e3, "throughput (tokens/s)": B / r["step_s"]}
                            for B, r in steps.items()}).T.rename_axis("sequences B"),
              caption="one decode step, 64 positions each"))
@@ -137,7 +138,7 @@ show(pd.DataFrame(toy, index=[f"{p}+{n} tokens, arrives at {a}" for a, p, n in r
 # own greedy decoding.
 
 # %%
-ids = ch08.prompts(len(reqs), 90, seed=7)
+ids = loadgen.random_prompts(len(reqs), 90, seed=7)
 prompts = [ids[i][:p] for i, (_, p, _) in enumerate(reqs)]
 engine = ServingEngine(smol, num_pages=64, page_size=16, max_batch_tokens=48, prefix_caching=False)
 tokens = engine.generate(prompts, [n for *_, n in reqs], arrivals=[a for a, *_ in reqs])
@@ -148,6 +149,27 @@ alone = [ServingEngine(smol, 64, 16, 48).generate([p], n)[0] for p, (*_, n) in z
 assert tokens == alone
 print(f"timeline identical to the toy's for {len(reqs)} requests; tokens identical to one at a time; "
       f"batch sizes per step: {engine.stats['batch_sizes']}")
+
+# %% [markdown]
+# ### One step, one forward
+#
+# A step's scheduled tokens are laid end to end as one row, `[1, N]`: the weight matrices see N tokens,
+# whatever request each belongs to, and only attention is per sequence. What attention needs to find each
+# token's sequence is the same in every layer, so the pool plans it once per step, before the forward
+# (vLLM's attention metadata): `plan_step` takes the positions the scheduler reserved and returns the
+# cache the forward runs through. Here a plan alone, with no forward, over two sequences of a small pool:
+# one decoding its sixth token, one prefilling a chunk of four.
+
+# %%
+pool = PagedCache(smol.config, 64, page_size=4)
+a, b = pool.new_id(), pool.new_id()
+pool.reserve([(a, 6), (b, 4)])                       # the scheduler's reservations: a's 6th position, b's first 4
+plan = pool.plan_step([(a, 1), (b, 4)])              # a decode, then a chunk: one row of 5 tokens
+print("block tables:", {seq: pool.manager.block_table(seq) for seq in (a, b)})
+print("positions:   ", plan.positions.tolist())      # each token's own, for RoPE
+print("slot mapping:", plan.slot_mapping.tolist())   # page * 4 + offset: where each layer writes k and v
+print("decode rows (token index, length):", list(zip(plan.decode_at.tolist(), plan.lengths.tolist(), strict=True)))
+print("chunks (token index, tokens, pages, length):", [(at, n, p.tolist(), L) for at, n, p, L in plan.chunks])
 
 # %% [markdown]
 # ## 3. When the pages run out
@@ -191,7 +213,7 @@ for r in tl["timeline"]:
 
 # %%
 with loadgen.lab_server(cores=None, threads=torch.get_num_threads()) as (_, url):
-    recs = loadgen.run_load(url, ch08.fixed(4, 32, 16, seed=5), "smollm2", timeout_s=120)
+    recs = loadgen.run_load(url, loadgen.fixed_requests(4, 32, 16, seed=5), "smollm2", timeout_s=120)
 summary = loadgen.summarize(recs, slo_ttft=2.0, slo_itl=0.5)
 display(show(pd.DataFrame({"completed": summary["completed"], "output tokens": summary["output_tokens"],
                            "throughput (tokens/s)": summary["throughput_tok_s"],
@@ -265,7 +287,7 @@ display(show(pd.DataFrame({k: {"positions computed": prefix[k]["computed"], "fro
 # (block tables and slots), attention over the pages, and the rest of the forward (the weight matrices).
 
 # %%
-prof = ch08.profile(smol, S["profile_batch"], S["prompt"])
+prof = step_cost.profile(smol, S["profile_batch"], S["prompt"])
 display(show(pd.DataFrame({k: {"time (ms)": t * 1e3, "share of the step": t / prof["step_s"]}
                            for k, t in prof["parts"].items()}).T.rename_axis("part"), percent=["share of the step"],
              caption=f"one decode step of {S['profile_batch']} sequences"))
@@ -286,7 +308,7 @@ print(f"scheduler and batch building {share['schedule'] + share['batch']:.1%} of
 # a process of its own. The same step three ways:
 
 # %%
-costs = ch08.step_costs(smol, S["profile_batch"], S["prompt"])
+costs = step_cost.step_costs(smol, S["profile_batch"], S["prompt"])
 display(show(pd.DataFrame({k: {"step (ms)": r["step_s"] * 1e3, "attention (ms)": r["parts"]["attention"] * 1e3}
                            for k, r in costs.items()}).T.rename(index={"engine": "prepacked, main thread",
                            "unpacked": "F.linear", "thread": "prepacked, second thread"})))

@@ -30,8 +30,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lab.cache.base import CacheError, CacheInputError, CacheStateError
-from lab.cache.block_manager import BlockManager, OutOfPagesError
+from lab.cache import BlockManager, CacheError, CacheInputError, CacheStateError, OutOfPagesError
 
 
 def free_pages(bm):
@@ -42,7 +41,8 @@ def free_pages(bm):
 
 
 def id_status(bm, seq):
-    """"live", "new" (reserve would create it) or "released" (use after release), as the public API tells."""
+    """"live", "new" (reserve would create it), "released" (use after release) or "invalid" (never an id:
+    a bool), as the public API tells."""
     if seq in bm:
         return "live"
     try:
@@ -50,6 +50,8 @@ def id_status(bm, seq):
         return "new"
     except CacheStateError:
         return "released"
+    except CacheInputError:
+        return "invalid"
 
 
 def snapshot(bm, ids=()):
@@ -222,6 +224,23 @@ def test_reserve_rejects_a_bad_count(n):
     assert_refused(bm, CacheInputError, "n must be", bm.reserve, "a", n)
     assert_refused(bm, CacheInputError, "n must be", bm.reserve, "new", n)
     assert "new" not in bm
+
+
+def test_a_prefix_hit_takes_its_pages_out_of_the_free_list_in_place():
+    """The free list keeps the order pages were freed in (eviction takes the least recent); a prefix hit
+    takes a cached page from anywhere in it and leaves the others in that order."""
+    from lab.engine.hashing import page_keys
+
+    bm = BlockManager(6, 2)
+    bm.reserve("a", 6)                                    # pages 0, 1, 2
+    keys = page_keys([1, 2, 3, 4, 5, 6], 2)
+    for i, key in enumerate(keys):
+        bm.register("a", i, *key)
+    bm.release("a")                                       # freed from the last page back: 2, 1, 0
+    assert free_pages(bm) == [3, 4, 5, 2, 1, 0]
+    assert bm.reserve_prefix("b", keys[:2]) == 2          # pages 0 and 1: the end and the middle
+    assert free_pages(bm) == [3, 4, 5, 2] and bm.block_table("b") == [0, 1]
+    bm.check()
 
 
 def test_out_of_pages_changes_nothing():
@@ -470,9 +489,9 @@ def _two_sequences():
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda bm: bm._free.append(3), "holds a page twice"),
-    (lambda bm: bm._free.append(0), "is both free and owned"),
-    (lambda bm: bm._free.remove(5), "page 5 is neither free nor owned"),
+    (lambda bm: bm._free.__setitem__(9, None), "the free list holds unknown pages"),
+    (lambda bm: bm._free.__setitem__(0, None), "is both free and owned"),
+    (lambda bm: bm._free.pop(5), "page 5 is neither free nor owned"),
     (lambda bm: bm._refs.__setitem__(0, 2), "page 0 has reference count 2 but 1 block tables"),
     (lambda bm: bm._lengths.__setitem__("a", 9), r"'a' holds 9 positions in 2 pages, expected 3"),
     (lambda bm: bm._tables["b"].__setitem__(0, 1), "page 1 has reference count 1 but 2 block tables"),

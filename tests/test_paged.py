@@ -4,9 +4,17 @@ batches, fork with copy-on-write, exhaustion and bad input (the allocator consis
 import pytest
 import torch
 
-from lab.cache import CacheFullError, CacheInputError, CacheStateError, OutOfPagesError, PagedCache, cache_bytes
+from lab.cache import (
+    CacheFullError,
+    CacheInputError,
+    CacheMismatchError,
+    CacheStateError,
+    OutOfPagesError,
+    PagedCache,
+    cache_bytes,
+)
 from lab.experiments import ch05_paged as ch05
-from lab.models import forward, forward_cached, load
+from lab.models import forward, forward_cached, load, random_model
 
 TINY_ATOL = 1e-5  # float32, tiny model: paged and contiguous attention differ only in summation order
 
@@ -206,3 +214,80 @@ def test_ragged_decode_positions_come_from_the_device_lengths(tiny):
     positions = cache.next_positions(1)
     assert positions.tolist() == [[8], [7]] and positions.dtype == torch.long
     assert positions.untyped_storage().data_ptr() != cache.lengths.untyped_storage().data_ptr()  # a copy
+
+
+# ---- the planned step a serving engine runs: several sequences of one pool as one row
+
+def test_planned_step_of_decodes_and_chunks_matches_recomputation(tiny):
+    """One planned step over four sequences of one pool: a decode, a chunk after a cached prefix, a first
+    chunk, and a decode of a fork whose shared, partly filled page is copied on write by `reserve`. Each
+    token's logits equal the uncached forward's at its position (TINY_ATOL: summation order only)."""
+    w, cfg = tiny.weights, tiny.config
+    pool = PagedCache(cfg, 256, page_size=4)
+    xs, done, new = [ids(13, 1), ids(21, 2), ids(6, 3)], [12, 9, 0], [1, 8, 6]
+    seqs = [pool.new_id() for _ in xs]
+    for s, x, d in zip(seqs, xs, done, strict=True):
+        view = pool.view([s])                                   # a new id starts empty
+        if d:
+            forward_cached(x[:, :d], w, cfg, view)
+    fork = pool.new_id()
+    pool.manager.fork(seqs[0], fork)                            # shares its three full pages (12 positions)
+    pool.manager.crop(fork, 11)                                 # the third is now its shared, partial last page
+    xs.append(torch.cat([xs[0][:, :11], ids(1, 4)], 1))
+    seqs.append(fork)
+    done.append(11)
+    new.append(1)
+    parts = list(zip(seqs, new, strict=True))
+    pool.reserve(parts)                                         # the fork's partial page is copied here
+    step = pool.plan_step(parts)
+    tokens = torch.cat([x[:, d:d + n] for x, d, n in zip(xs, done, new, strict=True)], 1)   # [1, N]
+    out = forward_cached(tokens, w, cfg, step, positions=step.positions)                   # [1, N, V]
+    at = 0
+    for x, d, n in zip(xs, done, new, strict=True):
+        want = forward(x[:, :d + n], w, cfg)[:, d:]
+        assert (out[:, at:at + n] - want).abs().max() < TINY_ATOL
+        at += n
+    assert step.positions.tolist() == [12, 9, 10, 11, 12, 13, 14, 15, 16, 0, 1, 2, 3, 4, 5, 11]
+    x = torch.cat([xs[0], ids(1, 5)], 1)                        # the parent's pages are intact: it goes on
+    pool.reserve([(seqs[0], 1)])
+    step = pool.plan_step([(seqs[0], 1)])
+    out = forward_cached(x[:, 13:], w, cfg, step, positions=step.positions)
+    assert (out - forward(x, w, cfg)[:, 13:]).abs().max() < TINY_ATOL
+
+
+def test_planned_step_runs_once_and_refuses_what_it_cannot_serve(tiny):
+    w, cfg = tiny.weights, tiny.config
+    pool = PagedCache(cfg, 64, page_size=4)
+    s = pool.new_id()
+    pool.reserve([(s, 5)])
+    with pytest.raises(CacheStateError, match="holds 5 reserved positions"):
+        pool.plan_step([(s, 6)])
+    with pytest.raises(CacheInputError, match="n must be at least 1"):
+        pool.plan_step([(s, 0)])
+    with pytest.raises(CacheStateError, match="unknown sequence"):
+        pool.plan_step([(pool.new_id(), 1)])
+    step = pool.plan_step([(s, 5)])
+    with pytest.raises(CacheStateError, match="advance"):
+        step.advance(5)                                         # no layer stored anything yet
+    forward_cached(ids(5), w, cfg, step, positions=step.positions)
+    assert step.done
+    k = torch.zeros(1, cfg.n_kv_heads, 5, cfg.head_dim)
+    with pytest.raises(CacheStateError, match="has run"):
+        step.attend(0, torch.zeros(1, cfg.n_heads, 5, cfg.head_dim), k, k)
+    pool.reserve([(s, 1)])
+    other = random_model(cfg, seed=1)                            # the pages hold tiny's keys, not these
+    with pytest.raises(CacheMismatchError, match="another model"):
+        forward_cached(ids(1), other.weights, cfg, pool.plan_step([(s, 1)]), positions=torch.tensor([5]))
+
+
+def test_reserve_is_all_or_nothing_over_several_sequences(tiny):
+    pool = PagedCache(tiny.config, 16, page_size=4)                # 4 pages
+    a, b = pool.new_id(), pool.new_id()
+    pool.reserve([(a, 4)])
+    with pytest.raises(OutOfPagesError, match="needs 4 free pages, the pool has 3"):
+        pool.reserve([(a, 4), (b, 9)])                             # 1 + 3 pages: a alone would fit
+    assert pool.manager.length(a) == 4 and b not in pool.manager and pool.manager.num_free == 3
+    with pytest.raises(CacheInputError, match="twice"):
+        pool.reserve([(a, 1), (a, 1)])
+    assert pool.manager.length(a) == 4
+    pool.manager.check()

@@ -13,20 +13,24 @@ filled one. When that page is shared, `reserve` first gives the sequence a priva
 (copy-on-write) and returns the pair (old, new) so the caller copies the page in its pools before
 writing. A page whose count drops to zero goes back to the free list.
 
-Every operation checks everything first and changes nothing when it fails (the checks live in
-`checks.py`): an exhausted pool raises OutOfPagesError and the caller (a scheduler) may preempt a
-sequence and try again. Sequence ids are any hashable value the caller picks; a released id is never
-reused, so a stale handle fails loudly ("use after release").
+The free list is a queue in the order pages were freed, as vLLM's free block queue: taken from the
+front, returned at the back, and a cached page taken back from the middle (a prefix hit). An ordered
+dict does all three in O(1).
+
+Every operation checks everything first and changes nothing when it fails (the checks are the
+functions at the end of this file): an exhausted pool raises OutOfPagesError and the caller (a scheduler)
+may preempt a sequence and try again. Sequence ids are any hashable value the caller picks, except a bool
+(True would name sequence 1); a released id is never reused, so a stale handle fails loudly ("use after
+release").
 """
 
-from collections import deque
+from collections import OrderedDict
 
-from . import checks
-from .errors import CacheFullError, CacheStateError
+from .checks import int_arg
+from .errors import CacheInputError, CacheStateError, OutOfPagesError
+from .hashing import page_digest
 
-
-class OutOfPagesError(CacheFullError):
-    """The pool has fewer free pages than an operation needs; nothing was changed."""
+__all__ = ["BlockManager", "OutOfPagesError", "pages_for"]
 
 
 def pages_for(length, page_size):  # ceil(length / page_size)
@@ -36,10 +40,10 @@ def pages_for(length, page_size):  # ceil(length / page_size)
 # region block_manager_state
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int):
-        checks.int_arg("num_pages", num_pages, low=1)
-        checks.int_arg("page_size", page_size, low=1)
+        int_arg("num_pages", num_pages, low=1)
+        int_arg("page_size", page_size, low=1)
         self.num_pages, self.page_size = num_pages, page_size
-        self._free = deque(range(num_pages))  # free page ids: taken from the left, returned right
+        self._free = OrderedDict.fromkeys(range(num_pages))  # free pages, least recent first
         self._refs = [0] * num_pages          # how many block tables hold each page
         self._tables = {}                     # seq -> [page ids], ceil(length / page_size) of them
         self._lengths = {}                    # seq -> positions reserved
@@ -54,7 +58,7 @@ class BlockManager:
 
     def slots(self, seq, start: int, n: int) -> list[int]:
         """The slot mapping: pool slots (page * page_size + offset) of positions start..start+n-1"""
-        checks.slot_range(self, self._live(seq), start, n)
+        _slot_range(self, self._live(seq), start, n)
         table, P = self._tables[seq], self.page_size
         return [table[p // P] * P + p % P for p in range(start, start + n)]
     # endregion
@@ -76,12 +80,12 @@ class BlockManager:
 
     def owners(self, page: int) -> list:
         """The live sequences whose block table holds `page` (for debugging and teaching)."""
-        checks.page_id(self, page)
+        _page_id(self, page)
         return [seq for seq, table in self._tables.items() if page in table]
 
     def pages_needed(self, seq, n: int) -> int:
         """How many free pages `reserve(seq, n)` would take, a copy-on-write page included."""
-        checks.int_arg("n", n)
+        int_arg("n", n)
         if not self._new_or_live(seq) or n == 0:
             return pages_for(n, self.page_size)
         length, table = self._lengths[seq], self._tables[seq]
@@ -90,7 +94,7 @@ class BlockManager:
 
     def check_writable(self, seq, slot: int):
         """Raise CacheStateError unless `seq` may write `slot`: its own unshared page, reserved."""
-        checks.writable(self, self._live(seq), slot)
+        _writable(self, self._live(seq), slot)
 
     # region block_manager_reserve
     def reserve(self, seq, n: int) -> list[tuple[int, int]]:
@@ -123,7 +127,7 @@ class BlockManager:
         return copies
 
     def _allocate(self) -> int:
-        page = self._free.popleft()           # the least recently freed page
+        page, _ = self._free.popitem(last=False)  # the least recently freed page
         if page in self._keys:                # a cached page nobody holds: evict it, forget its digest
             del self._cached[self._keys.pop(page)[0]]
             self.evicted += 1
@@ -134,7 +138,7 @@ class BlockManager:
     # region block_manager_return
     def crop(self, seq, n: int) -> list[int]:
         """Keep the first n positions of `seq`; return the pages that went back to the free list."""
-        checks.sequence_crop(seq, n, self._lengths[self._live(seq)])
+        _sequence_crop(seq, n, self._lengths[self._live(seq)])
         table = self._tables[seq]
         keep = pages_for(n, self.page_size)
         freed = self._drop(table[keep:])
@@ -168,7 +172,7 @@ class BlockManager:
         for page in reversed(pages):
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                self._free.append(page)
+                self._free[page] = None       # at the back: the most recently freed
                 freed.append(page)
         return freed
     # endregion
@@ -179,7 +183,7 @@ class BlockManager:
         so that later sequences starting with the same tokens take it instead of computing it.
         False when the digest already names another page or this page has a name (the first
         page keeps it)."""
-        page = checks.registrable(self, self._live(seq), index, digest, parent, tokens)
+        page = _registrable(self, self._live(seq), index, digest, parent, tokens)
         if digest in self._cached or page in self._keys:
             return False
         self._cached[digest], self._keys[page] = page, (digest, parent, tuple(tokens))
@@ -201,7 +205,7 @@ class BlockManager:
             pages.append(page)
         for page in pages:
             if self._refs[page] == 0:
-                self._free.remove(page)       # cached but free: now owned again
+                del self._free[page]          # cached but free: now owned again, O(1)
             self._refs[page] += 1
         self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
         return len(pages)
@@ -219,7 +223,29 @@ class BlockManager:
     # ---- checking ----
     def check(self):
         """Raise AssertionError naming the first broken invariant of the bookkeeping."""
-        checks.block_manager(self)
+        free = set(self._free)
+        assert free <= set(range(self.num_pages)), f"the free list holds unknown pages: {sorted(free)}"
+        counted = [0] * self.num_pages
+        for seq, table in self._tables.items():
+            length = self._lengths[seq]
+            assert len(table) == pages_for(length, self.page_size), (
+                f"sequence {seq!r} holds {length} positions in {len(table)} pages, expected "
+                f"{pages_for(length, self.page_size)} pages of {self.page_size}")
+            assert len(set(table)) == len(table), f"sequence {seq!r} lists a page twice: {table}"
+            for page in table:
+                counted[page] += 1
+        for page in range(self.num_pages):
+            assert self._refs[page] == counted[page], (
+                f"page {page} has reference count {self._refs[page]} but {counted[page]} block tables hold it")
+            assert (page in free) != (counted[page] > 0), (
+                f"page {page} is {'both free and' if page in free else 'neither free nor'} owned "
+                f"(reference count {counted[page]})")
+        live_released = self._released & self._tables.keys()
+        assert not live_released, f"released ids are live again: {live_released}"
+        assert len(self._cached) == len(self._keys), "a digest names two pages, or a page two digests"
+        for page, (digest, parent, tokens) in self._keys.items():
+            assert self._cached.get(digest) == page, f"page {page} is registered under a digest that names another"
+            assert page_digest(parent, tokens) == digest, f"page {page}'s digest is not that of its tokens"
 
     def __repr__(self):
         return (f"BlockManager({self.num_free}/{self.num_pages} pages free, "
@@ -227,12 +253,81 @@ class BlockManager:
 
     def _live(self, seq):
         """`seq` if it is a live sequence, else a CacheStateError that says why not."""
-        checks.sequence_id(self, seq)
+        _sequence_id(self, seq)
         if seq not in self._tables:
             raise CacheStateError(f"unknown sequence {seq!r}: reserve() or fork() creates one")
         return seq
 
     def _new_or_live(self, seq) -> bool:
         """True for a live sequence, False for an id never seen; a released id raises."""
-        checks.sequence_id(self, seq)
+        _sequence_id(self, seq)
         return seq in self._tables
+
+
+# ---- the checks the operations run first: each raises a typed CacheError and changes nothing
+
+def _sequence_id(bm, seq):
+    """A sequence id is hashable, not a bool (True == 1 would alias sequence 1), and was never released."""
+    if isinstance(seq, bool):
+        raise CacheInputError(f"a sequence id must not be a bool, got {seq!r} (it would name sequence {int(seq)})")
+    try:
+        hash(seq)
+    except TypeError:
+        raise CacheInputError(f"a sequence id must be hashable, got {type(seq).__name__} {seq!r}") from None
+    if seq in bm._released:
+        raise CacheStateError(f"sequence {seq!r} was released: use after release (ids are never reused)")
+
+
+def _page_id(bm, page):
+    """A page id names a page of the pool."""
+    int_arg("page", page)
+    if page >= bm.num_pages:
+        raise CacheInputError(f"page {page} out of range: the pool has pages 0..{bm.num_pages - 1}")
+
+
+def _slot_range(bm, seq, start, n):
+    """slots(seq, start, n): positions start..start+n-1 are reserved for the live sequence `seq`."""
+    int_arg("start", start)
+    int_arg("n", n)
+    length = bm._lengths[seq]
+    if start + n > length:
+        raise CacheStateError(f"slots({seq!r}, {start}, {n}): positions {start}..{start + n - 1} but the "
+                              f"sequence holds {length} positions; reserve() them first")
+
+
+def _writable(bm, seq, slot):
+    """The live sequence `seq` may write `slot`: in range, in its own unshared page, a reserved position."""
+    int_arg("slot", slot)
+    if slot >= bm.num_pages * bm.page_size:
+        raise CacheInputError(f"slot {slot} out of range: the pool has slots 0..{bm.num_pages * bm.page_size - 1}")
+    table, page, offset = bm._tables[seq], slot // bm.page_size, slot % bm.page_size
+    if page not in table:
+        raise CacheStateError(f"slot {slot} is in page {page}, which sequence {seq!r} does not own "
+                              f"(its block table is {table})")
+    if bm._refs[page] > 1:
+        raise CacheStateError(f"slot {slot} is in page {page}, shared by {bm._refs[page]} sequences since a "
+                              f"fork: a shared page is read-only (reserve() gives {seq!r} a private copy)")
+    position = table.index(page) * bm.page_size + offset
+    if position >= bm._lengths[seq]:
+        raise CacheStateError(f"slot {slot} holds position {position} of {seq!r}, which holds "
+                              f"{bm._lengths[seq]} positions; reserve() it first")
+
+
+def _registrable(bm, seq, index, digest, parent, tokens):
+    """register(): page `index` of `seq` is full, and `digest` is the digest of `parent` and its `tokens`."""
+    int_arg("index", index)
+    table, length = bm._tables[seq], bm._lengths[seq]
+    if (index + 1) * bm.page_size > length:
+        raise CacheStateError(f"register({seq!r}, {index}): page {index} is not full ({length} positions held, "
+                              f"pages of {bm.page_size}); only a full page's positions are final")
+    if len(tokens) != bm.page_size or page_digest(parent, tokens) != digest:
+        raise CacheInputError(f"register({seq!r}, {index}): the digest is not that of the parent and the "
+                              f"{len(tokens)} tokens given (a page holds {bm.page_size})")
+    return table[index]
+
+
+def _sequence_crop(seq, n, length):
+    """crop(seq, n): 0 <= n <= the sequence's length."""
+    int_arg("n", n, low=None)           # a negative n is a range error, below
+    if not 0 <= n <= length:
+        raise CacheStateError(f"crop({seq!r}, {n}): the sequence holds {length} positions; n must be in 0..{length}")

@@ -8,7 +8,7 @@ The errors come from `.errors`, not from `.base`: base.py imports this module.
 
 import torch
 
-from .errors import CacheFullError, CacheInputError, CacheMismatchError, CacheStateError
+from .errors import CacheFullError, CacheInputError, CacheMismatchError, CacheStateError, OutOfPagesError
 
 # ---- contiguous caches: the checks KVCache (base.py), ConcatCache and StaticCache call
 
@@ -119,7 +119,7 @@ def model(cache, config, owner):
 # ---- end of contiguous caches
 
 
-# ---- pages: the checks BlockManager (block_manager.py) and PagedCache (paged.py) call
+# ---- pages: the checks PagedCache (paged.py) calls (the BlockManager's own live beside it)
 
 
 def int_arg(what, n, low=0):
@@ -130,118 +130,74 @@ def int_arg(what, n, low=0):
         raise CacheInputError(f"{what} must be at least {low}, got {n}")
 
 
-def sequence_id(bm, seq):
-    """A sequence id is hashable and was never released."""
-    try:
-        hash(seq)
-    except TypeError:
-        raise CacheInputError(f"a sequence id must be hashable, got {type(seq).__name__} {seq!r}") from None
-    if seq in bm._released:
-        raise CacheStateError(f"sequence {seq!r} was released: use after release (ids are never reused)")
-
-
-def page_id(bm, page):
-    """A page id names a page of the pool."""
-    int_arg("page", page)
-    if page >= bm.num_pages:
-        raise CacheInputError(f"page {page} out of range: the pool has pages 0..{bm.num_pages - 1}")
-
-
-def slot_range(bm, seq, start, n):
-    """slots(seq, start, n): positions start..start+n-1 are reserved for the live sequence `seq`."""
-    int_arg("start", start)
-    int_arg("n", n)
-    length = bm._lengths[seq]
-    if start + n > length:
-        raise CacheStateError(f"slots({seq!r}, {start}, {n}): positions {start}..{start + n - 1} but the "
-                              f"sequence holds {length} positions; reserve() them first")
-
-
-def writable(bm, seq, slot):
-    """The live sequence `seq` may write `slot`: in range, in its own unshared page, a reserved position."""
-    int_arg("slot", slot)
-    if slot >= bm.num_pages * bm.page_size:
-        raise CacheInputError(f"slot {slot} out of range: the pool has slots 0..{bm.num_pages * bm.page_size - 1}")
-    table, page, offset = bm._tables[seq], slot // bm.page_size, slot % bm.page_size
-    if page not in table:
-        raise CacheStateError(f"slot {slot} is in page {page}, which sequence {seq!r} does not own "
-                              f"(its block table is {table})")
-    if bm._refs[page] > 1:
-        raise CacheStateError(f"slot {slot} is in page {page}, shared by {bm._refs[page]} sequences since a "
-                              f"fork: a shared page is read-only (reserve() gives {seq!r} a private copy)")
-    position = table.index(page) * bm.page_size + offset
-    if position >= bm._lengths[seq]:
-        raise CacheStateError(f"slot {slot} holds position {position} of {seq!r}, which holds "
-                              f"{bm._lengths[seq]} positions; reserve() it first")
-
-
-def registrable(bm, seq, index, digest, parent, tokens):
-    """register(): page `index` of `seq` is full, and `digest` is the digest of `parent` and its `tokens`."""
-    from .hashing import page_digest
-
-    int_arg("index", index)
-    table, length = bm._tables[seq], bm._lengths[seq]
-    if (index + 1) * bm.page_size > length:
-        raise CacheStateError(f"register({seq!r}, {index}): page {index} is not full ({length} positions held, "
-                              f"pages of {bm.page_size}); only a full page's positions are final")
-    if len(tokens) != bm.page_size or page_digest(parent, tokens) != digest:
-        raise CacheInputError(f"register({seq!r}, {index}): the digest is not that of the parent and the "
-                              f"{len(tokens)} tokens given (a page holds {bm.page_size})")
-    return table[index]
-
-
-def sequence_crop(seq, n, length):
-    """BlockManager.crop(seq, n): 0 <= n <= the sequence's length."""
-    int_arg("n", n, low=None)           # a negative n is a range error, below
-    if not 0 <= n <= length:
-        raise CacheStateError(f"crop({seq!r}, {n}): the sequence holds {length} positions; n must be in 0..{length}")
-
-
-def block_manager(bm):
-    """Raise AssertionError naming the first broken invariant of a BlockManager's bookkeeping."""
-    pages_for = lambda length: -(-length // bm.page_size)
-    free = set(bm._free)
-    assert len(free) == len(bm._free), f"the free list holds a page twice: {sorted(bm._free)}"
-    assert free <= set(range(bm.num_pages)), f"the free list holds unknown pages: {sorted(free)}"
-    counted = [0] * bm.num_pages
-    for seq, table in bm._tables.items():
-        length = bm._lengths[seq]
-        assert len(table) == pages_for(length), (
-            f"sequence {seq!r} holds {length} positions in {len(table)} pages, expected "
-            f"{pages_for(length)} pages of {bm.page_size}")
-        assert len(set(table)) == len(table), f"sequence {seq!r} lists a page twice: {table}"
-        for page in table:
-            counted[page] += 1
-    for page in range(bm.num_pages):
-        assert bm._refs[page] == counted[page], (
-            f"page {page} has reference count {bm._refs[page]} but {counted[page]} block tables hold it")
-        assert (page in free) != (counted[page] > 0), (
-            f"page {page} is {'both free and' if page in free else 'neither free nor'} owned "
-            f"(reference count {counted[page]})")
-    assert not bm._released & bm._tables.keys(), f"released ids are live again: {bm._released & bm._tables.keys()}"
-    from .hashing import page_digest
-
-    assert len(bm._cached) == len(bm._keys), "a digest names two pages, or a page two digests"
-    for page, (digest, parent, tokens) in bm._keys.items():
-        assert bm._cached.get(digest) == page, f"page {page} is registered under a digest that names another"
-        assert page_digest(parent, tokens) == digest, f"page {page}'s digest is not that of its tokens"
-
-
-def paged_sizes(max_tokens, page_size):
-    """PagedCache(config, max_tokens, page_size): both ints of at least 1."""
-    for name, v in (("max_tokens", max_tokens), ("page_size", page_size)):
+def paged_sizes(max_tokens, page_size, max_seq_tokens):
+    """PagedCache(config, max_tokens, page_size, max_seq_tokens=): ints of at least 1 (the last may be None)."""
+    for name, v in (("max_tokens", max_tokens), ("page_size", page_size), ("max_seq_tokens", max_seq_tokens)):
+        if name == "max_seq_tokens" and v is None:
+            continue                                  # None: one sequence may take the whole pool
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise CacheInputError(f"{name} must be an int of at least 1, got {v!r}")
 
 
-def paged_room(cache, T):
-    """A step of T positions fits the pool's free pages (capacity(), checked by update, bounds each row)."""
-    need = sum(cache.manager.pages_needed(s, T) for s in cache.seqs)  # may overstate by a shared page
-    if need > cache.manager.num_free:
-        from .block_manager import OutOfPagesError
+def memory_fraction(fraction):
+    """PagedCache.from_memory(fraction=): a real number in (0, 1], not a bool (True is not 100%)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise CacheInputError(f"fraction must be a number in (0, 1], got {type(fraction).__name__} {fraction!r}")
+    if not 0 < fraction <= 1:
+        raise CacheInputError(f"fraction must be in (0, 1], got {fraction}")
 
-        raise OutOfPagesError(f"this step needs {need} free pages for {len(cache.seqs)} sequences, the pool "
-                              f"has {cache.manager.num_free} of {cache.num_pages} free")
+
+def paged_room(cache, parts):
+    """reserve(parts): every sequence named once, and free pages for all of them (the sum may overstate by
+    a shared page that the first of its holders copies), so that a refused call changes nothing."""
+    seqs = [seq for seq, _ in parts]
+    if len(set(seqs)) != len(seqs):
+        raise CacheInputError(f"reserve() names a sequence twice: {seqs}")
+    need = sum(cache.manager.pages_needed(seq, n) for seq, n in parts)   # validates every id and count
+    if need > cache.manager.num_free:
+        raise OutOfPagesError(f"reserving {[n for _, n in parts]} positions for sequences {seqs} needs {need} "
+                              f"free pages, the pool has {cache.manager.num_free} of {cache.num_pages} free")
+
+
+def step_part(manager, seq, n) -> int:
+    """plan_step: `seq` is live and holds at least the n >= 1 positions this step runs; returns the first."""
+    int_arg("n", n, low=1)
+    held = manager.length(seq)                        # CacheStateError for an unknown or released id
+    if n > held:
+        raise CacheStateError(f"a step of {n} tokens for sequence {seq!r}, which holds {held} reserved "
+                              "positions: reserve them first")
+    return held - n
+
+
+def step_model(step, config, owner):
+    """A planned step: the pool was built for this model's shape, and its pages hold `owner`'s keys."""
+    pool = step.pool
+    mine = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
+    theirs = (config.n_layers, config.n_kv_heads, config.head_dim)
+    if mine != theirs:
+        raise CacheMismatchError(f"pool built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
+    if pool.owner is not None and owner != pool.owner:
+        raise CacheMismatchError("the pool's pages hold keys and values of another model (or of these weights "
+                                 "before they changed): use a new pool")
+
+
+def step_kv(step, layer, k, v):
+    """A planned step's attend: a plan not yet run, a layer not yet served, k and v `[1, H_kv, N, D]`."""
+    pool = step.pool
+    if step.done:
+        raise CacheStateError("this planned step has run (advance was called): plan the next step")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < pool.n_layers:
+        raise CacheInputError(f"layer index {layer!r} out of range: the model has layers 0..{pool.n_layers - 1}")
+    if step.pending[layer]:
+        raise CacheStateError(f"layer {layer} was already served in this step; call advance() first")
+    want = (1, pool.n_kv_heads, step.n_tokens, pool.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise CacheInputError(f"{name} must be a tensor of shape {list(want)} (the step's {step.n_tokens} "
+                                  f"tokens as one row), got {shape}")
+        if x.dtype != pool.dtype or x.device != pool.device:
+            raise CacheInputError(f"{name} is {x.dtype} on {x.device}, the pool holds {pool.dtype} on {pool.device}")
 
 
 # ---- end of pages

@@ -9,6 +9,10 @@ class CacheFullError(CacheError):
     """More positions than a fixed-capacity cache holds."""
 
 
+class OutOfPagesError(CacheFullError):
+    """The pool has fewer free pages than an operation needs; nothing was changed."""
+
+
 class CacheInputError(CacheError, ValueError):
     """Keys or values of the wrong rank, shape, dtype or device, or a layer index out of range."""
 

@@ -14,16 +14,24 @@ a multiple of 16, and `[batch]` int32): their shapes never change from step to s
 kernel is not recompiled and a captured CUDA graph stays valid. A decode step changes them with device
 operations only (a length added, a table entry written when a sequence enters a new page), and reads
 nothing back: no step waits for the device.
+
+A serving engine runs several sequences of one pool in one forward, each with its own number of new
+tokens: `plan_step` lays them end to end as one row and works out, once per step, what every layer's
+attention needs (the slot of every token, its position, the decode rows' block tables and lengths, the
+pages of every prefill chunk). The forward sees only the cache protocol.
 """
 
 import itertools
 import math
 
 import torch
+import torch.nn.functional as F
 
+from ..kernels import decode_attention
 from . import checks
-from .base import CacheInputError, CacheStateError, KVCache
-from .block_manager import BlockManager, OutOfPagesError
+from .base import CacheInputError, CacheStateError, KVCache, offset_causal_mask
+from .block_manager import BlockManager
+from .sizing import cache_bytes
 
 
 def round_up(n, multiple):
@@ -35,7 +43,7 @@ class PagedCache(KVCache):
     def __init__(self, config, max_tokens: int, page_size: int = 16, batch_size: int = 1,
                  dtype=torch.float32, device="cpu", max_seq_tokens: int | None = None):
         super().__init__(config, batch_size, dtype, device)
-        checks.paged_sizes(max_tokens, page_size)
+        checks.paged_sizes(max_tokens, page_size, max_seq_tokens)
         self.page_size, self.num_pages = page_size, math.ceil(max_tokens / page_size)
         self.manager = BlockManager(self.num_pages, page_size)
         L, H, D = self.n_layers, self.n_kv_heads, self.head_dim
@@ -78,8 +86,7 @@ class PagedCache(KVCache):
     def from_memory(cls, config, fraction: float, page_size=16, batch_size=1, dtype=torch.float32, device="cpu",
                     available_bytes=None):
         """A cache whose pool takes `fraction` of the memory available now (host RAM, or free GPU memory)."""
-        if not 0 < fraction <= 1:
-            raise CacheInputError(f"fraction must be in (0, 1], got {fraction}")
+        checks.memory_fraction(fraction)
         if available_bytes is None:
             if torch.device(device).type == "cuda":
                 available_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
@@ -87,8 +94,6 @@ class PagedCache(KVCache):
                 import psutil
 
                 available_bytes = psutil.virtual_memory().available
-        from .sizing import cache_bytes
-
         per_token = cache_bytes(config, 1, 1, dtype)
         pages = int(fraction * available_bytes) // (per_token * page_size)
         if pages < 1:
@@ -120,22 +125,20 @@ class PagedCache(KVCache):
         """The most positions one sequence can hold: its block table's width, or the whole pool."""
         return min(self.max_pages, self.num_pages) * self.page_size
 
+    def reserve(self, parts):
+        """Room for n more positions of every (seq, n) in `parts` (a new id starts empty), all or none:
+        OutOfPagesError changes nothing. A shared, partly filled last page is first copied in every layer's
+        pools (copy on write): the one place a page is copied."""
+        checks.paged_room(self, parts)                # checked first: a failure changes nothing
+        for seq, n in parts:
+            for src, dst in self.manager.reserve(seq, n):  # a shared, partly filled page: copy it
+                self.k_pool[:, dst] = self.k_pool[:, src]
+                self.v_pool[:, dst] = self.v_pool[:, src]
+
     # region paged_cache_step
     def _begin_step(self, T):
-        """Reserve T positions in every sequence (all or none), copy shared pages on write, map slots"""
-        checks.paged_room(self, T)                    # checked first: a failure changes nothing
-        done = []
-        try:
-            for s in self.seqs:
-                copies = self.manager.reserve(s, T)
-                done.append(s)
-                for src, dst in copies:               # a shared, partly filled page: copy it
-                    self.k_pool[:, dst] = self.k_pool[:, src]
-                    self.v_pool[:, dst] = self.v_pool[:, src]
-        except OutOfPagesError:
-            for s in done:                            # undo the rows already reserved
-                self.manager.crop(s, self.manager.length(s) - T)
-            raise
+        """Reserve T positions in every sequence (all or none, copy on write), map their slots"""
+        self.reserve([(s, T) for s in self.seqs])
         self._sync_buffers(T)
         P = self.page_size
         pos = self.lengths[:, None] - T + torch.arange(T, device=self.device)  # [B, T] positions
@@ -179,8 +182,6 @@ class PagedCache(KVCache):
 
     def attend(self, layer, q, k, v):
         """Store k, v and attend: a decode step over pages, or a prefill chunk (gather and mask)."""
-        from ..kernels import decode_attention
-
         if k.shape[2] > 1:                                   # prefill chunk: gather and mask
             return super().attend(layer, q, k, v)
         self._put(layer, k, v)                               # decode: one query per sequence
@@ -216,6 +217,11 @@ class PagedCache(KVCache):
         """A cache over the live sequences `seqs` of this pool, sharing its pages (one per request, say)."""
         return self._sharing_pool(seqs)
 
+    def plan_step(self, parts) -> "StepBatch":
+        """One step over several sequences of this pool: `parts` is (seq, n) per sequence, whose n newest
+        reserved positions take this step's tokens, laid end to end in this order as one row `[1, N]`."""
+        return StepBatch(self, parts)
+
     def fork(self):
         """Child sequences sharing every page of their parents; a shared partial page is copied on first write.
 
@@ -245,3 +251,75 @@ class PagedCache(KVCache):
     def __repr__(self):
         return (f"PagedCache(seq_lengths={self.seq_lengths()}, pages={self.num_pages} x {self.page_size}, "
                 f"free={self.manager.num_free}, {self.dtype}, {self.nbytes():,} bytes)")
+
+
+class StepBatch:
+    """The cache one serving step's forward sees: the new tokens of several sequences of a pool laid end to
+    end as one row `[1, N]`, each attending to the pages of its own sequence.
+
+    Planned once per step, read by every layer (vLLM's attention metadata): the pool slot of every token
+    (`slot_mapping`), its position, the block tables and lengths of the decode rows (one token each, read
+    by the paged decode kernel), and the pages of every prefill chunk (gathered, with the offset causal
+    mask). The forward drives it through the protocol: `check_model`, `attend` per layer, `advance`.
+    """
+
+    def __init__(self, pool: PagedCache, parts):
+        # region step_plan
+        manager, P, device = pool.manager, pool.page_size, pool.device
+        slots, positions, decode, self.chunks, at = [], [], [], [], 0
+        for seq, n in parts:
+            start = checks.step_part(manager, seq, n)     # its n newest reserved positions
+            table = manager.block_table(seq)
+            slots += manager.slots(seq, start, n)
+            positions += range(start, start + n)
+            if n == 1:                                    # a decode: the paged decode kernel
+                decode.append((at, table, start + 1))
+            else:                                         # a chunk: its pages, gathered and masked
+                pages = torch.tensor(table[:-(-(start + n) // P)], device=device)
+                self.chunks.append((at, n, pages, start + n))
+            at += n
+        width = max((len(t) for _, t, _ in decode), default=1)
+        tables = [t + [0] * (width - len(t)) for _, t, _ in decode] or [[0]]   # zero-padded
+        i32 = dict(dtype=torch.int32, device=device)
+        self.slot_mapping = torch.tensor(slots, device=device)                  # [N] pool slots
+        self.positions = torch.tensor(positions, device=device)                 # [N]
+        self.decode_at = torch.tensor([a for a, _, _ in decode], device=device)  # [B_d] token index
+        self.block_tables = torch.tensor(tables, **i32)                         # [B_d, max_pages]
+        self.lengths = torch.tensor([n for _, _, n in decode] or [1], **i32)    # [B_d]
+        # endregion
+        self.pool, self.n_tokens, self.done = pool, at, False
+        self.pending = [0] * pool.n_layers                  # tokens stored per layer in this step
+
+    def check_model(self, config, owner):
+        """The pool was built for this model's shape and its pages hold `owner`'s keys and values."""
+        checks.step_model(self, config, owner)
+        self.pool.owner = owner
+
+    def attend(self, layer: int, q, k, v):
+        """Store k, v `[1, H_kv, N, D]` in their slots; q `[1, H_q, N, D]` attends per sequence ->
+        `[1, H_q, N, D]`."""
+        checks.step_kv(self, layer, k, v)
+        pool, H, D = self.pool, k.shape[1], k.shape[3]
+        k_pool, v_pool = pool.k_pool[layer], pool.v_pool[layer]            # [pages, page_size, H_kv, D]
+        k_pool.view(-1, H, D)[self.slot_mapping] = k[0].transpose(0, 1)     # [N, H_kv, D] into slots
+        v_pool.view(-1, H, D)[self.slot_mapping] = v[0].transpose(0, 1)
+        self.pending[layer] = k.shape[2]
+        out = torch.empty_like(q)                                              # [1, H_q, N, D]
+        if len(self.decode_at):
+            q_dec = q[0, :, self.decode_at].transpose(0, 1)                     # [B_d, H_q, D]
+            o = decode_attention(q_dec, k_pool, v_pool, self.block_tables, self.lengths,
+                                 check_values=False)
+            out[0, :, self.decode_at] = o.transpose(0, 1)                       # [H_q, B_d, D]
+        for at, n, pages, L in self.chunks:                                 # L = start + n positions
+            keys = k_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]        # [1, H_kv, L, D]
+            values = v_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]
+            mask = offset_causal_mask(L - n, n, q.device)                       # [n, L]
+            out[:, :, at:at + n] = F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values,
+                                                                  attn_mask=mask, enable_gqa=True)
+        return out
+
+    def advance(self, t: int):
+        """Commit the step: every layer stored its t = N tokens, which now hold keys and values. A plan
+        runs once."""
+        checks.advance(self, t)
+        self.done, self.pool.version = True, self.pool.version + 1

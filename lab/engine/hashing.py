@@ -20,23 +20,24 @@ def block_hashes(ids, page_size: int, extra=()) -> list[str]:
     of them.
 
     digest_i = page_digest(digest_{i-1}, ids of page i), digest_{-1} = root_digest(extra)
-    (lab.cache.hashing: sha256 of the parent and the ids as little-endian int64).
+    (lab.cache.hashing: sha256 of the parent and the ids as little-endian int64). The digests are
+    `page_keys`'s, written in hex to be read.
     """
     checks.int_arg("page_size", page_size, low=1)
     if (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)) == 0:
         return []                                                 # no token, no page
-    t, P = token_ids(ids).numpy(), page_size
-    parent, out = root_digest(extra), []
-    for i in range(len(t) // P):
-        parent = page_digest(parent, t[i * P:(i + 1) * P])
-        out.append(parent.hex())
-    return out
+    return [digest.hex() for digest, _, _ in page_keys(token_ids(ids).tolist(), page_size, extra)]
 
 
-def page_keys(ids: list, page_size: int, extra=()) -> list:
-    """(digest, parent digest, tokens) of every full page of `ids` (a list), as raw bytes: what the
-    BlockManager registers a page under and checks a hit against."""
-    P = page_size
-    digests = [bytes.fromhex(d) for d in block_hashes(ids, P, extra=extra)]
-    parents = ([root_digest(extra)] + digests)[:len(digests)]
-    return [(d, p, ids[i * P:(i + 1) * P]) for i, (d, p) in enumerate(zip(digests, parents, strict=True))]
+def page_keys(ids: list, page_size: int, extra=(), known=()) -> list:
+    """(digest, parent digest, tokens) of every full page of `ids` (a list), the digests as raw bytes:
+    what the BlockManager registers a page under and checks a hit against. `known`, the keys of the
+    leading pages already computed (for the same `extra`), is extended, not computed again."""
+    P, keys = page_size, list(known)
+    parent = keys[-1][0] if keys else root_digest(extra)
+    for i in range(len(keys), len(ids) // P):
+        page = ids[i * P:(i + 1) * P]
+        digest = page_digest(parent, page)
+        keys.append((digest, parent, page))
+        parent = digest
+    return keys

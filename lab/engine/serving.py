@@ -15,10 +15,11 @@ at a time, under a budget of `max_batch_tokens` tokens per step:
    the next step's decodes would preempt at once only wastes its first chunk. `next_to_admit` chooses
    the request to try (a policy overrides it). A new request first takes the cached pages of its longest
    named prefix (chapter 6's page names), then reserves its first chunk.
-3. Run one forward over every token scheduled, laid end to end as one row `[1, N]`: each token attends to
-   the pages of its own sequence (decode tokens through the paged decode kernel, prefill chunks through
-   the offset causal mask). Append the greedy token of every request whose last known token was in the
-   step, name the pages that became full, and release the requests that finished.
+3. Run one forward over every token scheduled, laid end to end as one row `[1, N]`: the pool plans the
+   step once (`PagedCache.plan_step`: slots, positions, the decode rows' block tables, the chunks' pages),
+   and each token attends to the pages of its own sequence. Append the greedy token of every request
+   whose last known token was in the step, name the pages that became full, and release the requests
+   that finished.
 
 Time is counted in steps: a request's events (admitted, chunks, first token, preempted, finished) are step
 numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so every run is deterministic.
@@ -29,13 +30,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedCache, offset_causal_mask
-from ..cache.hashing import page_digest, root_digest
-from ..kernels import decode_attention
+from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedCache
+from ..cache.paged import StepBatch
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
+from .hashing import page_keys
 from .identity import identity_of, token_ids
 
 
@@ -97,7 +97,7 @@ class ServingEngine:
         packs = cfg.arch != "gpt2" and Prepacked.applies(model.weights)
         self.weights = Prepacked(model.weights) if packs else model.weights
         # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)
-        self.root = root_digest((identity_of(model, self.pool),)) if self.prefix_caching else None
+        self.extra = (identity_of(model, self.pool),) if self.prefix_caching else None
         self.requests = {}                           # id -> Request, every request ever added
         self.waiting = deque()                       # first come, first served
         self.running = []                            # in order of admission: the last is the youngest
@@ -117,6 +117,8 @@ class ServingEngine:
 
     def cancel(self, rid: int) -> bool:
         """Drop a request and free its pages; False if it had already finished or been cancelled."""
+        if isinstance(rid, bool) or not isinstance(rid, int):   # True == 1 and 2.0 == 2 would find a request
+            raise InputError(f"a request id is an int, got {type(rid).__name__} {rid!r}")
         if rid not in self.requests:
             raise KeyError(f"no request with id {rid!r}")
         req = self.requests[rid]
@@ -176,7 +178,8 @@ class ServingEngine:
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if eos_id is not None and (not isinstance(eos_id, int) or not 0 <= eos_id < cfg.vocab_size):
+        if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
+                                   or not 0 <= eos_id < cfg.vocab_size):
             raise InputError(f"eos_id must be None or a token id in 0 .. {cfg.vocab_size - 1}, got {eos_id!r}")
         positions = len(prompt) + max_new_tokens - 1              # the last token is never fed back
         if positions > cfg.max_positions:
@@ -228,7 +231,7 @@ class ServingEngine:
                 n = min(n, room - req.computed) or n
             while req.state == "running" and n:                   # (skips a request preempted above)
                 try:
-                    self._reserve(req.seq, n)
+                    self.pool.reserve([(req.seq, n)])
                     scheduled[req], budget = n, budget - n
                     break
                 except OutOfPagesError:                           # the youngest gives its pages back
@@ -266,19 +269,12 @@ class ServingEngine:
             if seq in self.manager:
                 self.manager.release(seq)             # the cached pages taken go back, still named
             return 0
-        self._reserve(seq, n)
+        self.pool.reserve([(seq, n)])
         req.seq, req.computed, req.named, req.state = seq, taken * P, taken, "running"
         req.cached_tokens += taken * P
         req.events["admitted"].append(now)
         self.stats["cached_tokens"] += taken * P
         return n
-
-    def _reserve(self, seq, n):
-        """n more positions for `seq`; a shared, partly filled last page is copied first (never the case
-        here, since only full pages are shared, but it is the manager's contract)."""
-        for src, dst in self.manager.reserve(seq, n):
-            self.pool.k_pool[:, dst] = self.pool.k_pool[:, src]
-            self.pool.v_pool[:, dst] = self.pool.v_pool[:, src]
 
     def _preempt(self, req, now):
         """Recompute later: the pages go back to the pool and the request waits at the head of the queue."""
@@ -296,7 +292,7 @@ class ServingEngine:
     def _run(self, batch, now) -> dict[int, int]:
         """The step's forward over every scheduled token; greedy tokens for the sequences that completed."""
         w, cfg, device = self.weights, self.model.config, self.model.device
-        step = StepBatch(self.pool, [(req.seq, req.computed, n) for req, n in batch])
+        step: StepBatch = self.pool.plan_step([(req.seq, n) for req, n in batch])   # reserved by _schedule
         ids = [t for req, n in batch for t in req.tokens[req.computed:req.computed + n]]
         ends = list(itertools.accumulate(n for _, n in batch))        # one past each sequence's last token
         sample = [(req, end - 1) for (req, n), end in zip(batch, ends, strict=True)
@@ -333,12 +329,8 @@ class ServingEngine:
 
     def _page_keys(self, req, count) -> list:
         """(digest, parent, tokens) of the first `count` full pages of `req`, extending its chain as needed."""
-        P, tokens = self.page_size, req.tokens if len(req.keys) < count else None
-        while len(req.keys) < count:
-            i = len(req.keys)
-            parent = req.keys[-1][0] if req.keys else self.root
-            page = tokens[i * P:(i + 1) * P]
-            req.keys.append((page_digest(parent, page), parent, page))
+        if len(req.keys) < count:
+            req.keys = page_keys(req.tokens[:count * self.page_size], self.page_size, self.extra, known=req.keys)
         return req.keys[:count]
 
     def __repr__(self):
@@ -346,66 +338,3 @@ class ServingEngine:
                 f"{self.manager.num_free}/{self.manager.num_pages} pages free, page_size={self.page_size}, "
                 f"max_batch_tokens={self.max_batch_tokens}, prefix_caching={self.prefix_caching})")
 
-
-class StepBatch:
-    """The cache one step's forward sees: the scheduled tokens of every sequence laid end to end as one row
-    `[1, N]`, each token attending to the pages of its own sequence.
-
-    It has the members `forward_cached` uses: `check_model`, `max_length`, `attend` and `advance`. The
-    engine reserved every position before the forward (`parts`: (seq, start, n) per sequence, its n tokens
-    at positions start .. start + n - 1), so `advance` has nothing left to do.
-    """
-
-    # forward_cached checks max_length + N <= the model's positions: with 0, that bounds the step's N tokens
-    # (the constructor keeps max_batch_tokens within it); each request's positions were checked when added
-    max_length = 0
-
-    def __init__(self, pool: PagedCache, parts):
-        manager, P, device = pool.manager, pool.page_size, pool.device
-        self.pool = pool
-        slots, positions, decode, self.chunks, at = [], [], [], [], 0
-        for seq, start, n in parts:
-            table = manager.block_table(seq)
-            slots += manager.slots(seq, start, n)
-            positions += range(start, start + n)
-            if n == 1:                                    # one query: the paged decode kernel
-                decode.append((at, table, start + 1))
-            else:                                         # a prefill chunk: gather its pages, mask
-                pages = torch.tensor(table[:-(-(start + n) // P)], device=device)
-                self.chunks.append((at, n, pages, start + n))
-            at += n
-        i32 = dict(dtype=torch.int32, device=device)
-        self.slot_mapping = torch.tensor(slots, device=device)                    # [N] pool slots
-        self.positions = torch.tensor(positions, device=device)                   # [N]
-        self.decode_at = torch.tensor([a for a, _, _ in decode], device=device)   # [B_d] token index
-        width = max((len(t) for _, t, _ in decode), default=1)
-        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for _, t, _ in decode] or [[0]],
-                                         **i32)                                   # [B_d, max_pages]
-        self.lengths = torch.tensor([n for _, _, n in decode] or [1], **i32)     # [B_d]
-
-    def check_model(self, config, owner):
-        pass             # step() compared the weights' state with its pages' before scheduling
-
-    def advance(self, t: int):
-        pass             # the block manager holds the positions since the engine reserved them
-
-    def attend(self, layer: int, q, k, v):
-        """Store k, v `[1, H_kv, N, D]` in their slots; q `[1, H_q, N, D]` attends per sequence ->
-        `[1, H_q, N, D]`."""
-        H, D = k.shape[1], k.shape[3]
-        k_pool, v_pool = self.pool.k_pool[layer], self.pool.v_pool[layer]  # [pages, page_size, H_kv, D]
-        k_pool.view(-1, H, D)[self.slot_mapping] = k[0].transpose(0, 1)     # [N, H_kv, D] into slots
-        v_pool.view(-1, H, D)[self.slot_mapping] = v[0].transpose(0, 1)
-        out = torch.empty_like(q)                                              # [1, H_q, N, D]
-        if len(self.decode_at):
-            q_dec = q[0, :, self.decode_at].transpose(0, 1)                     # [B_d, H_q, D]
-            o = decode_attention(q_dec, k_pool, v_pool, self.block_tables, self.lengths,
-                                 check_values=False)
-            out[0, :, self.decode_at] = o.transpose(0, 1)                       # [H_q, B_d, D]
-        for at, n, pages, L in self.chunks:                                 # L = start + n positions
-            keys = k_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]        # [1, H_kv, L, D]
-            values = v_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]
-            mask = offset_causal_mask(L - n, n, q.device)                       # [n, L]
-            out[:, :, at:at + n] = F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values,
-                                                                  attn_mask=mask, enable_gqa=True)
-        return out

@@ -38,8 +38,7 @@ class _LFUBlockManager(BlockManager):
     def _allocate(self) -> int:
         unnamed = [p for p in self._free if p not in self._keys]
         victim = unnamed[0] if unnamed else min(self._free, key=lambda p: self.uses[p])
-        self._free.remove(victim)
-        self._free.appendleft(victim)                    # where the base class takes its page from
+        self._free.move_to_end(victim, last=False)       # where the base class takes its page from
         return super()._allocate()
 
     def register(self, seq, index, digest, parent, tokens) -> bool:

@@ -426,7 +426,7 @@ def check_swapping(engine_class):
       you set up in `__init__`; then let the stock `_preempt` release its pages and queue it at the head.
     - `_admit(req, budget, now) -> n`: for a swapped request, take a new sequence, `seq = self.pool.new_id()`,
       and reserve the `computed` positions it had plus the n >= 1 it computes in this step (at most
-      `budget`): `self._reserve(seq, computed + n)`, which raises OutOfPagesError, changing nothing, when the
+      `budget`): `self.pool.reserve([(seq, computed + n)])`, which raises OutOfPagesError, changing nothing, when the
       pool is too full (return 0 then). Copy host page i back into page i of its new block table, delete the host
       copy, set `req.seq`, `req.computed` and `req.state = "running"`, append `now` to
       `req.events["admitted"]`, and return n. Other requests: the stock `_admit`.

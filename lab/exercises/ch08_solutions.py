@@ -34,7 +34,7 @@ class SwappingEngine(ServingEngine):
         n = min(req.num_tokens - computed, budget)              # what was left, this step's share
         seq = self.pool.new_id()
         try:
-            self._reserve(seq, computed + n)                    # fresh pages, wherever they are
+            self.pool.reserve([(seq, computed + n)])            # fresh pages, wherever they are
         except OutOfPagesError:
             return 0                                            # nothing changed: a later step
         pages = self.manager.block_table(seq)[:keys.shape[1]]   # page i holds what page i held

@@ -19,7 +19,6 @@ import math
 
 import torch
 
-from ..cache.quant import offset, quantize_symmetric  # absmax codes, as QuantizedCache stores them
 from .checks import check_paged_inputs
 from .triton_paged import _next_power_of_2, require_triton
 
@@ -160,10 +159,19 @@ def paged_attention_int8(q, k_pool, v_pool, k_scale, v_scale, block_tables, leng
 def quantize_pages(k_pool, v_pool, scale_dtype=torch.float32):
     """Float pools [num_pages, page_size, H_kv, D] -> (k_codes, v_codes int8 [same shape],
     k_scale, v_scale [num_pages, page_size, H_kv] in scale_dtype): one symmetric absmax scale per token
-    per kv head, codes in -127..127, |x - scale * code| <= scale / 2 per element."""
+    per kv head, codes in -127..127, |x - scale * code| <= scale / 2 per element.
+
+    The grid is QuantizedCache's 8-bit symmetric one (lab/cache/quant.py) with signed codes; written out
+    here because the kernels import nothing from the caches that call them."""
     out = []
     for pool in (k_pool, v_pool):
-        codes, s = quantize_symmetric(pool, 8, dim=-1, scale_dtype=scale_dtype)  # uint8 [P, T, H, D]; [P, T, H, 1]
-        out.append(((codes.to(torch.int16) - offset(8)).to(torch.int8), s[..., 0]))  # signed: -127..127
+        x = pool.to(torch.promote_types(pool.dtype, torch.float32))
+        exact = x.abs().amax(-1) / 127                                   # [P, T, H]
+        s = exact.to(scale_dtype)
+        up = torch.nextafter(s, torch.full_like(s, float("inf")))         # rounded up, so no code clips
+        s = torch.where(s.to(x.dtype) < exact, up, s)
+        div = s.to(x.dtype)[..., None]
+        codes = torch.round(x / torch.where(div > 0, div, 1)).clamp_(-127, 127).to(torch.int8)
+        out.append((codes, s))
     (k_codes, k_scale), (v_codes, v_scale) = out
     return k_codes, v_codes, k_scale, v_scale

@@ -1,7 +1,7 @@
 """Models: `load(name)`, and functional forwards for the GPT-2 and Llama families."""
 
 from . import gpt2, llama
-from .checks import InputError, PositionLimitError, check_ids, owner
+from .checks import InputError, PositionLimitError, check_ids, check_positions, owner
 from .config import ModelConfig
 from .load import KNOWN, Model, load, random_model
 
@@ -13,18 +13,29 @@ def forward(ids, weights, config, last_only=False):
 
 
 def forward_cached(ids, weights, config, cache, last_only=False, positions=None, logits_at=None):
-    """Forward through `cache`: ids `[B, T]` are the T tokens after the cache's length; logits `[B, T, V]`.
+    """Forward through `cache`: ids `[B, T]` (after the cache's length) -> logits `[B, T, V]`.
 
-    Prefill (empty cache), chunked prefill (several calls) and decode (T = 1) are the same call. The cache
-    records which model filled it and refuses another (CacheMismatchError). `positions` (`[T]`) overrides
-    the positions the model is told the new tokens sit at (default: the cache's next ones); the keys are
-    stored after the cache's positions whatever they are, so another value mis-positions the tokens on
-    purpose (chapter 4's stale offset). `logits_at` (`[K]` token indices) keeps only those tokens' logits,
-    `[B, K, V]`: a serving step (chapter 8) samples from one token per sequence, so the head skips the rest.
+    Prefill, chunked prefill and decode are one call, for both families: only `embed_at`, `block`
+    and `head` belong to the architecture. The cache refuses another model's state
+    (CacheMismatchError). `positions` `[T]` overrides where the model is told the tokens sit
+    (chapter 4's stale offset; a serving step's plan passes its own). `logits_at` `[K]` keeps
+    those tokens' logits only, `[B, K, V]`. The differences from `forward` are marked NEW.
     """
     family = gpt2 if config.arch == "gpt2" else llama
-    return family.forward_cached(ids, weights, config, cache, last_only=last_only, positions=positions,
-                                 logits_at=logits_at)
+    cache.check_model(config, owner(weights, config))    # NEW: the cache holds this model's state
+    if positions is None:                                # NEW: continue after the cache
+        ids = check_ids(ids, config, offset=cache.max_length)
+        positions = cache.next_positions(ids.shape[1], ids.device)
+    else:
+        ids = check_ids(ids, config)
+        check_positions(positions, config)
+    x, at = family.embed_at(ids, weights, config, positions)  # NEW: tokens at their positions
+    for i in range(config.n_layers):
+        x = family.block(x, weights, i, config, cache.attend, *at)  # NEW: k, v via the cache
+    cache.advance(ids.shape[1])                          # NEW: commit the T positions
+    if logits_at is not None:                            # a serving step's sampled tokens (ch. 8)
+        x = x[:, logits_at]
+    return family.head(x[:, -1:] if last_only else x, weights, config)
 
 
 __all__ = ["load", "forward", "forward_cached", "Model", "ModelConfig", "InputError", "PositionLimitError",

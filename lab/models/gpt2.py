@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checks import check_ids, owner
+from .checks import check_ids
 
 
 def split_heads(x, n_heads):  # [B, T, H*D] -> [B, H, T, D]
@@ -43,6 +43,12 @@ def embed(ids, w, positions):  # [B, T] -> [B, T, D]
     return w["transformer.wte.weight"][ids] + w["transformer.wpe.weight"][positions]
 
 
+def embed_at(ids, w, config, positions):
+    """The inputs of the first block for ids `[B, T]` at `positions` (`[T]` or `[B, T]`): `[B, T, D]`, and
+    what every block needs of the positions: nothing more, the learned position rows are added here."""
+    return embed(ids, w, positions), ()
+
+
 def head(x, w, config):  # [B, T, D] -> [B, T, V]; the output head is the token embedding (tied)
     x = F.layer_norm(x, (config.d_model,), w["transformer.ln_f.weight"], w["transformer.ln_f.bias"],
                      config.norm_eps)
@@ -59,24 +65,4 @@ def forward(ids, w, config, last_only=False):
     x = embed(ids, w, torch.arange(ids.shape[1], device=ids.device))
     for i in range(config.n_layers):
         x = block(x, w, i, config, causal_attention)
-    return head(x[:, -1:] if last_only else x, w, config)
-
-
-def forward_cached(ids, w, config, cache, last_only=False, positions=None, logits_at=None):
-    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
-
-    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
-    `[B, T, V]` (`[B, K, V]` for `logits_at`, K token indices). The differences from `forward` are
-    marked NEW.
-    """
-    cache.check_model(config, owner(w, config))           # NEW: the cache holds this model's state
-    ids = check_ids(ids, config, offset=cache.max_length)
-    if positions is None:                                 # NEW: continue after the cache
-        positions = cache.next_positions(ids.shape[1], ids.device)
-    x = embed(ids, w, positions)                          # NEW: positions length .. length+T-1
-    for i in range(config.n_layers):
-        x = block(x, w, i, config, cache.attend)           # NEW: keys and values via the cache
-    cache.advance(ids.shape[1])                           # NEW: commit the T positions
-    if logits_at is not None:                             # a serving step's sampled tokens (ch. 8)
-        x = x[:, logits_at]
     return head(x[:, -1:] if last_only else x, w, config)

@@ -9,7 +9,7 @@ than query heads), and a gated SiLU MLP. Weights keep their Hugging Face names; 
 import torch
 import torch.nn.functional as F
 
-from .checks import check_ids, owner
+from .checks import check_ids
 from .gpt2 import merge_heads, split_heads
 
 
@@ -85,6 +85,13 @@ def embed(ids, w):  # [B, T] -> [B, T, D]
     return w["model.embed_tokens.weight"][ids]
 
 
+def embed_at(ids, w, config, positions):
+    """The inputs of the first block for ids `[B, T]` at `positions` (`[T]` or `[B, T]`): `[B, T, D]`, and
+    what every block needs of the positions: the rotary tables (cos, sin), computed once per forward."""
+    x = embed(ids, w)
+    return x, (rope_tables(positions, config.head_dim, config.rope_theta, x.dtype),)
+
+
 def head(x, w, config):  # [B, T, D] -> [B, T, V]
     x = rms_norm(x, w["model.norm.weight"], config.norm_eps)
     if "lm_head" in getattr(w, "packed", {}):
@@ -104,25 +111,4 @@ def forward(ids, w, config, last_only=False):
     rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
     for i in range(config.n_layers):
         x = block(x, w, i, config, causal_attention, rope_cs)
-    return head(x[:, -1:] if last_only else x, w, config)
-
-
-def forward_cached(ids, w, config, cache, last_only=False, positions=None, logits_at=None):
-    """Forward through a KV cache: prefill, a chunk of a prefill, or one decode step, one code path.
-
-    ids `[B, T]` are the next T tokens after the cache's `length` positions; returns logits
-    `[B, T, V]` (`[B, K, V]` for `logits_at`, K token indices). The differences from `forward` are
-    marked NEW.
-    """
-    cache.check_model(config, owner(w, config))           # NEW: the cache holds this model's state
-    ids = check_ids(ids, config, offset=cache.max_length)
-    if positions is None:                                 # NEW: RoPE at the true positions
-        positions = cache.next_positions(ids.shape[1], ids.device)
-    x = embed(ids, w)
-    rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
-    for i in range(config.n_layers):
-        x = block(x, w, i, config, cache.attend, rope_cs)  # NEW: keys and values via the cache
-    cache.advance(ids.shape[1])                           # NEW: commit the T positions
-    if logits_at is not None:                             # a serving step's sampled tokens (ch. 8)
-        x = x[:, logits_at]
     return head(x[:, -1:] if last_only else x, w, config)
