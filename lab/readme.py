@@ -54,7 +54,7 @@ HEADLINES = [
      ("ch04.hazards.other_prompt.refused", "ch04.hazards.adapter_weights.refused", "ch04.hazards.bf16_cache.refused",
       "ch04.hazards.other_prompt.trials"), ""),
     ("Ch. 4 — the CachedBackend's identity check per call at 4,096 ids, and its share of a cached decode step",
-     ("ch04.check_us.T4096", "ch04.check_share.T4096"), ".3g"),
+     ("ch04.check_us.T4096", "ch04.check_share.T4096"), (",.0f", ".3g")),
     ("Ch. 5 — reserved KV memory holding real tokens, synthetic ShareGPT-shaped lengths: contiguous at 2,048 / "
      "pages of 16", ("ch05.utilization.ShareGPT.contiguous_max", "ch05.utilization.ShareGPT.paged_16"), ".1f"),
     ("Ch. 5 — the same, synthetic Alpaca-shaped lengths",
@@ -130,7 +130,9 @@ def table(doc, source="results") -> str:
     rows = ["| result | value |", "|---|---|"]
     for what, keys, spec in HEADLINES:
         keys = (keys,) if isinstance(keys, str) else keys
-        rows.append(f"| {what} | {' / '.join(_cell(lookup(doc, k, source), spec) for k in keys)} |")
+        specs = spec if isinstance(spec, tuple) else (spec,) * len(keys)        # one format, or one per key
+        cells = [_cell(lookup(doc, k, source), f) for k, f in zip(keys, specs, strict=True)]
+        rows.append(f"| {what} | {' / '.join(cells)} |")
     machines = sorted({_machine(s["provenance"]) for s in doc["sections"].values()})
     return "\n".join(rows) + "\n\nMeasured on: " + "; ".join(machines) + "."
 

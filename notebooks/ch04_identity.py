@@ -37,10 +37,13 @@ import transformers
 from lab import results
 from lab.cache import CacheMismatchError, ConcatCache, StaticCache
 from lab.engine import CachedBackend, identity_of, key_for, prefix_key
+from lab.engine.identity_cost import key_cost, refusal_cost, weights_check_cost
 from lab.experiments import ch04_identity as ch04
 from lab.experiments.tables import show
 from lab.models import load, owner
+from lab.models.checks import FINGERPRINT_SAMPLES, weights_state
 from lab.models.load import scaled_copy
+from lab.models.updates import optimizer_step, private_copy, step_signs
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
@@ -232,13 +235,13 @@ print(f"{eng['misses']} misses, {eng['hits']} hits; {max(eng['positions'])} posi
 # moved; `lab.models.checks.owner(weights, config)` is the config and that state.
 #
 # Try it on a private copy of SmolLM2 (the shared model is never changed), with the update of one Adam
-# step: each element moves by the learning rate (`ch04.STEP_LR`), in a random direction.
+# step: each element moves by the learning rate (`lab.models.updates.STEP_LR`), in a random direction.
 
 # %%
-policy = ch04.private_copy(smol)
+policy = private_copy(smol)
 w0 = policy.weights["model.embed_tokens.weight"]
 print("embedding: storage", hex(w0.data_ptr()), "version", w0._version, "| manifest", policy.manifest[:16], "...")
-ch04.optimizer_step(policy.weights, ch04.step_signs(policy.weights))
+optimizer_step(policy.weights, step_signs(policy.weights))
 print("embedding: storage", hex(w0.data_ptr()), "version", w0._version, "| manifest", policy.manifest[:16], "...")
 assert policy.manifest != smol.manifest
 
@@ -252,14 +255,17 @@ assert policy.manifest != smol.manifest
 # never computes a key: a static buffer reused between requests, a cache kept across a weight update.
 # So the cache itself records its **owner** — `owner(weights, config)` of the model that filled it —
 # and `forward_cached` refuses to continue it with another model (`CacheMismatchError`) until it is
-# reset. An empty cache takes any owner. The check reads storages and version counters, not values.
+# reset. An empty cache takes any owner. The check reads storages and version counters (and the
+# fingerprint that the next section adds), not every value.
 
 # %%
-policy = ch04.private_copy(smol)
+policy = private_copy(smol)
 cache = ch04.prefill(policy, ids)                    # filled by the policy before its update
-print("cache.owner: config", cache.owner[0].name, "and", len(cache.owner[1]), "(storage, version) pairs")
+versions, printed = cache.owner[1]
+print("cache.owner: config", cache.owner[0].name, "and", len(versions), "(storage, version) pairs, and a",
+      len(printed), "byte fingerprint")
 assert cache.owner == owner(policy.weights, policy.config)
-ch04.optimizer_step(policy.weights, ch04.step_signs(policy.weights))
+optimizer_step(policy.weights, step_signs(policy.weights))
 assert cache.owner != owner(policy.weights, policy.config)   # the versions moved
 try:
     ch04.step(policy, ids[-1], cache)
@@ -274,16 +280,31 @@ print("after reset(), the updated policy fills it:", ch04.prefill(policy, ids, c
 del policy, cache
 
 # %% [markdown]
-# What the version counter cannot see: a write PyTorch does not count. On a small model, try the usual ways
-# of changing a weight and ask the manifest whether it noticed:
+# ### What the version counter cannot see, and a fingerprint
+#
+# A write PyTorch does not count leaves the version counter where it was: a write through `w.data` (a new
+# view with a counter of its own), through a NumPy view, by a kernel that does not count, or into an
+# *inference tensor* (made inside `torch.inference_mode()`, it has no counter at all). Weight loaders
+# write new checkpoints into a running server through `param.data.copy_`, and so can a training loop that
+# pushes new weights to the server: these are exactly the writes that matter.
+#
+# So the weights' state carries a second part, a **fingerprint**: the exact bytes of a strided sample of
+# every tensor, `FINGERPRINT_SAMPLES` elements evenly spaced over each, however the tensor was written.
+# Any write that changes every element (a new checkpoint, a scaled matrix, an optimizer step) changes the
+# sample. It costs one view and one small copy per tensor on every call; the cost is measured below.
+#
+# On a small model, try the usual ways of changing a weight and ask each part whether it noticed:
 
 # %%
 def noticed(change):
-    m = ch04.private_copy(load("tiny-llama"))
+    m = private_copy(load("tiny-llama"))
     w = m.weights["model.layers.0.mlp.down_proj.weight"]
-    before = m.manifest
+    (versions, printed), before = weights_state(m.weights), m.manifest
     change(w)
-    return m.manifest != before
+    now = weights_state(m.weights)
+    return {"version counters": "moved" if now[0] != versions else "-",
+            "fingerprint": "moved" if now[1] != printed else "-",
+            "manifest": "noticed" if m.manifest != before else "MISSED"}
 
 
 def adam_step(w, **options):
@@ -297,15 +318,20 @@ writes = {"an in-place op, w.add_(...)": lambda w: w.add_(1e-3),
           "Adam step (foreach)": lambda w: adam_step(w, foreach=True),
           "Adam step (fused)": lambda w: adam_step(w, fused=True),
           "a write through w.data": lambda w: w.data.add_(1e-3),
-          "a write through a NumPy view": lambda w: w.numpy().__iadd__(1e-3)}
-seen = {what: "noticed" if noticed(f) else "MISSED" for what, f in writes.items()}
-assert seen["an in-place op, w.add_(...)"] == seen["Adam step (foreach)"] == "noticed"
-show(pd.Series(seen, name="manifest after the write").to_frame())
+          "a write through a NumPy view": lambda w: w.numpy().__iadd__(1e-3),
+          "one element between the samples, through w.data": lambda w: w.data.view(-1)[1].add_(1.0)}
+print(f"the fingerprint reads {FINGERPRINT_SAMPLES} elements of each tensor")
+seen = pd.DataFrame({what: noticed(f) for what, f in writes.items()}).T
+assert (seen["manifest"].iloc[:-1] == "noticed").all() and seen["manifest"].iloc[-1] == "MISSED"
+show(seen)
 
 # %% [markdown]
-# Writes that bypass the counter — `.data`, a NumPy view, and kernels that write without counting (here,
-# with this PyTorch on the CPU, the fused Adam) — leave the state as it was, and only a hash of the values
-# would notice. The check is as good as the counting of the code that writes the weights.
+# The version counters miss the writes through `.data` and NumPy (and, with this PyTorch on the CPU, may
+# miss a fused optimizer kernel); the fingerprint sees every write that changes the whole tensor. What is
+# left is the last row, the blind spot: a write through an uncounted path that changes only elements
+# between the samples (here element 1 of a matrix of 8,192, of which the fingerprint reads every 128th).
+# The same write made by an ordinary in-place operation moves the version counter. Closing the blind spot
+# means reading every value, a rehash, on every call.
 #
 # ## A cache touched from outside
 #
@@ -334,7 +360,7 @@ print(f"its own state again: hits {b.hits}, misses {b.misses}")
 # median and the interquartile range.
 
 # %%
-kc = ch04.key_cost(smol, S["key_lengths"], S["key_reps"], S["step_reps"])
+kc = key_cost(smol, S["key_lengths"], S["key_reps"], S["step_reps"])
 show(pd.DataFrame({T: {"prefix_key (µs)": c["key"]["median"] * 1e6, "spread, IQR (µs)": c["key"]["iqr"] * 1e6,
                        "backend check (µs)": c["check"]["median"] * 1e6,
                        "decode step (ms)": c["step"]["median"] * 1e3,
@@ -353,30 +379,35 @@ print(f"from {T0} to {T1} ids the check's time grows {check_growth:.2g}x, the de
 # call. A system that hashes once per page of 16 tokens and chains the hashes (chapter 6) pays for each
 # id once instead of on every call.
 #
-# The backend's check includes reading the manifest, which compares every weight's storage and version,
-# and the step includes the cache's owner check, which computes `owner(weights, config)`: both scale with
-# the number of weight tensors (a storage and a version each), not with the context. Time them alone, and the one-off
-# rehash the manifest does after a weight changed in place:
+# The backend's check includes reading the manifest, and the step includes `forward_cached`'s owner
+# check: each computes the weights' state, a storage, a version and a sampled fingerprint per weight
+# tensor. They scale with the number of tensors, not with the context. Time them alone (the fingerprint
+# too), and the one-off rehash the manifest does after a weight changed:
 
 # %%
-cc = ch04.check_cost(smol, S["key_reps"], S["rehash_reps"])
+cc = weights_check_cost(smol, S["key_reps"], S["rehash_reps"])
 per_call = cc["manifest"]["median"] + cc["owner"]["median"]       # a hit reads the manifest once
 from IPython.display import display
 
 display(show(pd.DataFrame({"Model.manifest, weights unchanged (µs)": cc["manifest"]["median"] * 1e6,
                            "owner(weights, config) (µs)": cc["owner"]["median"] * 1e6,
+                           "fingerprint alone (µs)": cc["fingerprint"]["median"] * 1e6,
                            "per call: manifest + owner (µs)": per_call * 1e6,
                            "rehash after an in-place change (s)": cc["rehash"]["median"]}, index=["SmolLM2"]).T))
-show(pd.DataFrame({T: {"manifest + owner / decode step": per_call / c["step"]["median"]} for T, c in kc.items()}
-                  ).T.rename_axis("ids in the key"), percent=["manifest + owner / decode step"])
+show(pd.DataFrame({T: {"per call / decode step": per_call / c["step"]["median"],
+                       "fingerprint / decode step": cc["fingerprint"]["median"] / c["step"]["median"]}
+                   for T, c in kc.items()}).T.rename_axis("ids in the key"),
+     percent=["per call / decode step", "fingerprint / decode step"])
 
 # %%
 print(f"on every call: {per_call * 1e6:.3g} µs; once after a change: {cc['rehash']['median']:.2g} s, "
       f"{cc['rehash']['median'] / per_call:,.0f} calls' worth")
 
 # %% [markdown]
-# Noticing in-place changes costs the same small amount on every call, whatever the context, and a rehash
-# of every weight only once a weight changed.
+# Noticing changed weights costs the same on every call, whatever the context, most of it the fingerprint
+# (one view and one small copy per weight tensor), and a rehash of every weight only once a weight
+# changed. Without the fingerprint the per-call part is the versions alone, a small fraction of it, and
+# the writes in the table above that the counters miss would be served from a stale cache.
 
 # %% [markdown]
 # ## Eight ways to reuse a cache wrongly
@@ -390,9 +421,9 @@ print(f"on every call: {per_call * 1e6:.3g} µs; once after a change: {cc['rehas
 # request. Does it refuse, and are its scores then right?
 #
 # The in-place hazard is the reinforcement-learning loop: a private copy of the weights fills the cache,
-# then takes one optimizer step in place (`ch04.STEP_LR` per element, a small fraction of a weight's
-# size, as a real step is), and the next token is read through the stale cache; the backend serves that
-# same model object.
+# then takes one optimizer step in place (`lab.models.updates.STEP_LR` per element, a small fraction of a
+# weight's size, as a real step is), and the next token is read through the stale cache; the backend
+# serves that same model object.
 
 # %%
 show(pd.DataFrame({"what goes wrong": ch04.HAZARDS,
@@ -451,7 +482,7 @@ print("every identity change refused by the backend, its scores then correct:", 
 # A refusal costs a recomputation, no more:
 
 # %%
-cost = ch04.refusal_cost(smol, S["prefix"])
+cost = refusal_cost(smol, S["prefix"])
 print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {cost['recompute'] * 1e3:.3g} ms, "
       f"a ratio of {cost['refused'] / cost['recompute']:.2f}")
 

@@ -7,9 +7,11 @@ import torch
 from lab import data
 from lab.cache import CacheMismatchError, ConcatCache, StaticCache
 from lab.engine import CachedBackend, IdentityError, LibraryBackend, RecomputeBackend, generate, identity_of, prefix_key
+from lab.engine.identity_cost import key_cost, weights_check_cost
 from lab.experiments import ch04_identity as ch04
 from lab.models import InputError, forward, forward_cached, load
 from lab.models.load import Model, scaled_copy
+from lab.models.updates import optimizer_step, private_copy, step_signs
 
 TOL = 1e-5  # tiny models, float32: cached and recomputed logits differ only by summation order
 
@@ -177,7 +179,7 @@ def test_library_backend_matches_recompute(tiny, use_cache):
 def test_key_cost_measures_the_hit_path_and_a_step(tiny):
     """ch04's key-cost measurement: the backend's check finds the state of ids[:-1] (asserted inside the
     measurement), and every time is positive. No comparison of times: this machine may be loaded."""
-    r = ch04.key_cost(tiny, lengths=(4, 60), reps=30, step_reps=1)
+    r = key_cost(tiny, lengths=(4, 60), reps=30, step_reps=1)
     assert set(r) == {4, 60}
     for c in r.values():
         assert all(c[k]["median"] > 0 for k in ("key", "check", "step"))
@@ -195,14 +197,14 @@ def test_hazards_figure_is_legible_at_column_width(tmp_path):
 def test_weights_changed_in_place_are_refused_by_the_backend_and_the_cache(tiny):
     """An RL loop: the policy's weights are updated in place between rollouts. The backend's manifest notices
     (a miss, then the new weights' scores), and a cache filled before the update refuses the new weights."""
-    policy = ch04.private_copy(tiny)                 # the shared fixture is never changed
+    policy = private_copy(tiny)                      # the shared fixture is never changed
     backend = CachedBackend(policy, factory(policy))
     backend.next_logits([1, 2, 3])
     cache = StaticCache(policy.config, 16)
     with torch.inference_mode():
         forward_cached(torch.tensor([[1, 2, 3]]), policy.weights, policy.config, cache)
     before = policy.manifest
-    ch04.optimizer_step(policy.weights, ch04.step_signs(policy.weights), lr=1e-3)
+    optimizer_step(policy.weights, step_signs(policy.weights), lr=1e-3)
     assert policy.manifest != before and tiny.manifest != policy.manifest
     _logits_ok(backend, [1, 2, 3, 4], policy)        # recomputed with the new weights, within TOL
     assert (backend.hits, backend.misses) == (0, 2)
@@ -255,10 +257,10 @@ def test_check_cost_measurement_and_its_record(tiny, tmp_path, monkeypatch):
     """ch04's cost of noticing in-place changes: the manifest read, the owner, the rehash after a change;
     recorded beside the decode step as a share. Times only positive: this machine may be loaded."""
     monkeypatch.setenv("LAB_RESULTS", str(tmp_path / "results.json"))
-    c = ch04.check_cost(tiny, reps=10, rehash_reps=2)     # asserts inside that a change changes the manifest
-    assert set(c) == {"manifest", "owner", "rehash"}
+    c = weights_check_cost(tiny, reps=10, rehash_reps=2)  # asserts inside that a change changes the manifest
+    assert set(c) == {"manifest", "owner", "fingerprint", "rehash"}
     assert all(c[k]["median"] > 0 for k in c) and c["rehash"]["n"] == 2 and c["manifest"]["n"] == 10
-    kc = ch04.key_cost(tiny, lengths=(4, 60), reps=10, step_reps=1)
+    kc = key_cost(tiny, lengths=(4, 60), reps=10, step_reps=1)
     row = dict(delta_median=0.5, delta_max=5.0, argmax_agree=3, kl_median=0.1, kl_max=0.2, refused_by_cache=0,
                refused=5, backend_correct=5, trials=5)
     hazards = {name: dict(row) for name in ch04.HAZARDS}
@@ -269,8 +271,8 @@ def test_check_cost_measurement_and_its_record(tiny, tmp_path, monkeypatch):
              key_cost=kc, check_cost=c)
     values = ch04.record(m)
     w = values["weights_check"]
-    assert {k: w[k]["unit"] for k in ("manifest_us", "owner_us", "rehash_s", "per_call_us")} == \
-        {"manifest_us": "µs", "owner_us": "µs", "rehash_s": "s", "per_call_us": "µs"}
+    assert {k: w[k]["unit"] for k in ("manifest_us", "owner_us", "fingerprint_us", "rehash_s", "per_call_us")} == \
+        {"manifest_us": "µs", "owner_us": "µs", "fingerprint_us": "µs", "rehash_s": "s", "per_call_us": "µs"}
     assert set(w["share"]) == {"T4", "T60"} and all(v["unit"] == "%" and v["value"] > 0 for v in w["share"].values())
     assert values["hazards"]["weights_in_place"]["lr"]["value"] == 5e-6
     assert "refused_by_cache" in values["hazards"]["other_prompt"]

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from . import checks
 from .base import CacheInputError, CacheStateError, KVCache, offset_causal_mask
+from .quantized import check_finite
 
 POLICIES = ("window", "sinks", "h2o", "snapkv")
 POOLINGS = ("avg", "max")
@@ -191,6 +192,7 @@ class EvictingCache(KVCache):
 
     # region design
     def _write(self, layer, k, v):
+        check_finite(k, v)             # a NaN key would make every score it enters NaN, and the ranking noise
         old_k, old_v = self.keys[layer], self.values[layer]
         # the first store copies: k, v may be views into a larger tensor (GPT-2's fused q|k|v)
         self.keys[layer] = k.clone() if old_k is None else torch.cat([old_k, k], dim=2)    # [B, H_kv, N, D]

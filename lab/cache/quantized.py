@@ -112,6 +112,7 @@ class QuantizedCache(KVCache):
     # region design
     def _write(self, layer, k, v):
         check_finite(k, v)                                       # before anything changes
+        check_range(k, v, self.largest(), self.scale_dtype)
         old_k, old_v = self.k_tail[layer], self.v_tail[layer]
         self.k_tail[layer] = k.clone() if old_k is None else torch.cat([old_k, k], dim=2)  # [B, H_kv, F, D]
         self.v_tail[layer] = v.clone() if old_v is None else torch.cat([old_v, v], dim=2)
@@ -256,6 +257,16 @@ class QuantizedCache(KVCache):
     # endregion
 
     # region quantize
+    def largest(self) -> tuple:
+        """(keys, values): the largest magnitude each can take and still get a finite scale, zero point
+        and smoothing mean in `scale_dtype` (float16 tops out at 65,504). Symmetric grid: the scale is
+        max|x| / qmax. Zero points: the zero point is min x, and the range max x - min x up to twice max|x|.
+        Smoothing: the mean is at most max|x|, and k - mu up to twice it."""
+        top = torch.finfo(self.scale_dtype).max
+        values = top / 2 if self.zero_point else top * (offset(self.bits) - 1)
+        keys = top / 2 / (2 if self.zero_point else 1) if self.smooth else values
+        return keys, values
+
     def _quantize(self, x, dim):
         """codes, scale, zero (None on the symmetric grid) of x, one scale per set reduced over `dim`."""
         if self.zero_point:
@@ -354,12 +365,23 @@ def check_settings(head_dim, bits, scheme, smooth, group_size, residual, value_g
 
 
 def check_finite(k, v):
-    """NaN or infinity would make a scale NaN or infinite and every code of its set meaningless."""
+    """NaN or infinity would make a scale NaN or infinite and every code of its set meaningless (and an
+    EvictingCache's scores NaN, its ranking noise): refused before anything changes."""
     for name, x in (("k", k), ("v", v)):
         bad = ~torch.isfinite(x)
         if bad.any():
-            raise CacheInputError(f"{name} holds {int(bad.sum())} NaN or infinite values; a quantized cache "
-                                  "stores finite keys and values only")
+            raise CacheInputError(f"{name} holds {int(bad.sum())} NaN or infinite values; this cache stores "
+                                  "finite keys and values only")
+
+
+def check_range(k, v, largest, scale_dtype):
+    """Finite keys and values can still overflow a 16-bit scale: refuse them rather than store inf."""
+    for name, x, limit in (("k", k, largest[0]), ("v", v, largest[1])):
+        top = x.abs().amax().item() if x.numel() else 0.0
+        if top > limit:
+            raise CacheInputError(f"{name} holds a value of magnitude {top:.4g}, above {limit:.4g}, the largest "
+                                  f"whose scales and zero points stay finite in {scale_dtype}: use a wider "
+                                  "scale_dtype (torch.float32)")
 
 
 def check_query(cache, q, k):

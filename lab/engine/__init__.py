@@ -2,13 +2,13 @@
 
 from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids, common_prefix
 from .chat import ChatSession
-from .generate import Generation, generate, positions_cached, positions_uncached
+from .generate import Generation, generate, greedy_agreement, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 from .prefix import PrefixCachingBackend
 from .serving import ServingEngine
 
 __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
-           "positions_cached", "positions_uncached", "IdentityError", "StateIdentity", "identity_of", "key_for",
-           "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend", "ChatSession", "common_prefix",
-           "ServingEngine"]
+           "greedy_agreement", "positions_cached", "positions_uncached", "IdentityError", "StateIdentity",
+           "identity_of", "key_for", "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend",
+           "ChatSession", "common_prefix", "ServingEngine"]

@@ -7,8 +7,10 @@ business; the engine cannot tell, and the tests check that it cannot.
 
 import torch
 
+from ..cache import CacheStateError
 from ..models import forward
-from .identity import identity_of, key_for, model_identity, token_ids
+from ..models.checks import tensor_versions
+from .identity import check_salt, identity_of, key_for, model_identity, token_ids
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -52,7 +54,16 @@ class CachedBackend:
     only the k new tokens (a hit). Different in any way (another model, tokenizer, dtype or salt;
     identical ids; a diverging prefix): discard the cache and recompute (a miss). With
     `longest_prefix=True`, a state of the same identity whose ids share a prefix with the request is
-    cropped to that prefix and only the rest is run (a hit after a crop).
+    cropped to that prefix and only the rest is run (a hit after a crop); a cache that cannot go back
+    that far (an EvictingCache has dropped the positions) is a miss.
+
+    Which model: the identity's manifest says which weights (their content: a write the version
+    counters miss still changes their fingerprint, `lab.models.checks`), and the backend also records
+    which tensors it computed with (`tensor_versions`), as the cache itself does (`forward_cached` refuses
+    a cache filled by other tensors). An identical copy swapped in (`copy.deepcopy(model)`, a second
+    `load(name)`) has the same manifest but other tensors: proving their values equal would mean hashing
+    every weight on every call, so it is a miss that recomputes, never an error. A salt is a string or
+    None (`check_salt`).
 
     The scores are the same either way; only the work differs. Counters: calls, hits, misses, crops,
     positions (positions pushed through the model).
@@ -60,18 +71,21 @@ class CachedBackend:
 
     def __init__(self, model, cache_factory, longest_prefix=False, salt=None):
         model_identity(model)  # refuse at once a model whose identity cannot be computed
+        check_salt(salt)
         self.model, self.cache_factory = model, cache_factory
         self.longest_prefix, self.salt = longest_prefix, salt
         self.cache, self.cached_ids, self.cached_identity, self.cached_key = None, [], None, None
-        self._held = None      # (cache object, its version) when this backend last wrote it
+        self._held = None      # (cache object, its version, the weights' versions) when it last wrote
         self.calls = self.hits = self.misses = self.crops = self.positions = 0
 
     def holds_its_state(self) -> bool:
         """Is the cache still exactly what this backend left there? The same object, changed by nobody
-        since (its version counter), holding as many positions as the ids it believes it holds."""
-        cache = self.cache
-        return (cache is not None and self._held is not None and self._held[0] is cache
-                and self._held[1] == cache.version and cache.length == len(self.cached_ids))
+        since (its version counter), holding as many positions as the ids it believes it holds, computed
+        by the model's tensors as they are now (their storages and versions)."""
+        cache, held = self.cache, self._held
+        return (cache is not None and held is not None and held[0] is cache and held[1] == cache.version
+                and cache.length == len(self.cached_ids)
+                and held[2] == tensor_versions(self.model.weights))
 
     def reusable_prefix(self, ids: list, salt) -> int:
         """How many leading positions of `ids` the current cache provably holds (0: none)."""
@@ -92,14 +106,18 @@ class CachedBackend:
         from ..models import forward_cached
 
         t = as_ids(ids, self.model.config.vocab_size)       # [1, T]
+        check_salt(salt)
         ids, salt = t[0].tolist(), self.salt if salt is None else salt
         n = self.reusable_prefix(ids, salt)
+        if 0 < n < self.cache.length:
+            try:
+                self.cache.crop(n)                            # drop the diverging tail (longest-prefix mode)
+            except CacheStateError:
+                n = 0                                         # it cannot go back there (positions evicted)
         if n == 0:
             self.cache = self.cache_factory()
             if self.cache.max_length or any(self.cache.pending):
                 self.cache.reset()                            # a factory's cache holds nothing we computed
-        elif n < self.cache.length:
-            self.cache.crop(n)                                # drop the diverging tail (longest-prefix mode)
         # a hit proved the cache's identity equal to the one it holds; a new cache needs its own
         identity = self.cached_identity if n else identity_of(self.model, self.cache, salt)
         try:
@@ -110,7 +128,7 @@ class CachedBackend:
             raise                                             # a half-updated cache is never reused
         crop = 0 < n < len(self.cached_ids)
         self.cached_ids, self.cached_identity, self.cached_key = ids, identity, key_for(identity, t[0])
-        self._held = (self.cache, self.cache.version)
+        self._held = (self.cache, self.cache.version, tensor_versions(self.model.weights))
         self.calls += 1
         self.hits, self.misses, self.crops = self.hits + (n > 0), self.misses + (n == 0), self.crops + crop
         self.positions += len(ids) - n

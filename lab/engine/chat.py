@@ -9,6 +9,7 @@ can reuse of a turn's prompt is its longest common prefix with the sequence the 
 import torch
 
 from .backends import common_prefix
+from .generate import check_count
 
 
 class ChatSession:
@@ -16,6 +17,9 @@ class ChatSession:
     previous prompt and reply) and reused_tokens (prompt positions the backend did not compute)."""
 
     def __init__(self, model, backend, system: str | None = None, max_new_tokens: int = 32):
+        check_count("max_new_tokens", max_new_tokens)
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a string or None, got {type(system).__name__} {system!r}")
         self.model, self.backend, self.max_new_tokens = model, backend, max_new_tokens
         self.messages = [{"role": "system", "content": system}] if system else []
         self.turns, self.seen = [], []           # seen: the ids of the last prompt and its reply
@@ -27,6 +31,8 @@ class ChatSession:
 
     @torch.inference_mode()
     def say(self, text: str) -> str:
+        if not isinstance(text, str):
+            raise TypeError(f"say() takes the user's message as a string, got {type(text).__name__} {text!r}")
         tok = self.model.tokenizer
         self.messages.append({"role": "user", "content": text})
         ids = tok.encode(tok.apply_chat_template(self.messages, add_generation_prompt=True))

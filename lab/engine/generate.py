@@ -1,9 +1,12 @@
 """The generation loop: greedy decoding through any backend, timed per step."""
 
+import numbers
 import time
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
+
+from .identity import token_ids
 
 
 @dataclass
@@ -25,9 +28,8 @@ class Generation:
 
 def generate(backend, prompt_ids, max_new_tokens: int, stop_ids=(), progress=False) -> Generation:
     """Greedy decoding: append argmax(next_logits(ids)) until max_new_tokens or a stop token."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    ids, out = [int(i) for i in prompt_ids], Generation([])
+    check_count("max_new_tokens", max_new_tokens)
+    ids, out = token_ids(prompt_ids).tolist(), Generation([])
     for _ in tqdm(range(max_new_tokens), desc="generate", disable=not progress):
         t0 = time.perf_counter()
         token = int(backend.next_logits(ids).argmax())
@@ -37,6 +39,28 @@ def generate(backend, prompt_ids, max_new_tokens: int, stop_ids=(), progress=Fal
         if token in stop_ids:
             break
     return out
+
+
+def greedy_agreement(backend, reference, prompts, new_tokens: int) -> dict:
+    """Generate every prompt greedily through `backend` and through `reference` (e.g. a RecomputeBackend):
+    tokens_identical (for every prompt), positions (what each request pushed through `backend`) and
+    recompute_positions (through `reference`, per request, on average)."""
+    same, per_request, before_ref = True, [], reference.positions
+    for p in prompts:
+        before = backend.positions
+        tokens = generate(backend, p, new_tokens).tokens
+        per_request.append(backend.positions - before)
+        same &= tokens == generate(reference, p, new_tokens).tokens
+    return dict(tokens_identical=same, positions=per_request,
+                recompute_positions=(reference.positions - before_ref) // len(prompts))
+
+
+def check_count(name: str, n, low: int = 1):
+    """A count (of tokens, of steps) is an int of at least `low`: True is not 1, and 2.5 is no count."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+    if n < low:
+        raise ValueError(f"{name} must be at least {low}, got {n}")
 
 
 def positions_uncached(prompt_len: int, new_tokens: int) -> int:

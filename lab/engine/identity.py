@@ -7,6 +7,7 @@ that computation depended on; two states are interchangeable only when their key
 import hashlib
 import json
 import numbers
+from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,6 +32,9 @@ class StateIdentity:
     max_positions: int       # ... and the trained context length
     salt: str | None = None  # separates tenants: equal ids under another salt share no state
 
+    def __post_init__(self):
+        check_salt(self.salt)
+
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
@@ -44,12 +48,26 @@ def prefix_key(manifest: str, token_ids, *, tokenizer: str, compute_dtype="torch
     return key_for(identity, token_ids)
 
 
+def check_salt(salt):
+    """A salt is a string (a tenant's name, a secret) or None. Anything else is refused, never str()-ed:
+    5 and "5" would otherwise name the same state, and bytes would name another one than their text."""
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"salt must be a string or None, got {type(salt).__name__} {salt!r}")
+
+
 def token_ids(ids, vocab_size: int | None = None) -> torch.Tensor:
     """One sequence of token ids, validated: a list of ints, a `[T]` or a `[1, T]` integer tensor -> int64 `[T]`.
 
-    Refuses floats and bools (1.7 is not token 1), a batch of several sequences, negative ids and, given
-    `vocab_size`, ids outside the vocabulary: each would otherwise name another state than the caller's.
+    Refuses floats and bools (1.7 is not token 1), a batch of several sequences, negative ids, ids past
+    int64 and, given `vocab_size`, ids outside the vocabulary; and containers that are not a sequence (a
+    set or a dict: their order is not the caller's) or are text (a string, bytes): each would otherwise name
+    another state than the caller's.
     """
+    if isinstance(ids, (Set, Mapping)):
+        raise InputError(f"ids must be one sequence of token ids (a list, tuple or tensor), got a "
+                         f"{type(ids).__name__}, whose order is not the caller's")
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise InputError(f"ids must be token ids, got {type(ids).__name__}: encode text with the tokenizer first")
     if isinstance(ids, torch.Tensor):
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
@@ -62,7 +80,7 @@ def token_ids(ids, vocab_size: int | None = None) -> torch.Tensor:
     else:
         ids = list(ids)
         # the usual case, all Python ints, checked at C speed (70 us for 4,096 ids); anything else is looked at
-        t = torch.tensor(ids, dtype=torch.long) if set(map(type, ids)) <= {int} else _unusual_ids(ids)
+        t = int64_ids(ids) if set(map(type, ids)) <= {int} else _unusual_ids(ids)
     if t.numel() == 0:
         raise InputError("ids is empty: at least one token is needed")
     lo, hi = (int(x) for x in torch.aminmax(t))
@@ -83,7 +101,16 @@ def _unusual_ids(ids: list) -> torch.Tensor:
                or isinstance(i, torch.Tensor) and i.dim() == 0 and not i.dtype.is_floating_point
                and i.dtype != torch.bool for i in ids):
         raise InputError(f"ids must be integers, got {[type(i).__name__ for i in ids][:5]}")
-    return torch.tensor([int(i) for i in ids], dtype=torch.long)
+    return int64_ids([int(i) for i in ids])
+
+
+def int64_ids(ids: list) -> torch.Tensor:
+    """Python ints -> int64 `[T]`; an id past int64 (2**63) is outside every vocabulary, said so."""
+    try:
+        return torch.tensor(ids, dtype=torch.long)
+    except (OverflowError, RuntimeError, ValueError):
+        big = next(i for i in ids if not -2**63 <= i < 2**63)
+        raise InputError(f"token id {big} is outside the vocabulary (it does not even fit in int64)") from None
 
 
 def key_for(identity: StateIdentity, token_ids_) -> str:

@@ -12,7 +12,7 @@ from ..cache import CacheInputError, CacheStateError, OutOfPagesError, PagedCach
 from ..models import check_ids, forward_cached
 from .backends import as_ids
 from .hashing import page_keys
-from .identity import identity_of, model_identity
+from .identity import check_salt, identity_of, model_identity
 
 
 class PrefixCachingBackend:
@@ -20,6 +20,12 @@ class PrefixCachingBackend:
 
     stats: running totals of calls, cached_tokens (positions taken from cached pages), computed_tokens
     (positions run through the model) and evicted_pages (cached pages reused for other positions).
+
+    Which model: pages are named under the state identity, whose manifest is a hash of the weights'
+    content. An identical copy of the model swapped in (`backend.model = load(name)` again) names the
+    same pages and is served from them, rightly: equal weights compute equal keys and values. Weights
+    changed in any way the manifest notices (version counters, fingerprint: `lab.models.checks`) name
+    other pages, and the request is computed anew. A salt is a string or None (`check_salt`).
     """
 
     def __init__(self, model, num_pages: int, page_size: int = 16, salt=None):
@@ -57,7 +63,7 @@ class PrefixCachingBackend:
         self.dry = True
 
         def reserve(seq, n):                                    # what the forward's cache would reserve
-            self.pool.manager.reserve(seq, t.shape[1] - n)
+            self.pool.reserve([(seq, t.shape[1] - n)])
             return n
         return self._serve(t[0].tolist(), salt, reserve)
 
@@ -91,9 +97,3 @@ class PrefixCachingBackend:
         s["evicted_pages"] += manager.evicted - evicted
         return out
     # endregion
-
-
-def check_salt(salt):
-    """A salt is a string (a tenant's name, a secret) or None: anything else is refused, never str()-ed."""
-    if salt is not None and not isinstance(salt, str):
-        raise TypeError(f"salt must be a string or None, got {type(salt).__name__}")

@@ -58,8 +58,8 @@ class _StoreOnly:
 def _no_model():
     stack = contextlib.ExitStack()
     stack.enter_context(unchanged(__name__))
-    stack.enter_context(functions_raise(forward, forward_cached, gpt2.forward, gpt2.forward_cached, gpt2.block,
-                                        llama.forward, llama.forward_cached, llama.block, why=NO_MODEL))
+    stack.enter_context(functions_raise(forward, forward_cached, gpt2.forward, gpt2.block, llama.forward,
+                                        llama.block, why=NO_MODEL))
     stack.enter_context(ForbidTorch(("mm", "matmul", "linear", "embedding", "scaled_dot_product"), NO_MODEL))
     return stack
 

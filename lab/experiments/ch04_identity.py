@@ -6,6 +6,8 @@ correct computation (recomputation without a cache). A cache records which model
 weights are tried that way first (is the wrong call refused?), then the record is erased on purpose to
 measure the damage the wrong reuse would do without it. Then the same situation is put to a
 CachedBackend, which must refuse the reuse (a miss) or handle it, and still return the correct scores.
+
+The checks' costs are measured by `lab.engine.identity_cost`; the in-place update is `lab.models.updates`.
 """
 
 import statistics
@@ -14,12 +16,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import data
-from ..bench import time_call, time_rounds, time_steps
 from ..cache import CacheMismatchError, StaticCache
-from ..engine import CachedBackend, RecomputeBackend, generate, identity_of, key_for, prefix_key
+from ..engine import CachedBackend, RecomputeBackend, greedy_agreement
+from ..engine.identity_cost import key_cost, refusal_cost, weights_check_cost
 from ..metrics import kl_divergence
-from ..models import forward, forward_cached, load, owner
-from ..models.load import Model, scaled_copy
+from ..models import forward, forward_cached, load
+from ..models.load import scaled_copy
+from ..models.updates import STEP_LR, optimizer_step, private_copy, relative_update, step_signs
 from ..results import figures_dir, provenance, quick, value, write_section
 from .plots import finish
 
@@ -47,14 +50,6 @@ IDENTITY_CHANGES = {"other_prompt": "token ids", "stale_offset": None, "static_n
 
 # The adapter hazard's weight: the MLP output projection of the middle layer (Llama naming).
 ADAPTER_WEIGHT = "model.layers.{layer}.mlp.down_proj.weight"
-
-# The in-place hazard's update: one Adam step at this learning rate. Adam's first step moves every weight by
-# exactly the learning rate (its normalized update m / sqrt(v) is the gradient's sign when the moments
-# start at zero), and later steps by about as much, whatever the gradient's size; reinforcement-learning
-# fine-tuning of language models runs at learning rates of 1e-6 to 1e-5 (NeMo RL's GRPO example: 5e-6).
-# SmolLM2's weight matrices have an rms of 0.05 to 0.4: a relative change of 1e-5 to 1e-4 per element
-# (relative_update), a small step, as a real one is.
-STEP_LR = 5e-6
 
 
 def settings(quick_mode: bool) -> dict:
@@ -91,44 +86,16 @@ def step_at_wrong_position(model, token, cache, position=0):
 def unguarded_step(model, token, cache):
     """(next-token scores, refused): `step`, even where the cache refuses it.
 
-    The cache records which model filled it (`cache.owner`: the config and every weight's storage and
-    version), and `forward_cached` refuses another model with CacheMismatchError. To measure what the wrong
-    reuse would do, the record is then erased and the call made again: a cache without an identity record
-    (as in any implementation that checks only shapes) would take the call at once. `refused` says
-    whether the cache refused it first."""
+    The cache records which model filled it (`cache.owner`: the config, every weight's storage and version,
+    and their fingerprint), and `forward_cached` refuses another model with CacheMismatchError. To measure
+    what the wrong reuse would do, the record is then erased and the call made again: a cache without an
+    identity record (as in any implementation that checks only shapes) would take the call at once.
+    `refused` says whether the cache refused it first."""
     try:
         return step(model, token, cache), False
     except CacheMismatchError:   # a failed call leaves the cache as it was
         cache.owner = None       # erased on purpose: what a cache without an identity record allows
         return step(model, token, cache), True
-
-
-def private_copy(model) -> Model:
-    """The model with its own copy of every weight, as a trainer holds them: ordinary tensors (made outside
-    inference mode, so that their version counters count in-place changes), changed without touching the
-    shared model. Its manifest is the files' hash until a weight changes, then the tensors' hash."""
-    with torch.inference_mode(False):
-        weights = {k: v.clone() for k, v in model.weights.items()}
-    return Model(model.name, model.config, weights, model.tokenizer, model.files)
-
-
-def step_signs(weights, seed=0) -> dict:
-    """The direction of one optimizer step: a random sign for every element of every matrix, seeded (int8)."""
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randint(0, 2, w.shape, generator=g, dtype=torch.int8).mul_(2).sub_(1)
-            for k, w in weights.items() if w.dim() == 2}
-
-
-def optimizer_step(weights, signs, lr=STEP_LR):
-    """Update every matrix in place as one Adam step does: each element moves by `lr`, in the direction of
-    `signs`. The tensors keep their storage; their version counters move."""
-    for k, s in signs.items():
-        weights[k].add_(s, alpha=lr)
-
-
-def relative_update(weights, signs, lr=STEP_LR) -> float:
-    """The size of that step: the median over matrices of |update| / |weight| (Frobenius norms)."""
-    return statistics.median(lr * s.numel() ** 0.5 / weights[k].norm().item() for k, s in signs.items())
 
 
 def variants_of(model, names=None) -> dict:
@@ -245,93 +212,12 @@ def hazards(model, trials=20, prefix_len=24, progress=True) -> dict:
     return out
 
 
-def refusal_cost(model, prefix_len=24, reps=5) -> dict:
-    """Time of a refused call (the backend discards its cache and recomputes) against a plain recomputation."""
-    p = data.passages(model.tokenizer, 2 * prefix_len + 1, count=1, seed=9)[0]
-    request = p[prefix_len:]
-    recompute = RecomputeBackend(model)
-    backend = CachedBackend(model, static_for(model))
-    r = time_rounds({"refused": lambda: backend.next_logits(request),     # refused: recomputes
-                     "recompute": lambda: recompute.next_logits(request)},
-                    warmup=1, rounds=reps,
-                    setup=lambda: backend.next_logits(p[:prefix_len]))  # untimed: holds another prompt's state
-    return dict(refused=r["refused"]["median"], recompute=r["recompute"]["median"])
-
-
-def key_cost(model, lengths=(16, 512, 4096), reps=400, step_reps=9) -> dict:
-    """What the identity check costs per call, beside one cached decode step at the same context.
-
-    For each length T: `prefix_key` over T ids (identity and ids, from scratch); the CachedBackend's own
-    check on a call that extends a state of T - 1 positions (`reusable_prefix`, then the key of the new
-    state, as `next_logits` does: the manifest is read once, its weights-state comparison included);
-    and one decode step of the model through a StaticCache holding T - 1 positions (forward_cached's
-    owner check included). The check reads the ids, the identity and the cache's bookkeeping, never the
-    values in the cache, and a step's time does not depend on them: the backend's state is set by hand
-    (a cache of T - 1 positions, recorded as the backend records what it wrote) rather than prefilled.
-    """
-    ident = identity_of(model, StaticCache(model.config, 1, dtype=model.dtype))  # the same at every length
-    out = {}
-    for T in lengths:
-        ids = torch.randint(0, model.config.vocab_size, (T,), generator=torch.Generator().manual_seed(T)).tolist()
-        cache = StaticCache(model.config, T, dtype=model.dtype)
-        cache.length = T - 1                               # the state of ids[:-1], as the bookkeeping sees it
-        key = time_call(lambda ids=ids: prefix_key(ident.manifest, ids, tokenizer=ident.tokenizer,
-                                                   compute_dtype=ident.compute_dtype, cache_dtype=ident.cache_dtype,
-                                                   cache_kind=ident.cache_kind, rope_theta=ident.rope_theta,
-                                                   max_positions=ident.max_positions), warmup=5, reps=reps)
-        backend = CachedBackend(model, lambda cache=cache: cache)
-        backend.cache, backend.cached_ids, backend.cached_identity = cache, ids[:-1], ident
-        backend.cached_key = key_for(ident, ids[:-1])
-        backend._held = (cache, cache.version)             # as next_logits records the cache it wrote
-
-        def check(backend=backend, ids=ids):                # what next_logits adds to a hit, besides the step
-            n = backend.reusable_prefix(ids, None)
-            key_for(backend.cached_identity, ids)      # a hit reuses the identity it just compared
-            return n
-
-        assert backend.holds_its_state() and check() == T - 1, "the check must find the state of ids[:-1]"
-        chk = time_call(check, warmup=5, reps=reps)
-        token = torch.tensor([[ids[-1]]])
-        step = time_steps(lambda cache=cache, T=T: cache.crop(T - 1),
-                          lambda cache=cache, token=token: forward_cached(token, model.weights, model.config,
-                                                                          cache, last_only=True),
-                          warmup=1, reps=step_reps)
-        out[T] = dict(key=key, check=chk, step=step)
-    return out
-
-
-def check_cost(model, reps=400, rehash_reps=5) -> dict:
-    """What noticing in-place weight changes costs. Per call: `Model.manifest` with the weights unchanged
-    (it compares every tensor's storage and version counter with the state it last hashed) and `owner`
-    (the identity forward_cached records in the cache and compares, on every call). Once per change: the
-    first `Model.manifest` after a weight changed in place, which hashes every tensor again.
-
-    The change is made to a private copy of one weight (the shared model is never changed): an in-place
-    add before each timed read, untimed."""
-    manifest = time_call(lambda: model.manifest, warmup=5, reps=reps)
-    own = time_call(lambda: owner(model.weights, model.config), warmup=5, reps=reps)
-    name = next(k for k, w in model.weights.items() if w.dim() == 2)
-    with torch.inference_mode(False):
-        weights = dict(model.weights) | {name: model.weights[name].clone()}  # the others shared, only read
-    copy = Model(model.name, model.config, weights, model.tokenizer, model.files)
-    before = copy.manifest
-    rehash = time_steps(lambda: weights[name].add_(STEP_LR), lambda: copy.manifest, warmup=0, reps=rehash_reps)
-    assert copy.manifest != before, "the manifest must change when a weight changes in place"
-    return dict(manifest=manifest, owner=own, rehash=rehash)
-
-
 def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
     """Several greedy requests through one CachedBackend: hits, misses, positions, same tokens as recompute."""
     prompts = data.passages(model.tokenizer, prompt, count=requests, seed=11)
-    backend, recompute = CachedBackend(model, static_for(model, prompt + new_tokens)), RecomputeBackend(model)
-    same, per_request = True, []
-    for p in prompts:
-        before = backend.positions
-        cached = generate(backend, p, new_tokens).tokens
-        per_request.append(backend.positions - before)
-        same &= cached == generate(recompute, p, new_tokens).tokens
-    return dict(calls=backend.calls, hits=backend.hits, misses=backend.misses, positions=per_request,
-                tokens_identical=same, recompute_positions=recompute.positions // requests)
+    backend = CachedBackend(model, static_for(model, prompt + new_tokens))
+    r = greedy_agreement(backend, RecomputeBackend(model), prompts, new_tokens)
+    return r | dict(calls=backend.calls, hits=backend.hits, misses=backend.misses)
 
 
 LABELS = {"other_prompt": "another prompt", "stale_offset": "stale offset", "static_not_reset": "not reset",
@@ -370,7 +256,7 @@ def measure(quick_mode=None) -> dict:
     return dict(settings=s, manifest=smol.manifest, hazards=hazards(smol, s["trials"], s["prefix"]),
                 refusal=refusal_cost(smol, s["prefix"]),
                 key_cost=key_cost(smol, s["key_lengths"], s["key_reps"], s["step_reps"]),
-                check_cost=check_cost(smol, s["key_reps"], s["rehash_reps"]),
+                check_cost=weights_check_cost(smol, s["key_reps"], s["rehash_reps"]),
                 engine=engine_check(smol, s["requests"], s["new_tokens"], s["prompt"]))
 
 
@@ -384,7 +270,7 @@ def record(m: dict, hazards_figure=None) -> dict:
         plt.close(plot_hazards(m["hazards"], figs / "ch04_hazards.png"))
     else:
         finish(hazards_figure, figs / "ch04_hazards.png")
-    values = {"hazards": {}, "engine": {}, "refusal": {}}
+    values = {"hazards": {}}
     for name, r in m["hazards"].items():
         values["hazards"][name] = {
             "delta_median": value(r["delta_median"], "logit"), "delta_max": value(r["delta_max"], "logit"),
@@ -418,47 +304,47 @@ def record(m: dict, hazards_figure=None) -> dict:
                          "recompute_ms": value(r["recompute"] * 1e3, "ms"),
                          "ratio": value(r["refused"] / r["recompute"], "x")}
     if "key_cost" in m:
-        values["key_cost_us"], values["check_us"], values["step_ms"], values["check_share"] = {}, {}, {}, {}
-        for T, c in m["key_cost"].items():
-            k, chk, st = c["key"], c["check"], c["step"]
-            values["key_cost_us"][f"T{T}"] = value(k["median"] * 1e6, "µs", iqr=k["iqr"] * 1e6, n=k["n"],
-                                                   threads=k["threads"], note=f"prefix_key over {T} ids")
-            values["check_us"][f"T{T}"] = value(chk["median"] * 1e6, "µs", iqr=chk["iqr"] * 1e6, n=chk["n"],
-                                                threads=chk["threads"],
-                                                note=f"CachedBackend check of a call extending {T - 1} positions")
-            values["step_ms"][f"T{T}"] = value(st["median"] * 1e3, "ms", iqr=st["iqr"] * 1e3, n=st["n"],
-                                               threads=st["threads"], note=f"one cached decode step at {T} positions")
-            values["check_share"][f"T{T}"] = value(100 * chk["median"] / st["median"], "%",
-                                                   note="the backend's check as a share of a decode step")
-        lo, hi = min(m["key_cost"]), max(m["key_cost"])
-        c_lo, c_hi = m["key_cost"][lo], m["key_cost"][hi]
-        values["check_growth"] = value(c_hi["check"]["median"] / c_lo["check"]["median"], "x",
-                                       note=f"backend check time at {hi} ids over {lo} ids")
-        values["step_growth"] = value(c_hi["step"]["median"] / c_lo["step"]["median"], "x",
-                                      note=f"decode step time at {hi} positions over {lo} positions")
+        kc = m["key_cost"]
+        values["key_cost_us"] = {f"T{T}": timed(c["key"], 1e6, "µs", f"prefix_key over {T} ids") for T, c in kc.items()}
+        values["check_us"] = {f"T{T}": timed(c["check"], 1e6, "µs", f"CachedBackend check of a call extending {T - 1} "
+                                             "positions") for T, c in kc.items()}
+        values["step_ms"] = {f"T{T}": timed(c["step"], 1e3, "ms", f"one cached decode step at {T} positions")
+                             for T, c in kc.items()}
+        values["check_share"] = {f"T{T}": value(100 * c["check"]["median"] / c["step"]["median"], "%",
+                                                note="the backend's check as a share of a decode step")
+                                 for T, c in kc.items()}
+        lo, hi = kc[min(kc)], kc[max(kc)]
+        values["check_growth"] = value(hi["check"]["median"] / lo["check"]["median"], "x",
+                                       note=f"backend check time at {max(kc)} ids over {min(kc)} ids")
+        values["step_growth"] = value(hi["step"]["median"] / lo["step"]["median"], "x",
+                                      note=f"decode step time at {max(kc)} positions over {min(kc)} positions")
     if "check_cost" in m:
-        c = m["check_cost"]
-        man, own, re_ = c["manifest"], c["owner"], c["rehash"]
+        c, kc = m["check_cost"], m.get("key_cost", {})
+        per_call = c["manifest"]["median"] + c["owner"]["median"]
         values["weights_check"] = {
-            "manifest_us": value(man["median"] * 1e6, "µs", iqr=man["iqr"] * 1e6, n=man["n"], threads=man["threads"],
-                                 note="Model.manifest, weights unchanged: every tensor's storage and version "
-                                      "compared with the state last hashed"),
-            "owner_us": value(own["median"] * 1e6, "µs", iqr=own["iqr"] * 1e6, n=own["n"], threads=own["threads"],
-                              note="lab.models.checks.owner(weights, config), which forward_cached computes and "
-                                   "the cache compares on every call"),
-            "rehash_s": value(re_["median"], "s", iqr=re_["iqr"], n=re_["n"], threads=re_["threads"],
-                              note="the first Model.manifest after a weight changed in place: every tensor hashed"),
-            "per_call_us": value((man["median"] + own["median"]) * 1e6, "µs",
-                                 note="a CachedBackend hit: the manifest read once (to decide; the new state's key "
-                                      "reuses that identity) and the owner once (forward_cached); inside check_us "
-                                      "and step_ms")}
-        if "key_cost" in m:
-            values["weights_check"]["share"] = {
-                f"T{T}": value(100 * (man["median"] + own["median"]) / kc["step"]["median"], "%",
-                               note=f"per_call_us as a share of one cached decode step at {T} positions")
-                for T, kc in m["key_cost"].items()}
+            "manifest_us": timed(c["manifest"], 1e6, "µs", "Model.manifest, weights unchanged: every tensor's "
+                                 "storage, version and fingerprint compared with the state last hashed"),
+            "owner_us": timed(c["owner"], 1e6, "µs", "lab.models.owner(weights, config), which forward_cached "
+                              "computes and the cache compares on every call"),
+            "fingerprint_us": timed(c["fingerprint"], 1e6, "µs", "lab.models.checks.fingerprint: a strided "
+                                    "sample of every weight, inside both the manifest and the owner"),
+            "rehash_s": timed(c["rehash"], 1, "s", "the first Model.manifest after a weight changed in place: "
+                              "every tensor hashed"),
+            "per_call_us": value(per_call * 1e6, "µs", note="a CachedBackend hit: the manifest read once (the new "
+                                 "state's key reuses that identity) and the owner once (forward_cached); inside "
+                                 "check_us and step_ms")}
+        share = lambda t, what: {f"T{T}": value(100 * t / k["step"]["median"], "%", note=f"{what} as a share of "
+                                                f"one cached decode step at {T} positions") for T, k in kc.items()}
+        if kc:
+            values["weights_check"] |= dict(share=share(per_call, "per_call_us"),
+                                            fingerprint_share=share(c["fingerprint"]["median"], "one fingerprint"))
     figures = {"hazards": {"path": figs / "ch04_hazards.png",
                            "caption": "Wrong reuse of a cache, hazard by hazard: logit error and the fraction "
                                       "of trials whose top token is still right"}}
     write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
     return values
+
+
+def timed(t: dict, scale: float, unit: str, note: str) -> dict:
+    """A timing summary (lab.bench) as a recorded value: its median in `unit` (seconds x scale), with spread."""
+    return value(t["median"] * scale, unit, iqr=t["iqr"] * scale, n=t["n"], threads=t["threads"], note=note)

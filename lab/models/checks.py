@@ -39,14 +39,63 @@ def check_ids(ids, config, offset: int = 0) -> torch.Tensor:
     return ids.long()
 
 
-def weights_state(weights: dict) -> tuple:
-    """Which tensors, in which state: each one's storage address and version counter (about 50 us for 272
-    tensors). Every in-place operation (`mul_`, `copy_`, an optimizer step) increments `_version`; another
-    tensor has another storage. Inference tensors have no version counter (they cannot be changed outside
-    inference mode): they count as version 0."""
+def check_positions(positions, config) -> None:
+    """Positions given explicitly to a forward (`[T]` or `[B, T]`) lie inside the model's context: the
+    same PositionLimitError as ids past it. On a GPU, reading the largest back waits for the device."""
+    last = int(positions.max()) if positions.numel() else -1
+    if last >= config.max_positions:
+        what = "learned position table" if config.arch == "gpt2" else "trained context (max_position_embeddings)"
+        raise PositionLimitError(f"position {last} is past {config.name or config.arch}'s {what} of "
+                                 f"{config.max_positions} positions (0 .. {config.max_positions - 1})")
+
+
+# region weights_fingerprint
+FINGERPRINT_SAMPLES = 64   # elements read per tensor: the cost is per tensor, not per element
+
+
+def fingerprint(weights: dict) -> bytes:
+    """The exact bytes of a strided sample of every tensor: FINGERPRINT_SAMPLES elements
+    evenly spaced over each one (all of a smaller one).
+
+    A write that changes every element (a new checkpoint copied in, a matrix scaled, an
+    optimizer step) changes the sample, however it was made: through `.data`, a NumPy view
+    or inside `torch.inference_mode()`, none of which moves the version counter. A write
+    that changes only elements between the samples (one row of the embedding table) does
+    not: the version counter sees that one when it is an ordinary in-place operation, and
+    nothing sees it otherwise. One view and one small copy per tensor, compared byte for
+    byte (NaN included); on a GPU, reading the sample back waits for the device."""
+    samples = []
+    with torch.inference_mode():
+        for t in weights.values():
+            step = max(1, t.numel() // FINGERPRINT_SAMPLES)
+            n = min(t.numel(), FINGERPRINT_SAMPLES)
+            if t.is_contiguous():
+                samples.append(t.as_strided((n,), (step,)))        # [n], a view: reads n values
+            else:
+                samples.append(t.reshape(-1)[::step][:n])          # a copy first: rare for weights
+        if not samples:
+            return b""
+        return torch.cat(samples).cpu().view(torch.uint8).numpy().tobytes()
+# endregion
+
+
+def tensor_versions(weights: dict) -> tuple:
+    """Which tensors, at which version: each one's storage address and version counter (about 50 us for
+    272 tensors). Every ordinary in-place operation (`mul_`, `copy_`, an optimizer step) increments
+    `_version`; another tensor, even an equal one, has another storage. Inference tensors have no
+    version counter: they count as version 0."""
     return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in weights.values())
 
 
+def weights_state(weights: dict) -> tuple:
+    """Which tensors, in which state: their versions, and their fingerprint, which changes with a write
+    the version counters do not see (`.data`, a NumPy view, an inference tensor written in inference mode)."""
+    return tensor_versions(weights), fingerprint(weights)
+
+
 def owner(weights: dict, config) -> tuple:
-    """The identity a cache records for the model that fills it: its config and its weights' state."""
+    """The identity a cache records for the model that fills it: its config and its weights' state (which
+    tensors, their version counters, their fingerprint). Equal owners: the same tensors, unchanged as far
+    as the counters and the fingerprint can tell. An identical copy of the weights (other tensors, equal
+    values) is another owner: proving it equal would mean hashing every weight, so it is not assumed."""
     return config, weights_state(weights)
