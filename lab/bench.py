@@ -21,6 +21,14 @@ def summarize(times: list, samples: bool = False) -> dict:
     return out | {"samples": list(times)} if samples else out
 
 
+def ratio_summary(num: list, den: list) -> dict:
+    """num[i] / den[i] for each round i (two functions' seconds from the same rounds, e.g. time_rounds'
+    samples): median, min, max, quartiles, interquartile range and count."""
+    r = [a / b for a, b in zip(num, den, strict=True)]
+    q1, _, q3 = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
+    return dict(median=statistics.median(r), min=min(r), max=max(r), q1=q1, q3=q3, iqr=q3 - q1, n=len(r))
+
+
 def time_call(fn, warmup: int = 2, reps: int = 7, min_seconds: float = 0.0, device="cpu") -> dict:
     """Run fn() `warmup` times untimed, then at least `reps` times (and at least `min_seconds` in all)."""
     return time_steps(lambda: None, fn, warmup, reps, min_seconds, device)

@@ -9,7 +9,8 @@ the latencies a user of the server sees.
 `workload` draws the requests (arrival times, prompt token ids, output lengths), `run_load` sends each at
 its arrival time and times every streamed token, `summarize` turns the records into time to first token
 (TTFT), inter-token latency (ITL), throughput and goodput. `lab_server` and `vllm_server` start the two
-servers as processes on the same cores, so that one load can be sent to each in turn.
+servers as processes on the same cores, and `compare_servers` sends the same loads to each in turn
+(chapter 8's comparison).
 
 Only the standard library talks to the servers (threads, http.client, server-sent events parsed by hand),
 and only on this machine: `run_load` refuses any host but 127.0.0.1 and localhost.
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tqdm.auto import tqdm
+
 from .data import MAX_REQUEST_LEN, synthetic_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +51,14 @@ VLLM_FIELDS = {"ignore_eos": True}
 
 
 # ---- the requests ----
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be drawn as asked; `field` names the argument that was wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -65,8 +76,11 @@ def workload(n: int, rate: float, seed: int = 0, dataset: str = "ShareGPT", voca
     the long tail onto the bound); prompts are uniform random token ids below `vocab` (49,152: SmolLM2's).
     The same seed gives the same requests; arrivals and prompts come from separate streams, so a change of
     rate moves the arrivals and leaves the prompts alone."""
-    if n < 1 or not rate > 0:
-        raise ValueError(f"need n >= 1 and rate > 0, got n={n!r}, rate={rate!r}")
+    for name, got in (("n", n), ("max_prompt", max_prompt), ("max_output", max_output)):
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1:   # one prompt token, one answer token
+            raise WorkloadError(name, f"{name} must be an integer >= 1, got {got!r}")
+    if not rate > 0:
+        raise WorkloadError("rate", f"rate must be > 0 requests per second, got {rate!r}")
     inputs, outputs = synthetic_lengths(dataset, n, seed)
     gaps, tokens = random.Random(f"arrivals-{seed}"), random.Random(f"prompts-{seed}")
     arrivals = [0.0]
@@ -74,6 +88,20 @@ def workload(n: int, rate: float, seed: int = 0, dataset: str = "ShareGPT", voca
         arrivals.append(arrivals[-1] + (gaps.expovariate(rate) if rate != math.inf else 0.0))
     return [Request(t, [tokens.randrange(vocab) for _ in range(min(int(p), max_prompt))], min(int(o), max_output))
             for t, p, o in zip(arrivals, inputs, outputs, strict=True)]
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 49152) -> list:
+    """n prompts of `length` random token ids below `vocab` (a seed of their own, so no two runs share a
+    prefix): `[n][length]` lists of ints, drawn by torch's generator."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def fixed_requests(n: int, prompt: int, output: int, seed: int, vocab: int = 49152) -> list:
+    """n Requests, all arriving at 0 s, of `prompt` random token ids (random_prompts) and `output` tokens."""
+    return [Request(0.0, p, output) for p in random_prompts(n, prompt, seed, vocab)]
 
 
 # ---- sending them ----
@@ -252,6 +280,66 @@ def summarize(records: list, slo_ttft: float, slo_itl: float) -> dict:
                 ttft_median_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
                 itl_median_s=percentile(itls, 50), itl_p99_s=percentile(itls, 99),
                 slo_ttft_s=slo_ttft, slo_itl_s=slo_itl)
+
+
+# ---- two servers on the same cores, sent the same loads in turns ----
+
+SLO = dict(slo_ttft=2.0, slo_itl=0.5)   # goodput's targets: first token within 2 s, no gap over 0.5 s
+SETTLE_S = 3.0                          # pause before each run: vLLM's worker spins ~1 s after its last step
+
+
+def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate_requests: int, max_prompt: int,
+                    max_output: int, sequential: int, rounds: int = 1, compare_at: int = 16, compare_only=(),
+                    timeout_s: float = 300, model_name: str = "smollm2", vocab: int = 49152) -> dict:
+    """Start every server of `servers` ({name: (lab_server(...) or vllm_server(...), extra_body)}, each
+    idle when not sent a load), then send them the same loads in turns, so that a drift of a shared
+    machine's speed falls on all of them, `SETTLE_S` seconds apart:
+
+    - a warm-up of 2 requests;
+    - "concurrency": for each c in `levels`, c requests of `prompt` random ids and `output` tokens sent at
+      once; at c == compare_at `rounds` times, the order of the servers alternating, the median run (by
+      throughput) kept with every round's throughput; the servers named in `compare_only` run only there;
+    - "sequential" (the first server only): `sequential` such requests, one at a time;
+    - "rates": for each offered rate, `rate_requests` requests of `workload` (Poisson arrivals, lengths
+      clipped to max_prompt and max_output), on every server but those in `compare_only`.
+
+    Prompts are random ids below `vocab` (49,152: SmolLM2's), the same for every server.
+
+    {name: {"concurrency": {c: summary | tokens}, "rates": {rate: summary}}} (summaries as `summarize`
+    with SLO; "tokens": each request's token ids in round 0, for comparing answers), and "sequential"
+    under the first server."""
+    out = {}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(server)[1] for name, (server, _) in servers.items()}
+
+        def run(name, reqs, c=None):
+            time.sleep(SETTLE_S)                  # the other server's threads spin for about a second after a run
+            return run_load(urls[name], reqs, model_name, timeout_s, c, servers[name][1])
+
+        for name in urls:
+            out[name] = {"concurrency": {}, "rates": {}}
+            run(name, fixed_requests(2, prompt, 4, seed=997, vocab=vocab))
+        for c in tqdm(levels, desc="concurrency", leave=False):
+            names = [name for name in urls if name not in compare_only or c == compare_at]
+            runs = {name: [] for name in names}
+            for r in range(rounds if c == compare_at else 1):
+                for name in names[::(-1) ** r]:                         # first to last, then last to first, ...
+                    recs = run(name, fixed_requests(c, prompt, output, seed=100 + c + 1000 * r, vocab=vocab), c)
+                    runs[name].append(summarize(recs, **SLO) | dict(tokens=[x.token_ids for x in recs]))
+            for name, rs in runs.items():                              # the median run; round 0's tokens
+                ranked = sorted(rs, key=lambda x: x["throughput_tok_s"] or 0.0)
+                out[name]["concurrency"][c] = ranked[len(rs) // 2] | dict(
+                    rounds=[x["throughput_tok_s"] or 0.0 for x in rs], tokens=rs[0]["tokens"])
+        first = next(iter(urls))
+        recs = run(first, fixed_requests(sequential, prompt, output, seed=200, vocab=vocab), 1)
+        out[first]["sequential"] = summarize(recs, **SLO)
+        for i, rate in enumerate(tqdm(rates, desc="offered load", leave=False)):
+            reqs = workload(rate_requests, rate, seed=300 + i, vocab=vocab, max_prompt=max_prompt,
+                            max_output=max_output)
+            for name in urls:
+                if name not in compare_only:
+                    out[name]["rates"][rate] = summarize(run(name, reqs), **SLO)
+    return out
 
 
 # ---- the servers, as processes on the same cores ----

@@ -36,12 +36,12 @@ import pandas as pd
 import torch
 import transformers
 
-from lab import results
+from lab import memory, results, step_cost
 from lab.cache import StaticCache
 from lab.experiments import ch03_savings as ch03
-from lab.experiments import library, memory
 from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
+from lab.peers import hf_generate
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
@@ -115,12 +115,12 @@ print(f"16x the context: the uncached step takes {u256 / u16:.1f}x as long, the 
 # over rounds with the lowest and highest round beside it, so a single lucky sample cannot make the
 # headline.
 #
-# `ch03.step_times` does this for three variants per context (uncached, a concatenating cache, a static
+# `lab.step_cost.step_times` does this for three variants per context (uncached, a concatenating cache, a static
 # cache). The sweep starts at $T = 1$, a single cached position, so that the point where the cache starts
 # to pay is found rather than assumed.
 
 # %%
-times = {m.name: ch03.step_times(m, S["contexts"][m.name], S["rounds"], S["warmup"]) for m in (gpt2, smol)}
+times = {m.name: step_cost.step_times(m, S["contexts"][m.name], S["rounds"], S["warmup"]) for m in (gpt2, smol)}
 rows = []
 for name, by_T in times.items():
     sp = ch03.speedups(by_T)
@@ -178,8 +178,9 @@ show(pd.DataFrame([{"model": name, "T": T, "concat / static, median": r["median"
 # if memory, not arithmetic, sets the pace, the time follows the bytes.
 
 # %%
-shares = {m.name: ch03.attention_share(m, S["share_contexts"][m.name], S["share_rounds"]) for m in (gpt2, smol)}
-predicted = {m.name: ch03.predicted_shares(m, S["share_contexts"][m.name]) for m in (gpt2, smol)}
+shares = {m.name: step_cost.attention_share(m, S["share_contexts"][m.name], S["share_rounds"])
+          for m in (gpt2, smol)}
+predicted = {m.name: step_cost.predicted_shares(m, S["share_contexts"][m.name]) for m in (gpt2, smol)}
 ch03.plot_attention_share(shares, predicted, FIGS / "ch03_attention_share.png")
 shown = {"measured": lambda r, p: r["share"]["median"], "lowest round": lambda r, p: r["share"]["min"],
          "highest round": lambda r, p: r["share"]["max"], "FLOPs predict": lambda r, p: p["flops"],
@@ -228,7 +229,7 @@ for name, e in e2e.items():
 # few percent of 1 it means the same speed.
 
 # %%
-lib = library.compare(("gpt2-random", "smollm2"), S["library_context"], S["library_tokens"], S["library_reps"])
+lib = hf_generate.compare(("gpt2-random", "smollm2"), S["library_context"], S["library_tokens"], S["library_reps"])
 timed = ["lab concat (ms)", "library dynamic (ms)", "lab / library, dynamic", "lab static (ms)",
          "library static (ms)", "lab / library, static"]
 show(pd.DataFrame([{"model": name, "context (tokens)": r["context"], "tokens": r["tokens_match"],
@@ -247,7 +248,7 @@ show(pd.DataFrame([{"model": name, "context (tokens)": r["context"], "tokens": r
 
 # %%
 mem = memory.sweep(S["memory_models"], ("concat", "static"), S["memory_batches"], S["memory_tokens"])
-memory.plot(mem, FIGS / "ch03_memory.png")
+ch03.plot_memory(mem, FIGS / "ch03_memory.png")
 show(pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batch_size"],
                     "peak extra (MiB)": r["peak_extra_bytes"] / 2**20, "formula (MiB)": r["cache_bytes"] / 2**20}
                    for r in mem]).set_index(["model", "design", "batch"]))
@@ -263,7 +264,7 @@ show(pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batc
 # imported, which is why every notebook imports `lab` before `torch`: OpenMP reads the setting once,
 # when torch loads (`lab/threads.py`).
 #
-# `lab.experiments.load` times the same decode step in fresh processes (a setting takes effect only in a
+# `lab.contention` times the same decode step in fresh processes (a setting takes effect only in a
 # process of its own), idle and with one spinning process per core beside it, with OpenMP's defaults and
 # with the lab's setting:
 

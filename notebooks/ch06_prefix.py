@@ -37,7 +37,7 @@ import torch
 import transformers
 from IPython.display import display
 
-from lab import data, results
+from lab import data, results, workloads
 from lab.experiments import ch06_prefix as ch06
 from lab.experiments.tables import show
 
@@ -256,8 +256,8 @@ show(pd.DataFrame(chat.turns).rename(columns={"prompt_tokens": "prompt (tokens)"
 # what scoring does (tested), so the sweep needs no model time.
 
 # %%
-workloads = {name: make(smol.config.vocab_size, S["scale"]) for name, make in ch06.WORKLOADS.items()}
-sweep = ch06.hit_rate_sweep(smol, workloads, S["pool_fractions"])
+requests = {name: make(smol.config.vocab_size, S["scale"]) for name, make in workloads.WORKLOADS.items()}
+sweep = workloads.hit_rate_sweep(smol, requests, S["pool_fractions"])
 show(pd.DataFrame({name: r["shape"] for name, r in sweep.items()}).T.rename(columns={
     "mean_tokens": "mean prompt (tokens)", "max_tokens": "longest prompt (tokens)", "tokens": "prompt tokens",
     "distinct_pages": "distinct full pages"}).rename_axis("workload (synthetic)"))
@@ -408,7 +408,7 @@ print("wrote section ch06 to", results.results_path())
 #    function runs: they evict LRU. The workloads are drawn fresh at every run. Then compare the two on a
 #    stream of popular prompts and one-off documents, `ex.compare_lfu_lru(lfu_cached_tokens)`, and on
 #    this chapter's workloads, e.g.
-#    `ex.compare_lfu_lru(lfu_cached_tokens, ch06.few_shot_prompts(320), num_pages=100, page_size=16)`
+#    `ex.compare_lfu_lru(lfu_cached_tokens, workloads.few_shot_prompts(320), num_pages=100, page_size=16)`
 #    (token ids below 320: the bookkeeping runs on the tiny model). Where does LFU win, and where does it
 #    hold on to pages that were popular once?
 # 2. **Prove that a weight update invalidates every page.** Write a test, `weight_update_test(make_backend)`,

@@ -34,9 +34,10 @@ import torch
 import transformers
 from IPython.display import display
 
-from lab import data, results
+from lab import data, metrics, results
 from lab.experiments import ch07_compress as ch07
 from lab.experiments.tables import show
+from lab.peers import hf_quantized
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"threads {torch.get_num_threads()}")
@@ -167,8 +168,8 @@ class SinkCache(ConcatCache):
 from lab.cache import EvictingCache
 
 passage = torch.tensor(data.passages(smol.tokenizer, 160, count=1, seed=4))     # [1, 160]
-ours = ch07.teacher_forced(smol, passage, SinkCache(cfg, 32), prefill=32)
-theirs = ch07.teacher_forced(smol, passage, EvictingCache(cfg, 32, "sinks"), prefill=32)
+ours = metrics.teacher_forced(smol, passage, SinkCache(cfg, 32), prefill=32)
+theirs = metrics.teacher_forced(smol, passage, EvictingCache(cfg, 32, "sinks"), prefill=32)
 assert torch.equal(ours, theirs)
 print("SinkCache and EvictingCache(policy='sinks') give identical logits at all", ours.shape[1], "positions")
 
@@ -183,6 +184,8 @@ print("SinkCache and EvictingCache(policy='sinks') give identical logits at all"
 # - **KL divergence** (nats): how far the distributions are apart, 0 if identical;
 # - **$\Delta$ perplexity**: the change in $\exp(\text{mean loss})$ on the real next tokens;
 # - **top-1 agreement**: how often the most likely token is the same.
+#
+# `lab.metrics.quality(model, ids, make_cache, prefill)` runs this protocol for any cache.
 
 # %%
 ids, prefill, ref = ch07.held_out(smol, S)
@@ -283,7 +286,7 @@ table({f"key group {g}, value group {vg}": r for (g, vg), r in bits["groups"].it
 # layer, frozen after the prompt.
 
 # %%
-hf = ch07.against_transformers(smol, ids, prefill, ref)
+hf = hf_quantized.quality(smol, ids, prefill, ref, ch07.HF_QUANTIZED)
 full_bytes = ch07.float_bytes(cfg) * ids.numel()
 table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes}, percent=["bytes held / float32's"])
 

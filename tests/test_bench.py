@@ -88,15 +88,15 @@ def test_chapter3_step_without_attention_keeps_shapes_and_cache():
     import torch
 
     from lab.cache import StaticCache
-    from lab.experiments.ch03_savings import _skip_attention
     from lab.models import forward_cached, load
+    from lab.step_cost import skip_attention
 
     model = load("tiny-llama")
     cache = StaticCache(model.config, 8)
     ids = torch.tensor([[1, 2, 3]])
     with torch.inference_mode():
         forward_cached(ids, model.weights, model.config, cache)
-        cache.attend = _skip_attention(cache)
+        cache.attend = skip_attention(cache)
         logits = forward_cached(ids[:, :1], model.weights, model.config, cache)
         del cache.attend
     assert logits.shape == (1, 1, model.config.vocab_size) and cache.length == 4  # the new position is stored

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from lab import metrics, workloads
 from lab.experiments import ch06_prefix as ch06
 from lab.models import load
 
@@ -31,24 +32,24 @@ def never_evicting(requests, P):
     return out
 
 
-@pytest.mark.parametrize("name", list(ch06.WORKLOADS))
+@pytest.mark.parametrize("name", list(workloads.WORKLOADS))
 def test_hit_rate_of_a_pool_that_never_evicts_is_the_set_oracles(tiny, name):
-    requests = ch06.WORKLOADS[name](tiny.config.vocab_size, scale=0.1)
-    r = ch06.hit_rate(tiny, requests, num_pages=sum(-(-len(x) // 16) for x in requests))
+    requests = workloads.WORKLOADS[name](tiny.config.vocab_size, scale=0.1)
+    r = workloads.hit_rate(tiny, requests, num_pages=sum(-(-len(x) // 16) for x in requests))
     want = never_evicting(requests, 16)
     assert r["cached_tokens"] == sum(want) and r["evicted_pages"] == 0
     assert r["cached_tokens"] + r["computed_tokens"] == sum(len(x) for x in requests)
 
 
 def test_a_smaller_pool_never_serves_more_and_evicts(tiny):
-    requests = ch06.shared_system_prompts(tiny.config.vocab_size, scale=0.2)
-    sweep = ch06.hit_rate_sweep(tiny, {"s": requests}, (0.05, 0.3, 1.0))["s"]["runs"]
+    requests = workloads.shared_system_prompts(tiny.config.vocab_size, scale=0.2)
+    sweep = workloads.hit_rate_sweep(tiny, {"s": requests}, (0.05, 0.3, 1.0))["s"]["runs"]
     rates = [r["hit_rate"] for r in sweep]
     assert rates == sorted(rates) and rates[0] < rates[-1] and sweep[0]["evicted_pages"] > 0
 
 
 def test_workloads_have_their_shapes():
-    chats = ch06.multi_turn_chats(1000, scale=0.1, turns=3)
+    chats = workloads.multi_turn_chats(1000, scale=0.1, turns=3)
     by_start, system = {}, chats[0][:300]
     for ids in chats:
         assert ids[:300] == system                               # one system prompt for every chat
@@ -56,16 +57,20 @@ def test_workloads_have_their_shapes():
         earlier = [x for x in by_start.values() if ids[:len(x)] == x]
         by_start[tuple(ids)] = ids
         assert len(ids) > 300 and (earlier or len(ids) <= 300 + 120)
-    few = ch06.few_shot_prompts(1000, scale=0.2)
+    few = workloads.few_shot_prompts(1000, scale=0.2)
     assert len({tuple(x[:60]) for x in few}) == 4                # four tasks' instructions
-    assert ch06.few_shot_prompts(1000, scale=0.2) == few         # seeded
+    assert workloads.few_shot_prompts(1000, scale=0.2) == few         # seeded
+    chat = dict(system=50, turns=4, user=7, reply=11)
+    turns = workloads.conversation(1000, **chat)
+    assert [len(x) for x in turns] == ch06.chat_prompts(**chat)            # the lengths the price sheet charges
+    assert all(b[:len(a)] == a for a, b in zip(turns, turns[1:], strict=False))  # each turn resends the last
 
 
 @pytest.mark.parametrize("labels, scores, auc", [
     ([1, 1, 0, 0], [4, 3, 2, 1], 1.0), ([1, 1, 0, 0], [1, 2, 3, 4], 0.0), ([1, 0], [5, 5], 0.5),
     ([1, 0, 1, 0], [4, 3, 2, 1], 0.75)])
 def test_auc_counts_pairs(labels, scores, auc):
-    assert ch06.roc(labels, scores)["auc"] == auc
+    assert metrics.roc(labels, scores)["auc"] == auc
 
 
 def test_auc_equals_counting_pairs_on_random_scores():
@@ -75,7 +80,7 @@ def test_auc_equals_counting_pairs_on_random_scores():
     right = [a for a, la in zip(scores, labels, strict=True) if la]
     wrong = [b for b, lb in zip(scores, labels, strict=True) if not lb]
     pairs = [(a > b) + 0.5 * (a == b) for a in right for b in wrong]
-    r = ch06.roc(labels, scores)
+    r = metrics.roc(labels, scores)
     assert r["auc"] == pytest.approx(sum(pairs) / len(pairs))
     assert r["fpr"][0] == r["tpr"][0] == 0 and r["fpr"][-1] == r["tpr"][-1] == 1
 

@@ -8,9 +8,11 @@ to it exactly, up to the float rounding of a sum: 1e-9 s).
 
 import pytest
 
-from lab import results
+from lab import results, step_cost
+from lab.cache.paged import StepBatch
 from lab.engine import ServingEngine
 from lab.experiments import ch08_serving as ch08
+from lab.loadgen import random_prompts
 from lab.models import load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -26,7 +28,7 @@ SMALL = dict(prompt=24, output=20, levels=(1, 3), sequential=2, pools=(5, 40), p
 
 
 def test_run_timed_is_generate_with_a_clock(tiny):
-    ps = ch08.prompts(3, 20, 0, tiny.config.vocab_size)
+    ps = random_prompts(3, 20, 0, tiny.config.vocab_size)
     want = ServingEngine(tiny, 40, 16, 16).generate(ps, 5, arrivals=[0, 1, 4])
     eng = ServingEngine(tiny, 40, 16, 16)
     r = ch08.run_timed(eng, ps, 5, arrivals=[0, 1, 4])
@@ -53,12 +55,11 @@ def test_the_parts_of_the_experiment_measure_what_they_say(tiny):
 
 
 def test_the_profiled_parts_add_up_to_the_step(tiny):
-    r = ch08.profile(tiny, 3, 20, steps=3)
+    r = step_cost.profile(tiny, 3, 20, steps=3)
     assert set(r["parts"]) == {"schedule", "batch", "attention", "forward"}
     assert all(t >= 0 for t in r["parts"].values()) and r["parts"]["attention"] > 0
     assert r["step_s"] == pytest.approx(sum(r["parts"].values()), abs=1e-9)
-    from lab.engine import serving
-    assert "timed" not in serving.StepBatch.attend.__qualname__    # the class is restored afterwards
+    assert "timed" not in StepBatch.attend.__qualname__    # the class is restored afterwards
 
 
 def test_the_timeline_run_preempts_and_record_writes_the_section(tiny, tmp_path, monkeypatch):
@@ -68,7 +69,7 @@ def test_the_timeline_run_preempts_and_record_writes_the_section(tiny, tmp_path,
     m = dict(settings=ch08.settings(True) | SMALL, manifest=tiny.manifest, threads=1,
              batching=ch08.batching(tiny, SMALL), chunked=ch08.chunked_prefill(tiny, SMALL),
              preemption=ch08.preemption(tiny, SMALL), prefix=ch08.prefix_sharing(tiny, SMALL),
-             profile=ch08.profile(tiny, 3, 20, steps=2), timeline=t, http=None)
+             profile=step_cost.profile(tiny, 3, 20, steps=2), timeline=t, http=None)
     v = ch08.record(m)
     doc = results.read(results.results_path())
     assert doc["sections"]["ch08"]["values"]["timeline"]["preemptions"]["value"] == t["preemptions"]
@@ -78,7 +79,7 @@ def test_the_timeline_run_preempts_and_record_writes_the_section(tiny, tmp_path,
 
 
 def test_step_costs_runs_the_same_step_three_ways(tiny):
-    r = ch08.step_costs(tiny, 3, 20)
+    r = step_cost.step_costs(tiny, 3, 20)
     assert set(r) == {"engine", "unpacked", "thread"} and all(x["step_s"] > 0 for x in r.values())
     eng = ServingEngine(tiny, 8, 16, 16)
     assert hasattr(eng.weights, "packed") and eng.weights.packed   # the engine packs float32 Llama weights

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from lab import results
+from lab import results, step_cost
 from lab.exercises import ch03
 from lab.exercises import ch03_solutions as sol3
 
@@ -31,7 +31,8 @@ def test_the_drawn_shapes_vary():
 def counts_looked_up_beforehand():
     """Every case the old check asked, counted by the check's own counter before the check runs."""
     from lab.models import load
-    return {(load(name).config, T): ch03.counted_step(load(name), T) for name, T in ch03.CASES + [("smollm2", 4096)]}
+    return {(load(name).config, T): step_cost.counted_step(load(name), T)
+            for name, T in ch03.CASES + [("smollm2", 4096)]}
 
 
 def test_decode_flops_refuses_counts_looked_up_beforehand():
@@ -44,14 +45,14 @@ def test_decode_flops_refuses_counts_looked_up_beforehand():
 
 def _run_the_counter(config, T):  # the shortcut: build a model of that shape and let PyTorch count
     from lab.models import random_model
-    return ch03.counted_step(random_model(config), T)[0]
+    return step_cost.counted_step(random_model(config), T)[0]
 
 
 def _call_the_counter(config, T):  # the shortcut without torch in sight: the check's own counter
-    return ch03.counted_step(None, T)[0]
+    return step_cost.counted_step(None, T)[0]
 
 
-_a_copy = types.FunctionType(ch03.counted_step.__code__, ch03.counted_step.__globals__)
+_a_copy = types.FunctionType(step_cost.counted_step.__code__, step_cost.counted_step.__globals__)
 
 
 def _call_a_copy_of_the_counter(config, T):
@@ -66,12 +67,12 @@ def test_decode_flops_refuses_counting_by_running(shortcut):
 
 def _share_by_the_counter(config, T):  # the shortcut for exercise 2: let PyTorch count both parts
     from lab.models import random_model
-    total, attention = ch03.counted_step(random_model(config), T)
+    total, attention = step_cost.counted_step(random_model(config), T)
     return attention / total
 
 
 def _share_by_the_checks_counter(config, T):
-    total, attention = ch03.counted_step(None, T)
+    total, attention = step_cost.counted_step(None, T)
     return attention / total
 
 
@@ -110,10 +111,8 @@ def test_measured_attention_share_refuses_a_typed_number(book):
 
 
 def test_measured_attention_share_refuses_the_books_own_measurement(book):
-    from lab.experiments import ch03_savings
-
     def borrowed(model, T):
-        r = ch03_savings.attention_share(model, [T], rounds=3, progress=False)
+        r = step_cost.attention_share(model, [T], rounds=3, progress=False)
         return 100 * r[T]["share"]["median"]
 
     with pytest.raises(AssertionError, match="forbidden shortcut"):

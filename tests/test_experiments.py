@@ -1,9 +1,11 @@
-"""lab.experiments' shared run(), and the library pieces the chapters use: lab.kernels.pages.paged_copy.
+"""lab.experiments' shared run(), what the chapters may import, and the library pieces the chapters use:
+lab.kernels.pages.paged_copy.
 
 Oracles: a call log for run(); for paged_copy, the definition of a block table (position t of sequence b
 sits in page tables[b, t // page_size] at offset t % page_size), checked slot by slot.
 """
 
+import ast
 import types
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from lab import experiments
 from lab.kernels.pages import paged_copy
+from lab.results import REPO_ROOT
 
 
 def test_run_measures_then_records_and_returns_the_measurements():
@@ -25,6 +28,29 @@ def test_run_by_name_knows_the_chapters():
     assert experiments.chapter("ch02").__name__ == "lab.experiments.ch02_build"
     with pytest.raises(ValueError, match="unknown chapter 'ch09'"):
         experiments.run("ch09")
+
+
+def _imports(path) -> set:
+    """Every module `path` imports, at the top or inside a function, as absolute names (lab.x.y)."""
+    package = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts[:-1])         # lab.experiments
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(x for x in (base, node.module) if x)
+            out |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def test_nothing_outside_the_exercises_imports_them():
+    """The exercises check a reader against the library; the library and the chapters never depend on
+    them. (lab.exercises.ch03 and lab.experiments.ch03_savings imported each other: the FLOP counter both
+    use lives in lab.step_cost.)"""
+    offenders = {str(p.relative_to(REPO_ROOT)): sorted(m for m in _imports(p) if m.startswith("lab.exercises"))
+                 for p in (REPO_ROOT / "lab").rglob("*.py") if "exercises" not in p.parts}
+    assert {p: m for p, m in offenders.items() if m} == {}
 
 
 @pytest.mark.parametrize("L, page_size", [(1, 16), (16, 16), (37, 16), (37, 1), (5, 64)])

@@ -12,6 +12,7 @@ import pytest
 from lab import loadgen, results
 from lab.experiments import gpu
 from lab.models import load
+from lab.peers import vllm_gpu
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def check_serving_dry_run(doc):
 
 def test_find_vllm_cuda_says_why_not():
     # this environment has no vllm module; a missing environment is named as missing
-    python, why = gpu.find_vllm_cuda([Path(sys.executable), Path("/nonexistent/bin/python")])
+    python, why = vllm_gpu.find_vllm_cuda([Path(sys.executable), Path("/nonexistent/bin/python")])
     assert python is None
     assert "no vllm module" in why and "/nonexistent/bin/python: missing" in why and "CUDA" in why
 

@@ -1,4 +1,4 @@
-"""transformers' QuantizedCache run teacher-forced on the lab's models (lab/experiments/hf_quantized.py).
+"""transformers' QuantizedCache run teacher-forced on the lab's models (lab/peers/hf_quantized.py).
 
 The tiny model checks the plumbing and the byte count by hand; SmolLM2 checks that the float run is the
 lab's plain forward and that the quantized runs cost what they should. Every run is on one thread: on a
@@ -10,10 +10,10 @@ import torch
 
 from lab import data
 from lab.cache import QuantizedCache as LabQuantizedCache
-from lab.experiments import hf_quantized as hq
-from lab.experiments.ch07_compress import compare
+from lab.metrics import compare
 from lab.models import forward, load
 from lab.models.hf import to_transformers
+from lab.peers import hf_quantized as hq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,6 +33,22 @@ def test_dynamic_cache_matches_the_plain_forward_tiny(tiny):
     ref = forward(ids, model.weights, model.config)[:, 6:]                        # [2, 18, V]
     assert got.shape == ref.shape == (2, 18, model.config.vocab_size) and got.dtype == torch.float32
     assert (got - ref).abs().max().item() < 1e-5   # the tiny models' float32 parity bound (test_models.py)
+
+
+def test_quality_compares_each_cache_with_the_labs_oracle_tiny(tiny):
+    """hf_quantized.quality against lab.metrics.reference (the lab's plain forward): the float DynamicCache
+    is the oracle up to float32 rounding (KL < 1e-9 nats, the float cache's bound in test_ch07.py), and
+    4-bit quanto moves the distributions; every case keeps its settings and the bytes it stored."""
+    from lab.metrics import reference
+
+    model, hf, ids = tiny
+    ref = reference(model, ids, 7)
+    cases = {"float": dict(backend="dynamic"),
+             "quanto_4": dict(backend="quanto", nbits=4, q_group_size=16, residual_length=8)}
+    r = hq.quality(model, ids, 7, ref, cases)
+    assert r["float"]["kl"] < 1e-9 and r["float"]["top1"] == 1.0 and r["float"]["positions"] == 2 * 17
+    assert r["quanto_4"]["kl"] > 1e-6 and r["quanto_4"]["settings"] == cases["quanto_4"]
+    assert r["quanto_4"]["nbytes"] < r["float"]["nbytes"] and (r["float"]["length"], r["float"]["batch"]) == (24, 2)
 
 
 def test_stored_bytes_counted_by_hand_tiny(tiny):

@@ -71,14 +71,14 @@ def test_kvpress_without_a_press_equals_the_labs_loss_and_streaming_llm_forgets_
 @pytest.mark.skipif(not kvpress.available(), reason="kvpress's environment is not built here (make peers)")
 def test_the_labs_evicting_cache_keeps_what_kvpress_keeps_at_the_same_ratio(smollm2):
     """The lab's sinks and SnapKV policies (SnapKV with kvpress's window of 64 and pooling width 5) against
-    kvpress's StreamingLLM and SnapKV presses at ratio 0.5, kvpress's own protocol (ch07.against_kvpress):
+    kvpress's StreamingLLM and SnapKV presses at ratio 0.5, kvpress's own protocol (against_kvpress):
     every layer and KV head keeps the same positions (Jaccard 1), so the continuation's loss and its KL to
     the uncompressed model agree to float32 rounding (the 1e-4 of the module docstring; 1e-5 measured)."""
-    from lab.experiments import ch07_compress as ch07
+    from lab.peers.kvpress_agreement import against_kvpress
 
     ids = data.passages(smollm2.tokenizer, CONTEXT + CONTINUATION, count=2, seed=1)
     contexts, continuations = [x[:CONTEXT] for x in ids], [x[CONTEXT:] for x in ids]
-    r = ch07.against_kvpress(smollm2, contexts, continuations, 0.5)
+    r = against_kvpress(smollm2, contexts, continuations, 0.5)
     for press in ("streaming_llm", "snapkv"):
         x = r[press]
         assert x["overlap"] == [1.0, 1.0], press

@@ -52,6 +52,21 @@ def test_workload_is_deterministic_and_within_its_bounds():
     assert {r.arrival for r in workload(5, math.inf, 0)} == {0.0}                       # all at once
 
 
+@pytest.mark.parametrize("field", ["max_prompt", "max_output"])
+def test_workload_refuses_zero_length_bound(field):
+    """max_prompt=0 drew empty prompts and max_output=0 requests for no tokens, a load that measures nothing
+    (clipping to [1, bound] cannot hold); the workload refuses them, with a ValueError subclass naming the field."""
+    with pytest.raises(ValueError, match=field) as e:
+        workload(4, rate=1.0, **{field: 0})
+    from lab.loadgen import WorkloadError  # imported here: old main lacks the name, not the check
+
+    assert isinstance(e.value, WorkloadError) and e.value.field == field
+    with pytest.raises(WorkloadError, match="n must be"):
+        workload(0, rate=1.0)
+    with pytest.raises(WorkloadError, match="rate must be"):
+        workload(4, rate=0.0)
+
+
 def test_arrival_gaps_are_exponential_with_mean_one_over_rate():
     """1,999 gaps at 5 requests/s: the mean's standard error is 2.2 % of 0.2 s and the standard deviation's
     about 3.2 %, so 10 % and 15 % are more than four standard errors; an exponential has std == mean and
@@ -138,6 +153,38 @@ def test_a_burst_against_the_lab_server_completes_batched(tiny):
     assert s["completed"] == s["good"] == 12 and s["output_tokens"] == sum(r.max_tokens for r in requests)
     assert s["ttft_median_s"] > 0 and s["itl_median_s"] > 0 and min(g for r in records for g in r.itls) >= 0
     assert all(r.ok for r in one_at_a_time) and alone == 1      # max_concurrency=1: never two in a step
+
+
+def test_compare_servers_sends_every_server_the_same_loads_in_turns(tiny, monkeypatch):
+    """Two lab servers over the same tiny model, and a third run only at the compared level: every run
+    completes; each level and rate is sent to every server it names; the answers are the same on both and
+    equal the engine's own greedy generate (the oracle) for the same prompts."""
+    from contextlib import contextmanager
+
+    from lab import loadgen
+
+    monkeypatch.setattr(loadgen, "SETTLE_S", 0.0)              # no other server's threads to wait out here
+
+    @contextmanager
+    def in_thread():                                           # lab_server's (process, base_url), in a thread
+        with serving(ServingEngine(tiny, num_pages=128, page_size=16, max_batch_tokens=64)) as (port, _):
+            yield None, f"http://127.0.0.1:{port}"
+
+    servers = {name: (in_thread(), loadgen.LAB_FIELDS) for name in ("a", "b", "c")}
+    out = loadgen.compare_servers(servers, levels=(1, 3), prompt=8, output=4, rates=(50.0,), rate_requests=3,
+                                  max_prompt=8, max_output=4, sequential=2, rounds=2, compare_at=3,
+                                  compare_only=("c",), timeout_s=60, model_name="tiny-llama", vocab=320)
+    assert sorted(out["a"]["concurrency"]) == sorted(out["b"]["concurrency"]) == [1, 3]
+    assert list(out["c"]["concurrency"]) == [3] and out["c"]["rates"] == {}
+    assert "sequential" in out["a"] and "sequential" not in out["b"]
+    assert out["a"]["sequential"]["completed"] == 2 and sorted(out["a"]["rates"]) == sorted(out["b"]["rates"]) == [50.0]
+    assert len(out["a"]["concurrency"][3]["rounds"]) == 2 and len(out["a"]["concurrency"][1]["rounds"]) == 1
+    for name, c in (("a", 1), ("a", 3), ("b", 3), ("c", 3)):
+        r = out[name]["concurrency"][c]
+        assert r["completed"] == c and r["failed"] == 0
+        prompts = [q.prompt for q in loadgen.fixed_requests(c, 8, 4, seed=100 + c, vocab=320)]   # round 0's
+        assert r["tokens"] == ServingEngine(tiny, 128, 16, 64).generate(prompts, 4)
+    assert all(out[n]["rates"][50.0]["completed"] == 3 for n in ("a", "b"))
 
 
 # ---- servers as processes ----

@@ -12,22 +12,22 @@ import pytest
 
 from lab import bench
 from lab.cache import cache_bytes
-from lab.experiments import library
-from lab.experiments.library import compare, lab_decode_time, library_decode_time
-from lab.experiments.memory import probe
+from lab.memory import probe, sweep
 from lab.models import hf as hf_module
 from lab.models import load
+from lab.peers import hf_generate
+from lab.peers.hf_generate import compare, lab_decode_time, library_decode_time
 
 LAB_STEP, LIBRARY_PREFILL, LIBRARY_STEP = 1, 7, 3    # fake seconds, see the module docstring
 
 
 @pytest.fixture
 def work_clock(monkeypatch, fake_clock):
-    """lab.experiments.library on a fake clock that its own forwards and generate calls advance."""
-    for module in (bench, library):                  # wherever the timings read the clock
+    """lab.peers.hf_generate on a fake clock that its own forwards and generate calls advance."""
+    for module in (bench, hf_generate):                  # wherever the timings read the clock
         if hasattr(module, "time"):
             monkeypatch.setattr(module, "time", fake_clock)
-    real_forward, real_to_transformers = library.forward_cached, hf_module.to_transformers
+    real_forward, real_to_transformers = hf_generate.forward_cached, hf_module.to_transformers
 
     def forward_cached(*args, **kwargs):
         out = real_forward(*args, **kwargs)
@@ -46,7 +46,7 @@ def work_clock(monkeypatch, fake_clock):
         hf.generate = generate
         return hf
 
-    monkeypatch.setattr(library, "forward_cached", forward_cached)
+    monkeypatch.setattr(hf_generate, "forward_cached", forward_cached)
     monkeypatch.setattr(hf_module, "to_transformers", to_transformers)
     return fake_clock
 
@@ -60,6 +60,20 @@ def test_probe_reports_the_cache_it_built(design):
     assert r["final_nbytes"] == expected  # concat too: it holds exactly the 64 positions at the end
     # The child returned its free heap to the OS before its baseline (malloc_trim), wherever glibc is the C library.
     assert r["trimmed"] is (platform.libc_ver()[0] == "glibc")
+
+
+def test_sweep_gives_one_probe_per_case_and_chapter_3_draws_them(tmp_path):
+    """memory.sweep: a fresh probe per (model, batch, design); ch03.plot_memory: one bar per probe, at its
+    peak extra RSS in MiB, and the formula's line per (model, batch)."""
+    from lab.experiments import ch03_savings as ch03
+
+    rows = sweep(("tiny-llama",), ("concat", "static"), (1, 2), tokens=40, progress=False)
+    assert [(r["batch_size"], r["design"]) for r in rows] == [(1, "concat"), (1, "static"), (2, "concat"),
+                                                               (2, "static")]
+    fig = ch03.plot_memory(rows, tmp_path / "memory.png")
+    heights = sorted(p.get_height() for p in fig.axes[0].patches)
+    assert heights == pytest.approx(sorted(r["peak_extra_bytes"] / 2**20 for r in rows), abs=1e-9)
+    assert (tmp_path / "memory.png").exists()
 
 
 def test_probe_rejects_an_unknown_design():

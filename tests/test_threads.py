@@ -1,4 +1,4 @@
-"""lab.threads: `import lab` chooses OpenMP's wait policy before torch loads; lab.experiments.load runs each
+"""lab.threads: `import lab` chooses OpenMP's wait policy before torch loads; lab.contention runs each
 setting in a process of its own and reports what it ran with. (The timings themselves are a benchmark,
 chapter 3's, never asserted here.)"""
 
@@ -6,8 +6,7 @@ import os
 import subprocess
 import sys
 
-from lab import threads
-from lab.experiments import load
+from lab import contention, threads
 from lab.results import REPO_ROOT
 
 SHOW = "import os, lab; print(os.environ.get('OMP_WAIT_POLICY')); print(lab.threads.describe())"
@@ -37,19 +36,27 @@ def test_torch_imported_first_is_said_plainly():
 
 
 def test_a_benchmark_setting_replaces_every_openmp_key():
-    env = load.environment({"GOMP_SPINCOUNT": "10000"})
+    env = contention.environment({"GOMP_SPINCOUNT": "10000"})
     assert env["GOMP_SPINCOUNT"] == "10000" and env["LAB_OMP_DEFAULT"] == "1"
     assert "OMP_WAIT_POLICY" not in env and "OMP_NUM_THREADS" not in env
-    assert load.environment({})["LAB_OMP_DEFAULT"] == "1"
+    assert contention.environment({})["LAB_OMP_DEFAULT"] == "1"
 
 
 def test_the_worker_runs_with_the_setting_it_was_given():
-    r = load.worker({"OMP_NUM_THREADS": "1"}, context=4, reps=1, warmup=0)
+    r = contention.worker({"OMP_NUM_THREADS": "1"}, context=4, reps=1, warmup=0)
     assert r["openmp"] == {"OMP_NUM_THREADS": "1"} and r["threads"] == 1 and r["median"] > 0
-    assert load.worker({}, context=4, reps=1, warmup=0)["openmp"] == {}
+    assert contention.worker({}, context=4, reps=1, warmup=0)["openmp"] == {}
 
 
 def test_hogs_are_stopped():
-    with load.Hogs(2) as hogs:
+    with contention.Hogs(2) as hogs:
         assert all(p.poll() is None for p in hogs.procs)
     assert all(p.poll() is not None for p in hogs.procs)
+
+
+def test_compare_runs_every_setting_under_every_load_in_rounds():
+    r = contention.compare({"one_thread": {"OMP_NUM_THREADS": "1"}}, loads=(0, 1), rounds=2, context=4, reps=1,
+                           warmup=0, progress=False)
+    assert list(r) == ["one_thread"] and list(r["one_thread"]) == [0, 1]
+    for x in r["one_thread"].values():
+        assert len(x["rounds"]) == 2 and x["threads"] == 1 and min(x["rounds"]) <= x["median"] <= max(x["rounds"])

@@ -2,57 +2,22 @@
 how much of the step's time attention really takes.
 
 Exercises 1 and 2 ask for arithmetic from the model's shape, so the reader's function runs while every
-torch function raises (no running the model, no FLOP counter) and while this module's own counter,
-`counted_step`, raises. Exercise 3 asks for a measurement: the reader's function must run real decode
-steps with attention (the check counts the attention calls) and may not call the book's own measurement,
-`lab.experiments.ch03_savings.attention_share`; its answer is then set beside the book's.
+torch function raises (no running the model, no FLOP counter) and while the library's counter,
+`lab.step_cost.counted_step`, raises. Exercise 3 asks for a measurement: the reader's function must run
+real decode steps with attention (the check counts the attention calls) and may not call the book's own
+measurement, `lab.step_cost.attention_share`; its answer is then set beside the book's.
 
 Exercises 1 and 2 also run on model shapes drawn fresh at every run (`seed=` draws the same ones again), and
 the counter runs only after the reader's function has answered: no count can be looked up beforehand.
 """
 import random
 
-import torch
-from torch.utils.flop_counter import FlopCounterMode
-
 from .. import results
-from ..cache import make_cache
-from ..models import ModelConfig, forward_cached, load, random_model
+from ..models import ModelConfig, load, random_model
 from ..results import COMMITTED
+from ..step_cost import attention_share, counted_step
 from . import compare_with_book
 from .rules import NoTorch, WatchTorch, drawn_with, fresh_seed, functions_raise, unchanged
-
-
-def counted_step(model, T):
-    """FLOPs of one cached decode step at context T, counted by PyTorch while the step runs.
-
-    The step is `forward_cached` through a StaticCache whose attend writes attention out as two matrix
-    products (scores = q k^T, then weights v) so that the counter sees it; projections, MLP and output
-    head are the model's own code. Returns (total, attention).
-    """
-    cfg, w = model.config, model.weights
-    cache = make_cache("static", cfg, T + 1)
-    ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=torch.Generator().manual_seed(T))
-    attention_flops = 0
-
-    def attend(i, q, k, v):
-        nonlocal attention_flops
-        keys, values = cache.update(i, k, v)                       # [1, H_kv, T+1, D]
-        g = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
-        with FlopCounterMode(display=False) as inner:
-            weights = torch.softmax(q @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5, -1)  # [1, H, 1, T+1]
-            out = weights @ values                                                          # [1, H, 1, D]
-        attention_flops += inner.get_total_flops()
-        return out
-
-    with torch.inference_mode():
-        cache.length = T  # the counts do not depend on the cached values: skip the prefill, keep the zeros
-        cache.attend = attend                                      # forward_cached calls cache.attend
-        with FlopCounterMode(display=False) as outer:
-            forward_cached(ids[:, T:], w, cfg, cache)
-    return outer.get_total_flops(), attention_flops
-
 
 # ---- what the checks switch off while a reader's function runs ---------------------------------------------
 
@@ -142,14 +107,12 @@ def check_measured_attention_share(fn, name="smollm2", T=1024, path=COMMITTED):
     (give the cache an `attend` that stores k, v and returns q), in interleaved rounds with
     lab.bench.time_rounds. Rules: it is a measurement, so your function must run real decode steps with
     attention (the check counts them: at least three per layer); and it may not call the book's own
-    `lab.experiments.ch03_savings.attention_share`, nor read the book's number (lab.results raises while it
+    `lab.step_cost.attention_share`, nor read the book's number (lab.results raises while it
     runs). Then your number is set beside the book's
     (`ch03.attention_share.<name>.T<T>` in results/results.json); returns yours over the book's.
     """
-    from ..experiments import ch03_savings
-
     model = load(name)
-    measured_elsewhere = (ch03_savings.attention_share, results.read, results.lookup, compare_with_book)
+    measured_elsewhere = (attention_share, results.read, results.lookup, compare_with_book)
     with unchanged(__name__), functions_raise(*measured_elsewhere), WatchTorch("scaled_dot_product_attention") as seen:
         share = fn(model, T)
     # A difference of two noisy medians: where attention is a small part of the step, noise can make

@@ -111,6 +111,6 @@ def check_best_block_size(best_block_size, seed=None):
 def time_paged_against_contiguous(context=4096, batch=1, rounds=15):
     """The open-ended exercise's measurement: decode attention over pages (the CPU-tuned version) against a
     contiguous cache, SmolLM2's heads, warm, on this machine. Returns the ratio of the medians."""
-    from ..experiments.ch05_paged import attention_case
+    from ..step_cost import attention_case
 
     return attention_case(batch, context, reps=rounds)["ratio"]

@@ -3,9 +3,15 @@
 Each chapter module has `measure(quick_mode=None)` (every measurement, as plain Python values) and
 `record(m)` (write them and the figures to results.json); a notebook calls its parts one at a time, and
 `run` calls both. Besides the chapters: gpu.py (every CUDA measurement), notebooks.py (each notebook's
-running time in quick mode), library.py and memory.py (chapter 3's comparison with transformers and its
-memory probe), plots.py (figure size and legibility for the book's column), tables.py (how a notebook
-shows a table: units, separators, significant digits, words for booleans).
+running time in quick mode), plots.py (figure size and legibility for the book's column), tables.py (how a
+notebook shows a table: units, separators, significant digits, words for booleans).
+
+A measurement a reader could reuse lives in the library, not here: lab.metrics (teacher-forced quality
+through any cache, ROC AUC, key spread), lab.step_cost (what a decode step costs), lab.engine.identity_cost
+(what checking a cache's identity costs), lab.models.updates (weight updates as training makes them),
+lab.memory (peak memory in a fresh process), lab.contention (a step on a busy machine), lab.workloads
+(synthetic prefix-sharing workloads and their hit rates), lab.loadgen (the HTTP load and the two-server
+comparison), and lab.peers (transformers, kvpress and vLLM run beside the lab).
 """
 
 from importlib import import_module

@@ -1,8 +1,7 @@
 """Chapter 3, "What the cache saves": step time, where the step's time goes, end-to-end generation, the
-library, memory.
-
-CPU measurements run here; `python -m lab.experiments.gpu` runs the same sweeps on CUDA when a GPU is
-available (section ch03_gpu of results.json).
+library, memory. The measurements are library code: `lab.step_cost` (a decode step, attention's share of
+it), `lab.memory` (peak memory), `lab.contention` (a busy machine), `lab.peers.hf_generate` (transformers).
+They run on the CPU here; `python -m lab.experiments.gpu` runs the same sweeps on CUDA (section ch03_gpu).
 
 Every timing comparison is made in interleaved rounds (`lab.bench.time_rounds`): each round runs every
 variant once, in turn, so a slow spell of a shared machine hits all of them alike. A ratio is taken per
@@ -10,17 +9,16 @@ round (the i-th uncached step over the i-th cached step) and the median over rou
 lowest and highest round and the interquartile range.
 """
 
-import statistics
-
 import torch
-from tqdm.auto import tqdm
 
-from .. import data
-from ..bench import time_rounds
-from ..cache import cache_bytes, make_cache
+from .. import contention, data, memory
+from ..bench import ratio_summary
+from ..cache import make_cache
 from ..engine import CachedBackend, RecomputeBackend, generate
-from ..models import forward, forward_cached, load
+from ..models import load
+from ..peers import hf_generate
 from ..results import figures_dir, provenance, quick, value, write_section
+from ..step_cost import attention_share, predicted_shares, step_times
 from .plots import finish
 
 SECTION = "ch03"
@@ -43,40 +41,7 @@ def settings(quick_mode: bool) -> dict:
                 load_warmup=3)
 
 
-def ratio_summary(num: list, den: list) -> dict:
-    """num[i] / den[i] for each round i: median, min, max, quartiles, interquartile range and count."""
-    r = [a / b for a, b in zip(num, den, strict=True)]
-    q1, _, q3 = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
-    return dict(median=statistics.median(r), min=min(r), max=max(r), q1=q1, q3=q3, iqr=q3 - q1, n=len(r))
-
-
-# ---- one decode step, with and without a cache ------------------------------------------------------------
-
-@torch.inference_mode()
-def step_times(model, contexts, rounds=11, warmup=1, designs=("concat", "static"), progress=True) -> dict:
-    """One decode step at context T: uncached (a forward over T + 1 positions) and through each cache
-    holding T positions (one new position), timed in interleaved rounds; before every call each cache is
-    cropped back to T positions, untimed. Returns {T: {"uncached": summary, design: summary}}, each summary
-    with its per-round samples."""
-    cfg, w, device = model.config, model.weights, model.device
-    out = {}
-    for T in tqdm(contexts, desc=f"step time {model.name}", disable=not progress):
-        g = torch.Generator().manual_seed(T)
-        ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g).to(device)     # [1, T+1]
-        caches = {d: make_cache(d, cfg, T + 1, device=device) for d in designs}
-        for cache in caches.values():
-            forward_cached(ids[:, :T], w, cfg, cache)                                  # prefill, untimed
-        fns = {"uncached": lambda ids=ids: forward(ids, w, cfg, last_only=True)}
-        fns |= {d: lambda c=c, ids=ids: forward_cached(ids[:, -1:], w, cfg, c, last_only=True)
-                for d, c in caches.items()}
-
-        def back_to_T(T=T, caches=caches):
-            for c in caches.values():
-                c.crop(T)                                  # drop the position the last call added
-
-        out[T] = time_rounds(fns, warmup, rounds, setup=back_to_T, device=device, samples=True)
-    return out
-
+# ---- one decode step, with and without a cache (lab.step_cost.step_times) ----------------------------------
 
 def speedups(times: dict) -> dict:
     """Per context and design: the uncached step's time over the cached step's, round by round (summary)."""
@@ -105,73 +70,6 @@ def faster_design(times: dict) -> dict:
         r = ratio_summary(row["concat"]["samples"], row["static"]["samples"])
         r["faster"] = "static" if r["q1"] > 1.0 else "concat" if r["q3"] < 1.0 else "neither"
         out[T] = r
-    return out
-
-
-# ---- how much of a cached step is attention -----------------------------------------------------------------
-
-def _skip_attention(cache):
-    """An attend(i, q, k, v) that stores k, v like the real one but returns q (the attention output's shape,
-    `[B, H_q, 1, D]`) instead of attending: the step without the attention computation."""
-    def attend(i, q, k, v):
-        cache.update(i, k, v)
-        return q
-    return attend
-
-
-@torch.inference_mode()
-def attention_share(model, contexts, rounds=15, warmup=1, progress=True) -> dict:
-    """The fraction of one cached decode step's time spent in attention, per context T.
-
-    A StaticCache is filled with T positions of random keys and values (the time does not depend on the
-    values; a prefill of 4,096 positions would take minutes). Two variants of the same decode step run in
-    interleaved rounds: the real one, and one whose attention returns its query unchanged, a tensor of the
-    same shape (the cache is still written). Per round, share = 1 - without / with. Returns
-    {T: {"with": summary, "without": summary, "share": ratio-style summary of the shares}}."""
-    cfg, w, device = model.config, model.weights, model.device
-    out = {}
-    for T in tqdm(contexts, desc=f"attention share {model.name}", disable=not progress):
-        g = torch.Generator().manual_seed(T)
-        cache = make_cache("static", cfg, T + 1, device=device)
-        shape = (1, cfg.n_kv_heads, T, cfg.head_dim)                                    # [1, H_kv, T, D]
-        for i in range(cfg.n_layers):
-            cache.update(i, torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device))
-        cache.advance(T)
-        ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=g).to(device)          # [1, 1]
-        skip = _skip_attention(cache)
-
-        def without(ids=ids, cache=cache, skip=skip):
-            cache.attend = skip                                   # forward_cached uses a cache's own attend
-            try:
-                forward_cached(ids, w, cfg, cache, last_only=True)
-            finally:
-                del cache.attend
-
-        fns = {"with": lambda ids=ids, cache=cache: forward_cached(ids, w, cfg, cache, last_only=True),
-               "without": without}
-        r = time_rounds(fns, warmup, rounds, setup=lambda T=T, cache=cache: cache.crop(T), device=device,
-                        samples=True)
-        share = ratio_summary([a - b for a, b in zip(r["with"]["samples"], r["without"]["samples"], strict=True)],
-                              r["with"]["samples"])
-        out[T] = dict(r, share=share)
-        del cache
-    return out
-
-
-def predicted_shares(model, contexts) -> dict:
-    """What attention's share would be if time followed FLOPs, or bytes read, per context T.
-
-    FLOPs: counted by PyTorch's FLOP counter on a real step (lab.exercises.ch03.counted_step). Bytes: the
-    keys and values of T + 1 positions, against every weight read once (the output head reads the whole
-    embedding; GPT-2's table of position embeddings, read one row at a time, is counted whole, about 1%)."""
-    from ..exercises.ch03 import counted_step
-
-    weight_bytes = sum(t.nbytes for t in model.weights.values())
-    out = {}
-    for T in contexts:
-        total, attention = counted_step(model, T)
-        kv = cache_bytes(model.config, T + 1, dtype=torch.float32)
-        out[T] = dict(flops=attention / total, bytes=kv / (kv + weight_bytes))
     return out
 
 
@@ -269,21 +167,41 @@ def plot_attention_share(shares: dict, predicted: dict, path=None):
     return finish(fig, path)
 
 
+def plot_memory(rows, path=None):
+    """lab.memory.sweep's rows as grouped bars: peak extra RSS (MiB) per (model, batch), one bar per design;
+    the formula as a marker."""
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["model"], r["batch_size"]) for r in rows))
+    designs = list(dict.fromkeys(r["design"] for r in rows))
+    by_key = {(r["model"], r["batch_size"], r["design"]): r for r in rows}
+    width = 0.8 / len(designs)
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.6 * len(groups)), 4))
+    for j, design in enumerate(designs):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(groups))]
+        ys = [by_key[(m, b, design)]["peak_extra_bytes"] / memory.MiB if (m, b, design) in by_key else 0
+              for m, b in groups]
+        ax.bar(xs, ys, width, label=f"{design}: peak RSS - baseline")
+    formula = [next(r["cache_bytes"] for r in rows if (r["model"], r["batch_size"]) == g) / memory.MiB for g in groups]
+    ax.hlines(formula, [i - 0.45 for i in range(len(groups))], [i + 0.45 for i in range(len(groups))],
+              colors="black", linestyles="--", label="cache_bytes (formula)")
+    ax.set_xticks(range(len(groups)), [f"{m}\nbatch {b}" for m, b in groups])
+    ax.set(ylabel="MiB", title=f"Peak extra RSS while decoding to {rows[0]['tokens']} positions")
+    ax.legend(fontsize=8)
+    return finish(fig, path)
+
+
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 def under_load(s: dict) -> dict:
     """A SmolLM2 decode step after 256 positions, idle and beside other torch programs, for each OpenMP setting
-    of s["load_settings"] (lab.experiments.load; a fresh process per case)."""
-    from . import load as busy
-
-    loads = busy.loads_for() if s["load_rounds"] > 1 else (0, busy.loads_for()[-1])   # quick: idle and busiest
-    return busy.compare({k: busy.SETTINGS[k] for k in s["load_settings"]}, loads, rounds=s["load_rounds"],
-                        reps=s["load_reps"], warmup=s["load_warmup"])
+    of s["load_settings"] (lab.contention; a fresh process per case)."""
+    loads = contention.loads_for() if s["load_rounds"] > 1 else (0, contention.loads_for()[-1])  # quick: idle, busiest
+    return contention.compare({k: contention.SETTINGS[k] for k in s["load_settings"]}, loads,
+                              rounds=s["load_rounds"], reps=s["load_reps"], warmup=s["load_warmup"])
 
 
 def measure(quick_mode=None) -> dict:
-    from . import library, memory
-
     s = settings(quick() if quick_mode is None else quick_mode)
     smol, gpt2 = load("smollm2"), load("gpt2-random")
     torch.manual_seed(0)
@@ -295,8 +213,8 @@ def measure(quick_mode=None) -> dict:
         settings=s, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times,
         shares=shares, predicted=predicted,
         end_to_end={m.name: end_to_end(m, 17, s["e2e_tokens"]) for m in models},
-        library=library.compare(("gpt2-random", "smollm2"), s["library_context"], s["library_tokens"],
-                                s["library_reps"]),
+        library=hf_generate.compare(("gpt2-random", "smollm2"), s["library_context"], s["library_tokens"],
+                                    s["library_reps"]),
         memory=memory.sweep(s["memory_models"], ("concat", "static"), s["memory_batches"], s["memory_tokens"]),
         under_load=under_load(s),
     )
@@ -324,13 +242,11 @@ def _range(r, unit="x", scale=1.0) -> dict:
 
 def record(m: dict, draw: bool = True) -> dict:
     """Write section ch03. draw=False when the figures were already drawn and saved (the notebook)."""
-    from . import memory
-
     figs = figures_dir()
     if draw:
         plot_step_times(m["times"], figs / "ch03_step_time.png")
         plot_attention_share(m["shares"], m["predicted"], figs / "ch03_attention_share.png")
-        memory.plot(m["memory"], figs / "ch03_memory.png")
+        plot_memory(m["memory"], figs / "ch03_memory.png")
     values = {k: {} for k in ("contexts", "step_ms", "speedup", "speedup_range", "pays_from", "faster",
                               "concat_over_static", "attention_share", "attention_share_range",
                               "attention_flop_share", "attention_byte_share", "attention_step_ms",
@@ -393,7 +309,7 @@ def record(m: dict, draw: bool = True) -> dict:
 
 
 def load_values(r: dict) -> dict:
-    """results.json entries for lab.experiments.load.compare()'s output: per setting, the step idle ("idle"),
+    """results.json entries for lab.contention.compare()'s output: per setting, the step idle ("idle"),
     beside one other torch program ("one", when measured) and beside the most ("busy"), and how many times
     slower each load makes it."""
     from . import load as busy
@@ -420,7 +336,7 @@ def load_values(r: dict) -> dict:
 
 
 def library_values(lib: dict) -> dict:
-    """results.json entries for library.compare()'s output."""
+    """results.json entries for lab.peers.hf_generate.compare()'s output."""
     out = {}
     for name, r in lib.items():
         out[name] = {k: value(_sig3(r[k] * 1e3), "ms", note="per decode token, median")

@@ -10,17 +10,14 @@ import statistics
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .. import data
-from ..bench import flush_caches, time_rounds
 from ..cache import BlockManager, cache_bytes, make_cache
 from ..engine import CachedBackend, generate
-from ..kernels import paged_attention_cpu
-from ..kernels.pages import paged_copy
 from ..models import forward_cached, load
 from ..results import figures_dir, provenance, quick, value, write_section
+from ..step_cost import attention_case
 from . import plots
 from .plots import finish
 
@@ -83,32 +80,6 @@ def concurrency(inputs, outputs, budget_positions: int) -> dict:
         out[scheme if scheme != "paged" else "paged_16"] = int(np.searchsorted(np.cumsum(need), budget_positions,
                                                                                side="right"))
     return out
-
-
-@torch.inference_mode()
-def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0, cold=False,
-                   threads=None) -> dict:
-    """One decode attention at context L, batch B: over pages (`paged_attention_cpu`, the CPU-tuned version a
-    PagedCache uses) and over a contiguous cache (SDPA),
-    timed in alternating rounds. ratio = median paged time / median contiguous time. cold: flush the CPU's
-    caches before every call, as the other layers of a real decode step would, so both read main memory.
-    threads: run both on this many CPU threads (default: torch's current setting, restored afterwards)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, heads[0], head_dim, generator=g)                         # [B, H_q, D]
-    k, v = (torch.randn(B, heads[1], L, head_dim, generator=g) for _ in range(2))  # [B, H_kv, L, D]
-    pool_k, pool_v, tables, lengths = paged_copy(k, v, page_size, g)
-    paged_fn = lambda: paged_attention_cpu(q, pool_k, pool_v, tables, lengths)                # [B, H_q, D]
-    contiguous_fn = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        r = time_rounds({"paged": paged_fn, "contiguous": contiguous_fn}, warmup=2, rounds=reps,
-                        setup=flush_caches if cold else None)
-    finally:
-        torch.set_num_threads(before)
-    paged, contiguous = r["paged"], r["contiguous"]
-    return dict(paged=paged, contiguous=contiguous, ratio=paged["median"] / contiguous["median"],
-                max_diff=float((paged_fn() - contiguous_fn()).abs().max()))
 
 
 # The cases run at LONG_CONTEXT, beside the default (warm, on torch's threads): attention_case arguments.

@@ -1,11 +1,10 @@
 """Chapter 6, "Prefix caching": how much of a workload the pages already hold, what a hit saves in time to
 first token, what naming pages costs, what a shared cache tells another tenant, what caching saves in money,
-and the lab against vLLM on the same requests.
+and the lab against vLLM on the same requests (`lab.peers.vllm_agreement`).
 
-The workloads are SYNTHETIC: random token ids arranged in the shapes of real traffic (applications with long
-system prompts, multi-turn chats, few-shot prompts). Hit rates depend only on which tokens repeat, so the
-hit-rate sweep runs the backend's own bookkeeping without the model (`PrefixCachingBackend.dry_run`, tested
-to count exactly what scoring counts). Times are SmolLM2 on this CPU.
+The workloads are SYNTHETIC (`lab.workloads`): random token ids in the shapes of real traffic. Hit rates
+depend only on which tokens repeat, so the sweep runs the backend's own bookkeeping without the model
+(`lab.workloads.hit_rate`). Times are SmolLM2 on this CPU.
 """
 
 import itertools
@@ -19,15 +18,18 @@ from tqdm.auto import tqdm
 from .. import data
 from ..bench import time_rounds
 from ..engine import PrefixCachingBackend, block_hashes
+from ..metrics import roc
 from ..models import load
+from ..peers.vllm_agreement import against_vllm
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from ..workloads import WORKLOADS, conversation, hit_rate, hit_rate_sweep
 from . import plots
 from .plots import finish
 
 SECTION = "ch06"
 PAGE = 16                       # the lab's page size; the comparison with vLLM uses 32 (its CPU backend's)
 SUFFIX = 16                     # new tokens after the cached prefix, in the time-to-first-token measurement
-SYNTHETIC = "synthetic workload: random token ids in the shape of real traffic (lab.experiments.ch06_prefix)"
+SYNTHETIC = "synthetic workload: random token ids in the shape of real traffic (lab.workloads)"
 
 
 def settings(quick_mode: bool) -> dict:
@@ -37,87 +39,6 @@ def settings(quick_mode: bool) -> dict:
     return dict(scale=1.0, pool_fractions=(0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85, 1.0),
                 prefixes=(32, 64, 128, 256, 512, 1024, 1536), ttft_rounds=15, trials=400, hash_tokens=65536,
                 vllm=True)
-
-
-# ---- synthetic workloads: lists of requests (token ids), in arrival order ----------------------------------
-
-def _tokens(rng, n, vocab):
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def shared_system_prompts(vocab, scale=1.0, seed=0) -> list:
-    """Eight applications, each with its own long system prompt (500-1,500 tokens), chosen by Zipf
-    popularity (the first is the most used); each request is a system prompt and a user's question of
-    20-150 tokens."""
-    rng = random.Random(seed)
-    systems = [_tokens(rng, rng.randint(500, 1500), vocab) for _ in range(8)]
-    weights = [1 / (k + 1) ** 1.1 for k in range(len(systems))]
-    return [rng.choices(systems, weights)[0] + _tokens(rng, rng.randint(20, 150), vocab)
-            for _ in range(int(300 * scale))]
-
-
-def multi_turn_chats(vocab, scale=1.0, seed=1, turns=6) -> list:
-    """Conversations of `turns` turns, interleaved in random order. Every chat starts with the same
-    300-token system prompt; each turn's prompt is the previous prompt, the previous reply (50-250 tokens)
-    and a new user message (20-120 tokens)."""
-    rng = random.Random(seed)
-    system = _tokens(rng, 300, vocab)
-    chats = [list(system) for _ in range(int(48 * scale))]
-    order = [c for c in range(len(chats)) for _ in range(turns)]
-    rng.shuffle(order)                       # a chat's turns stay in order; chats interleave
-    out = []
-    for c in order:
-        if len(chats[c]) > len(system):      # not the first turn: the reply to the last prompt came back
-            chats[c] += _tokens(rng, rng.randint(50, 250), vocab)
-        chats[c] += _tokens(rng, rng.randint(20, 120), vocab)
-        out.append(list(chats[c]))
-    return out
-
-
-def few_shot_prompts(vocab, scale=1.0, seed=2) -> list:
-    """Four tasks, each with six fixed examples of 80-160 tokens behind a 60-token instruction; each request
-    is a task's instruction and examples, then a query of 30-80 tokens. Tasks are equally likely."""
-    rng = random.Random(seed)
-    tasks = [_tokens(rng, 60, vocab) + sum((_tokens(rng, rng.randint(80, 160), vocab) for _ in range(6)), [])
-             for _ in range(4)]
-    return [rng.choice(tasks) + _tokens(rng, rng.randint(30, 80), vocab) for _ in range(int(200 * scale))]
-
-
-WORKLOADS = {"system prompts": shared_system_prompts, "multi-turn chats": multi_turn_chats,
-             "few-shot": few_shot_prompts}
-
-
-def shape(requests, page_size=PAGE) -> dict:
-    """What a workload looks like: requests, prompt lengths, its distinct full pages (the pool that would
-    never evict), and the best hit rate any pool could reach (every page computed once)."""
-    lengths = [len(r) for r in requests]
-    distinct = len({d for r in requests for d in block_hashes(r, page_size)})
-    return dict(requests=len(requests), mean_tokens=float(np.mean(lengths)), max_tokens=max(lengths),
-                tokens=sum(lengths), distinct_pages=distinct)
-
-
-# ---- hit rate against pool size -------------------------------------------------------------------------
-
-def hit_rate(model, requests, num_pages, page_size=PAGE) -> dict:
-    """Serve the requests in order from one pool of `num_pages` (LRU eviction); the backend's stats."""
-    backend = PrefixCachingBackend(model, num_pages, page_size)
-    for ids in requests:
-        backend.dry_run(ids)
-    s = backend.stats
-    return dict(s, hit_rate=s["cached_tokens"] / (s["cached_tokens"] + s["computed_tokens"]), num_pages=num_pages)
-
-
-def hit_rate_sweep(model, workloads: dict, fractions, page_size=PAGE) -> dict:
-    """{workload: {"shape": shape, "runs": [hit_rate at each pool size]}}; pool sizes are fractions of the
-    workload's distinct pages, never below what its longest request needs."""
-    out = {}
-    for name, requests in workloads.items():
-        sh = shape(requests, page_size)
-        floor = -(-sh["max_tokens"] // page_size)
-        sizes = sorted({max(floor, round(f * sh["distinct_pages"])) for f in fractions})
-        out[name] = dict(shape=sh, runs=[hit_rate(model, requests, n, page_size)
-                                         for n in tqdm(sizes, desc=f"hit rate: {name}")])
-    return out
 
 
 # ---- time to first token, hit against miss ----------------------------------------------------------------
@@ -158,18 +79,6 @@ def hashing_cost(model, n_tokens=65536, page_size=PAGE, reps=5) -> dict:
 
 
 # ---- the timing side channel ------------------------------------------------------------------------------
-
-def roc(labels, scores) -> dict:
-    """ROC curve and its area for `scores` (higher: more likely label 1). AUC = P(score of a 1 > score of
-    a 0), ties counting a half (the Mann-Whitney statistic)."""
-    labels, scores = np.asarray(labels, bool), np.asarray(scores, float)
-    pos, neg = scores[labels], scores[~labels]
-    auc = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (len(pos) * len(neg))
-    thresholds = np.r_[np.inf, np.sort(np.unique(scores))[::-1]]
-    tpr = [(pos >= t).mean() for t in thresholds]
-    fpr = [(neg >= t).mean() for t in thresholds]
-    return dict(auc=float(auc), fpr=[float(x) for x in fpr], tpr=[float(x) for x in tpr])
-
 
 @torch.inference_mode()
 def side_channel(model, trials=200, candidates=4, page_size=PAGE, question=8, probe=16, seed=0) -> dict:
@@ -258,80 +167,11 @@ def economics(model, seconds_per_token, chat=CHAT, page_size=PAGE) -> dict:
     """Each provider's cost for the conversation, and what the lab's cache saves on this machine: prompt
     tokens it serves from pages over the conversation (replies included, as a real session feeds them back),
     times the measured compute time per prompt token."""
-    rng = random.Random(5)
-    conversation, requests = _tokens(rng, chat["system"], model.config.vocab_size), []
-    for k in range(chat["turns"]):
-        if k:
-            conversation += _tokens(rng, chat["reply"], model.config.vocab_size)
-        conversation += _tokens(rng, chat["user"], model.config.vocab_size)
-        requests.append(list(conversation))
+    requests = conversation(model.config.vocab_size, chat["system"], chat["turns"], chat["user"], chat["reply"])
     lab = hit_rate(model, requests, -(-len(requests[-1]) // page_size) + 1, page_size)
     return dict(costs={name: conversation_cost(p, chat) for name, p in PRICES.items()}, chat=chat,
                 lab_cached=lab["cached_tokens"], lab_computed=lab["computed_tokens"],
                 compute_saved_s=lab["cached_tokens"] * seconds_per_token, seconds_per_token=seconds_per_token)
-
-
-# ---- against vLLM ------------------------------------------------------------------------------------------
-
-def vllm_requests(model, max_tokens=32, prefix=512, rounds=6) -> list:
-    """One request sequence for both systems (page and block size 32):
-    - a shared 70-token prefix with two tails, then the first request again (the tails and the repeat find
-      the shared whole pages);
-    - a 96-token prompt (three whole pages) twice: a fully matched prompt still runs its last token, so the
-      repeat finds two pages, not three;
-    - the first request's prompt and reply, then a new message: pages filled while decoding are cached too;
-    - a `prefix`-token prompt with a 16-token question, warmed, then in turns the same (hit) and under a new
-      cache salt (miss), max_tokens 1: their seconds are times to first token."""
-    ps = data.passages(model.tokenizer, prefix + 16, count=5, seed=3)
-    shared = ps[0][:70]
-    first = shared + ps[1][:20]
-    out = [first, shared + ps[2][:45], first, ps[3][:96], ps[3][:96]]
-    reply = _greedy(model, first, max_tokens)
-    out.append(first + reply + ps[2][50:70])
-    long = ps[4]
-    out.append({"ids": long, "max_tokens": 1, "role": "warm"})
-    for i in range(rounds):
-        out += [{"ids": long, "max_tokens": 1, "role": "hit"},
-                {"ids": long, "max_tokens": 1, "salt": f"miss-{i}", "role": "miss"}]
-    return out
-
-
-def _greedy(model, ids, n):
-    from ..cache import make_cache
-    from ..engine import CachedBackend, generate
-
-    return generate(CachedBackend(model, lambda: make_cache("concat", model.config, len(ids) + n)), ids, n).tokens
-
-
-@torch.inference_mode()
-def against_vllm(model, max_tokens=32, prefix=512, rounds=6, cores="0-1") -> dict:
-    """The same requests through the lab (page size 32) and vLLM (block size 32, prefix caching on, its
-    engine bound to `cores`), one after another on this machine: per request, cached tokens, tokens and
-    seconds; summaries of time to first token on a hit and a miss."""
-    from ..models.load import smollm2_folder
-    from ..peers import compare_vllm
-
-    requests = vllm_requests(model, max_tokens, prefix, rounds)
-    send = [{k: v for k, v in r.items() if k != "role"} if isinstance(r, dict) else r for r in requests]
-    theirs = compare_vllm.run(smollm2_folder(), send, block_size=32, max_tokens=max_tokens, cores=cores)
-    ours = compare_vllm.lab_run(PrefixCachingBackend(model, 256, 32), send, max_tokens)
-    roles = [r.get("role", "agreement") if isinstance(r, dict) else "agreement" for r in requests]
-
-    def ttft(results, role):
-        return float(np.median([r["seconds"] for r, x in zip(results, roles, strict=True) if x == role]))
-
-    agree = [i for i, x in enumerate(roles) if x == "agreement"]
-    return dict(
-        vllm=theirs["vllm"], core_ids=theirs["core_ids"], lab_threads=torch.get_num_threads(),
-        cached_lab=[ours[i]["num_cached_tokens"] for i in agree],
-        cached_vllm=[theirs["results"][i]["num_cached_tokens"] for i in agree],
-        prompt_tokens=[len(requests[i]) for i in agree],
-        tokens_identical=all(ours[i]["tokens"] == theirs["results"][i]["tokens"] for i in agree),
-        ttft={side: {role: ttft(res, role) for role in ("hit", "miss")}
-              for side, res in (("lab", ours), ("vllm", theirs["results"]))},
-        timing_cached={side: res[roles.index("hit")]["num_cached_tokens"]
-                       for side, res in (("lab", ours), ("vllm", theirs["results"]))},
-        prefix=prefix + 16, rounds=rounds, max_tokens=max_tokens)
 
 
 # ---- figures ----------------------------------------------------------------------------------------------

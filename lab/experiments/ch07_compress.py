@@ -1,14 +1,12 @@
 """Chapter 7, "A smaller cache": what fewer bits per value, or fewer positions kept, cost in model quality.
 
-The measurement every comparison of the chapter shares, `quality`: held-out passages go through a cache the
-way serving feeds them, a prompt in one prefill step and then one token per step, each step's own key and
-value joining the cache at `advance`, where a QuantizedCache quantizes and an EvictingCache evicts. Every
-next-token distribution from the prefill's last position on is compared with the one the uncompressed
-model gives at the same position: KL divergence, change in loss and perplexity, top-1 agreement. The
-oracle is the plain forward over the whole passage, no cache at all.
+The measurement every comparison of the chapter shares is `lab.metrics.quality`: held-out passages go
+through a cache the way serving feeds them, a prompt in one prefill step and then one token per step, and
+every next-token distribution from the prefill's last position on is compared with the plain forward's:
+KL divergence, change in loss and perplexity, top-1 agreement.
 
 The peers, each on the same model and text: transformers' QuantizedCache (quanto and FP8 backends, run
-teacher-forced the same way, `hf_quantized.py`) and NVIDIA's kvpress (`against_kvpress`: kvpress's own
+teacher-forced the same way, `lab.peers.hf_quantized`) and NVIDIA's kvpress (`against_kvpress`: kvpress's own
 protocol, a context compressed once after its prefill and a continuation scored on it, which the lab
 repeats with an EvictingCache of the same size).
 """
@@ -17,14 +15,16 @@ import math
 
 import matplotlib.ticker
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .. import data
-from ..bench import time_rounds
 from ..cache import ConcatCache, EvictingCache, QuantizedCache
-from ..models import forward, forward_cached, load
+from ..metrics import compare, key_spread, quality, reference, teacher_forced
+from ..models import load
+from ..peers import hf_quantized
+from ..peers.kvpress_agreement import LAB_PRESS, against_kvpress
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from ..step_cost import cache_step_times
 from . import plots
 from .plots import finish
 
@@ -56,59 +56,7 @@ def settings(quick_mode: bool) -> dict:
                 ratios=(0.5, 0.75), continuation=256, step_context=1024, step_rounds=15, peers=True)
 
 
-# ---- the measurement: a prefill, then one token per step, against the plain forward -----------------------
-
-def as_batch(ids) -> torch.Tensor:
-    """ids: one passage (a list of ids), several of equal length, or a LongTensor -> `[B, T]`."""
-    x = torch.as_tensor(ids)
-    return x[None] if x.dim() == 1 else x
-
-
-@torch.inference_mode()
-def teacher_forced(model, ids, cache, prefill: int) -> torch.Tensor:
-    """Next-token logits at every position from `prefill - 1` on, `[B, T - prefill + 1, V]`: the passages'
-    first `prefill` tokens in one step, then one token per step through `cache` (batch size B)."""
-    w, cfg, x = model.weights, model.config, as_batch(ids)
-    rows = [forward_cached(x[:, :prefill], w, cfg, cache, last_only=True)[:, -1]]
-    for t in range(prefill, x.shape[1]):
-        rows.append(forward_cached(x[:, t:t + 1], w, cfg, cache)[:, -1])
-    return torch.stack(rows, dim=1)
-
-
-@torch.inference_mode()
-def reference(model, ids, prefill: int) -> torch.Tensor:
-    """The oracle: the plain forward's logits at the same positions, `[B, T - prefill + 1, V]`, a passage
-    at a time (a [B, T, V] tensor of logits would be gigabytes at T = 2,048)."""
-    return torch.stack([forward(row[None], model.weights, model.config)[0, prefill - 1:] for row in as_batch(ids)])
-
-
-def compare(logits, reference, targets) -> dict:
-    """logits, reference `[..., N + 1, V]` at the same positions, targets `[..., N]` the tokens that follow
-    (the last position has none: it is left out). Mean KL(reference || logits) in nats, the change in mean
-    next-token loss and perplexity, top-1 agreement, and each passage's loss (the spread gives the noise)."""
-    n, V = targets.shape[-1], logits.shape[-1]
-    logits, reference = logits[..., :n, :].double(), reference[..., :n, :].double()
-    logp, logq = reference.log_softmax(-1), logits.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)                                       # [..., N]
-    nll = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="none").view(targets.shape)
-    ref_nll = F.cross_entropy(reference.reshape(-1, V), targets.reshape(-1), reduction="none")
-    loss, ref_loss = float(nll.mean()), float(ref_nll.mean())
-    return dict(kl=float(kl.mean()), kl_max=float(kl.max()), loss=loss, ref_loss=ref_loss,
-                delta_ppl=math.exp(loss) - math.exp(ref_loss),
-                top1=float((logits.argmax(-1) == reference.argmax(-1)).double().mean()),
-                passage_loss=nll.reshape(-1, n).mean(-1).tolist(), positions=targets.numel())
-
-
-@torch.inference_mode()
-def quality(model, ids, make_cache, prefill: int = 64, ref=None) -> dict:
-    """`compare` for the cache `make_cache(config, batch_size)` against the plain forward (`ref`, if already
-    computed by `reference`), with the bytes the cache held at the end."""
-    x = as_batch(ids)
-    ref = reference(model, x, prefill) if ref is None else ref
-    cache = make_cache(model.config, x.shape[0])
-    got = teacher_forced(model, x, cache, prefill)
-    return compare(got, ref, x[:, prefill:]) | dict(nbytes=cache.nbytes(), length=x.shape[1], batch=x.shape[0])
-
+# ---- the caches compared (lab.metrics.quality feeds each a prefill, then one token per step) ---------------
 
 def quantized(**settings):
     return lambda config, batch_size=1: QuantizedCache(config, batch_size=batch_size, **settings)
@@ -176,123 +124,15 @@ def with_outlier_channels(model, factor=OUTLIER_FACTOR, pairs=OUTLIER_PAIRS):
     return Model(f"{model.name}-outlier-keys", cfg, weights, model.tokenizer)
 
 
-@torch.inference_mode()
-def key_spread(model, ids) -> dict:
-    """How unevenly the keys fill their range, over every layer and KV head of one prefill: the largest
-    channel's absmax over the median channel's (outlier channels make it large), and how much larger one
-    scale for the whole tensor is than a token's own (the resolution a per-tensor scale gives up)."""
-    cache = ConcatCache(model.config)
-    forward_cached(as_batch(ids)[:1], model.weights, model.config, cache, last_only=True)
-    channel, token = [], []
-    for k in cache.keys:                                                            # [1, H_kv, T, D]
-        per_channel = k[0].abs().amax(dim=1)                                        # [H_kv, D]
-        channel.append(per_channel.amax(-1) / per_channel.median(-1).values)
-        per_token = k[0].abs().amax(dim=-1)                                         # [H_kv, T]
-        token.append(k.abs().amax() / per_token.median())
-    channel = torch.cat(channel)
-    return dict(channel_max=float(channel.max()), channel_median=float(channel.median()),
-                tensor_over_token=float(torch.stack(token).median()))
+# ---- kvpress's protocol, a context compressed once and a continuation scored: lab.peers.kvpress_agreement --
 
-
-# ---- kvpress's protocol: compress a context once, score a continuation on it ------------------------------
-
-@torch.inference_mode()
-def pressed(model, context, continuation, cache):
-    """Logits for every token of `continuation` `[n, V]` on `cache` after it took `context` in one prefill
-    step (an EvictingCache evicts at its end), and the positions the cache kept then (or None)."""
-    w, cfg = model.weights, model.config
-    first = forward_cached(torch.tensor([context]), w, cfg, cache, last_only=True)[0, -1:]
-    kept = [k.clone() for k in cache.kept_positions] if hasattr(cache, "kept_positions") else None
-    rest = forward_cached(torch.tensor([continuation[:-1]]), w, cfg, cache)[0]
-    return torch.cat([first, rest]), kept
-
-
-def _overlap(lab_kept, peer_kept) -> float:
-    """Mean over layers and KV heads of |lab ∩ peer| / |lab ∪ peer| of the kept context positions."""
-    shares = []
-    for lab_layer, peer_layer in zip(lab_kept, peer_kept, strict=True):
-        for a, b in zip(lab_layer[0].tolist(), peer_layer, strict=True):
-            a, b = set(a), set(b)
-            shares.append(len(a & b) / len(a | b))
-    return sum(shares) / len(shares)
-
-
-LAB_PRESS = {"streaming_llm": ("sinks", dict(sinks=4)), "snapkv": ("snapkv", dict(observation=64, pool=5))}
-PEER_PRESS = {"streaming_llm": dict(n_sink=4), "snapkv": dict(window_size=64, kernel_size=5)}
-
-
-def against_kvpress(model, contexts, continuations, ratio, rerotate=False, presses=("streaming_llm", "snapkv")):
-    """Each press at `ratio` (the fraction of the context removed), kvpress's and the lab's EvictingCache
-    with the same settings and budget, on the same (context, continuation) pairs: loss and KL per pair,
-    the difference and its standard error over the pairs, and how many kept positions the two share."""
-    from ..models.load import smollm2_folder
-    from ..peers import compare_kvpress
-
-    out = {}
-    for press in presses:
-        peer = compare_kvpress.run(smollm2_folder(), press, ratio, contexts, continuations,
-                                   threads=torch.get_num_threads(), rerotate=rerotate, **PEER_PRESS[press])
-        policy, kw = LAB_PRESS[press]
-        lab, overlap = [], []
-        for c, x, p in zip(contexts, continuations, peer["results"], strict=True):
-            budget = int(len(c) * (1 - ratio))                     # kvpress's compute_n_kept
-            logits, kept = pressed(model, c, x, EvictingCache(model.config, budget, policy, rerotate=rerotate, **kw))
-            ref = reference(model, [c + x[:-1]], len(c))[0]
-            r = compare(logits[None], ref[None], torch.tensor([x]))
-            lab.append(r)
-            overlap.append(_overlap(kept, p["kept"]) if p["kept"] else None)
-        diff = [a["loss"] - p["loss"] for a, p in zip(lab, peer["results"], strict=True)]
-        mean = sum(diff) / len(diff)
-        se = (sum((d - mean) ** 2 for d in diff) / max(1, len(diff) - 1) / len(diff)) ** 0.5
-        spread = [p["loss"] for p in peer["results"]]
-        out[press] = dict(lab_loss=[r["loss"] for r in lab], lab_kl=[r["kl"] for r in lab],
-                          peer_loss=spread, peer_kl=[p["kl"] for p in peer["results"]],
-                          ref_loss=[r["ref_loss"] for r in lab], diff=mean, diff_se=se, overlap=overlap,
-                          budget=[int(len(c) * (1 - ratio)) for c in contexts],
-                          peer_cache_length=[p["cache_length"] for p in peer["results"]])
-    out["versions"] = dict(kvpress=peer["kvpress"], transformers=peer["transformers"], torch=peer["torch"])
-    return out
-
-
-# ---- transformers' QuantizedCache on the same passages ------------------------------------------------------
+# ---- transformers' QuantizedCache on the same passages (lab.peers.hf_quantized.quality) ---------------------
 
 HF_QUANTIZED = {"quanto_4": dict(backend="quanto", nbits=4, q_group_size=32, residual_length=128),
                 "quanto_2": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128),
                 "quanto_2_channel_keys": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128,
                                               axis_key=-1),
                 "fp8": dict(backend="fp8")}
-
-
-def against_transformers(model, ids, prefill, ref, cases=HF_QUANTIZED) -> dict:
-    """transformers' own model and QuantizedCache, teacher-forced like `quality`, against the same oracle."""
-    from ..models.hf import to_transformers
-    from . import hf_quantized
-
-    hf, x, out = to_transformers(model), as_batch(ids), {}
-    for name, kw in tqdm(cases.items(), desc="transformers"):
-        cache = hf_quantized.make_cache(hf, **kw)
-        got = hf_quantized.teacher_forced(hf, x, prefill, cache)
-        out[name] = compare(got, ref, x[:, prefill:]) | dict(nbytes=hf_quantized.stored_bytes(cache),
-                                                             length=x.shape[1], batch=x.shape[0], settings=kw)
-    return out
-
-
-# ---- step time --------------------------------------------------------------------------------------------
-
-def step_times(model, context: int, cases: dict, rounds=9, seed=0) -> dict:
-    """Seconds per decode step after a prompt of `context` tokens, one cache per design, timed in rounds
-    (each design once per round) so a slow spell of a shared machine hits all alike. Each step appends a
-    position: over 2 + rounds steps the caches grow by under 2% at context 1,024."""
-    w, cfg = model.weights, model.config
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=g)
-    token = prompt[:, -1:]
-    caches = {name: make(cfg, 1) for name, make in cases.items()}
-    with torch.inference_mode():
-        for cache in caches.values():
-            forward_cached(prompt, w, cfg, cache, last_only=True)
-    fns = {name: (lambda c=cache: forward_cached(token, w, cfg, c)) for name, cache in caches.items()}
-    return time_rounds(fns, warmup=2, rounds=rounds)
 
 
 # ---- which positions the eviction policies keep -------------------------------------------------------------
@@ -452,7 +292,7 @@ def measure_steps(model, s: dict) -> dict:
     b = sorted(s["budgets"])[len(s["budgets"]) // 2]
     timed = {"float": float_cache} | {n: quantized(**QUANTIZED[n]) for n in ("per_token_8", "kivi_4", "kivi_2")}
     timed |= {f"{p}_{b}": evicting(b, p) for p in POLICIES}
-    return step_times(model, s["step_context"], timed, s["step_rounds"])
+    return cache_step_times(model, s["step_context"], timed, s["step_rounds"])
 
 
 def measure(quick_mode=None) -> dict:
@@ -463,7 +303,7 @@ def measure(quick_mode=None) -> dict:
              float_bytes=float_bytes(smol.config), bf16_bytes=float_bytes(smol.config, BF16))
     m |= measure_bits(smol, ids, prefill, ref, s)
     m |= measure_positions(smol, ids, prefill, ref, s)
-    m["transformers"] = against_transformers(smol, ids, prefill, ref)
+    m["transformers"] = hf_quantized.quality(smol, ids, prefill, ref, HF_QUANTIZED)
     m["kvpress"] = kvpress_comparison(smol, ids, s)
     m["steps"] = measure_steps(smol, s)
     return m

@@ -3,7 +3,7 @@
 - In process (`ServingEngine`, SmolLM2): throughput of continuous batching against one request after
   another; what chunked prefill does to the decoders' inter-token latency while a long prompt arrives;
   preemptions and recomputation against pool size; prefix caching on a shared system prompt; where a step's
-  time goes (profile); a timeline of a few requests, drawn from a real run.
+  time goes (`lab.step_cost.profile`); a timeline of a few requests, drawn from a real run.
 - Over HTTP (`lab.loadgen`): the lab's server (`python -m lab.serve`) and vLLM's, both running on the same
   two cores and sent each load in turns (both pinned with taskset; the lab with 2 torch threads, vLLM's
   OpenMP threads bound to the same cores): throughput against the number of concurrent requests, and
@@ -14,8 +14,6 @@ purpose; answers are greedy and max_tokens long (vLLM with ignore_eos; the lab's
 SmolLM2's end-of-turn token, which random prompts rarely reach; `agreement` counts how often).
 """
 
-import contextlib
-import time
 from time import perf_counter
 
 import numpy as np
@@ -24,8 +22,10 @@ from tqdm.auto import tqdm
 
 from .. import loadgen
 from ..engine import ServingEngine
+from ..loadgen import random_prompts
 from ..models import load
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from ..step_cost import profile, step_costs
 from . import plots
 from .plots import finish
 
@@ -49,12 +49,6 @@ def settings(quick_mode: bool) -> dict:
                 rates=(0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), rate_requests=24, rounds=3, max_prompt=256,
                 max_output=64,
                 vllm=True, timeout_s=300)
-
-
-def prompts(n, length, seed, vocab=49152) -> list:
-    """n prompts of `length` random token ids (a seed of their own, so no two runs share a prefix)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
 # ---- in process --------------------------------------------------------------------------------------------
@@ -91,13 +85,13 @@ def batching(model, s) -> dict:
     need = -(-(s["prompt"] + s["output"]) // PAGE)
     for c in tqdm(s["levels"], desc="batching", leave=False):
         eng = ServingEngine(model, (need + 1) * c, PAGE, 256, prefix_caching=False)  # room for all at once
-        run_timed(eng, prompts(1, s["prompt"], 999, V), 2)                       # warm-up
-        r = run_timed(eng, prompts(c, s["prompt"], c, V), s["output"])
+        run_timed(eng, random_prompts(1, s["prompt"], 999, V), 2)                       # warm-up
+        r = run_timed(eng, random_prompts(c, s["prompt"], c, V), s["output"])
         sizes = eng.stats["batch_sizes"][-len(r["step_s"]):]
         out["batched"][c] = dict(tok_s=c * s["output"] / r["seconds"], seconds=r["seconds"],
                                  steps=len(r["step_s"]), mean_batch=float(np.mean(sizes)))
     eng = ServingEngine(model, need, PAGE, 256, prefix_caching=False)
-    ps, t = prompts(s["sequential"], s["prompt"], 1000, V), 0.0
+    ps, t = random_prompts(s["sequential"], s["prompt"], 1000, V), 0.0
     for p in ps:
         t += run_timed(eng, [p], s["output"])["seconds"]
     out["sequential"] = dict(tok_s=len(ps) * s["output"] / t, seconds=t, requests=len(ps))
@@ -113,8 +107,8 @@ def chunked_prefill(model, s) -> dict:
     short, n_out = 32, 10 + 2 * -(-s["long"] // s["chunk"])           # decoding until the prompt is done
     for name, budget in (("chunked", s["chunk"]), ("whole", s["long"] + s["decoders"])):
         eng = ServingEngine(model, 512, PAGE, budget, prefix_caching=False)
-        run_timed(eng, prompts(1, short, 998, V), 2)                             # warm-up
-        ps = prompts(s["decoders"], short, 20, V) + prompts(1, s["long"], 21, V)
+        run_timed(eng, random_prompts(1, short, 998, V), 2)                             # warm-up
+        ps = random_prompts(s["decoders"], short, 20, V) + random_prompts(1, s["long"], 21, V)
         r = run_timed(eng, ps, [n_out] * s["decoders"] + [4], arrivals=[0] * s["decoders"] + [2])
         long = r["timeline"][-1]
         gaps = [t for t, n in zip(r["step_s"], eng.stats["batch_sizes"][-len(r["step_s"]):], strict=True) if n]
@@ -131,7 +125,7 @@ def preemption(model, s) -> dict:
     largest pool's."""
     V = model.config.vocab_size
     n, need = s["pool_requests"], -(-(s["prompt"] + s["output"] - 1) // PAGE)
-    ps, out = prompts(n, s["prompt"], 30, V), {}
+    ps, out = random_prompts(n, s["prompt"], 30, V), {}
     for pages in tqdm(sorted(s["pools"], reverse=True), desc="pool sizes", leave=False):
         if pages < need:
             continue
@@ -151,8 +145,8 @@ def prefix_sharing(model, s) -> dict:
     arriving one every two steps, with prefix caching and without: positions computed and taken from cache,
     seconds, median TTFT (seconds), tokens identical."""
     V = model.config.vocab_size
-    system = prompts(1, s["shared_system"], 40, V)[0]
-    ps = [system + p for p in prompts(s["shared_requests"], 32, 41, V)]
+    system = random_prompts(1, s["shared_system"], 40, V)[0]
+    ps = [system + p for p in random_prompts(s["shared_requests"], 32, 41, V)]
     arrivals = [2 * i for i in range(len(ps))]
     out = {}
     for on in (True, False):
@@ -167,73 +161,11 @@ def prefix_sharing(model, s) -> dict:
     return out
 
 
-def profile(model, batch, context, steps=8, packed=True) -> dict:
-    """Where one decode step's time goes with `batch` sequences at `context` positions: scheduling (Python),
-    building the step's batch (block tables, slots), attention (`attend`, every layer), the rest of the forward
-    (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False runs the
-    projections through F.linear instead of the engine's prepacked weights."""
-    from ..engine import serving
-
-    parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
-    # enough new tokens that the first prefilled still decode when the last starts (256 tokens a step), and
-    # a page to spare per request: admission keeps a free page for every running one
-    new = steps + 3 + -(-batch * context // 256)
-    eng = ServingEngine(model, batch * (-(-(context + new) // PAGE) + 1), PAGE, 256, prefix_caching=False)
-    if not packed:
-        eng.weights = model.weights
-    for p in prompts(batch, context, 50, model.config.vocab_size):
-        eng.add_request(p, new)
-    while any(r.state == "waiting" or not r.output for r in eng.requests.values()):
-        eng.step()                                                      # every prompt prefilled
-    orig_schedule, orig_init, orig_attend = eng._schedule, serving.StepBatch.__init__, serving.StepBatch.attend
-    acc = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] = acc.get(name, 0.0) + perf_counter() - t
-        return wrapper
-
-    eng._schedule = timed("schedule", orig_schedule)
-    serving.StepBatch.__init__ = timed("batch", orig_init)
-    serving.StepBatch.attend = timed("attention", orig_attend)
-    try:
-        for _ in range(steps):
-            acc.clear()
-            t = perf_counter()
-            eng.step()
-            total = perf_counter() - t
-            if eng.stats["batch_sizes"][-1] != batch:
-                raise RuntimeError(f"a profiled step ran {eng.stats['batch_sizes'][-1]} sequences, not {batch}")
-            for k in ("schedule", "batch", "attention"):
-                parts[k].append(acc.get(k, 0.0))
-            parts["forward"].append(total - sum(acc.values()))
-    finally:
-        serving.StepBatch.__init__, serving.StepBatch.attend = orig_init, orig_attend
-    med = {k: float(np.median(v)) for k, v in parts.items()}
-    return dict(batch=batch, context=context, parts=med, step_s=sum(med.values()))
-
-
-def step_costs(model, batch, context) -> dict:
-    """A decode step's time (profile) three ways: as the engine runs it; with F.linear instead of prepacked
-    weights; and run from a second thread, as a server that steps its engine off the main thread would."""
-    import threading
-
-    out = {"engine": profile(model, batch, context), "unpacked": profile(model, batch, context, packed=False)}
-    worker = threading.Thread(target=lambda: out.update(thread=profile(model, batch, context)))
-    worker.start()
-    worker.join()
-    return out
-
-
 def timeline_run(model) -> dict:
     """Five requests on a pool of 13 pages, 64 tokens a step: chunked prefill, decoding side by side, and the
     youngest request preempted while the older ones grow. The engine's timeline, and its per-step batch sizes."""
     eng = ServingEngine(model, 13, PAGE, 64, prefix_caching=False)
-    ps = [prompts(1, n, 60 + i, model.config.vocab_size)[0] for i, n in enumerate((150, 30, 40, 120, 20))]
+    ps = [random_prompts(1, n, 60 + i, model.config.vocab_size)[0] for i, n in enumerate((150, 30, 40, 120, 20))]
     r = run_timed(eng, ps, [10, 40, 30, 12, 20], arrivals=[0, 0, 3, 6, 8])
     return dict(timeline=r["timeline"], steps=eng.stats["steps"], preemptions=eng.stats["preemptions"],
                 batch_tokens=eng.stats["batch_tokens"], page_size=PAGE, num_pages=13, max_batch_tokens=64)
@@ -241,26 +173,16 @@ def timeline_run(model) -> dict:
 
 # ---- over HTTP: the lab's server and vLLM's on the same cores ------------------------------------------------
 
-def fixed(n, prompt, output, seed) -> list:
-    return [loadgen.Request(0.0, p, output) for p in prompts(n, prompt, seed)]
-
-
 def level_16(s) -> int:
     """The load the servers are compared at: 16 requests in flight (quick mode: its largest level)."""
     return 16 if 16 in s["http_levels"] else max(s["http_levels"])
 
 
-SLO = dict(slo_ttft=2.0, slo_itl=0.5)   # goodput's targets: first token within 2 s, no gap over 0.5 s
-SETTLE_S = 3.0                          # pause before each run: vLLM's worker spins ~1 s after its last step
-
-
 def http(s) -> dict:
-    """The lab's server and vLLM's, both started on the same cores (an idle server uses no CPU), sent the
-    same loads in turns, so that a drift of this shared machine's speed falls on both: a warm-up; c
-    requests of fixed length in flight (c sent at once; at 16, `rounds` times, the order of the servers
-    alternating, and the median run kept; there also the lab's server with its engine stepped in the
-    server's own process, `lab_one_process`); one request at a time (the lab's sequential loop); each
-    offered rate (Poisson arrivals, ShareGPT-shaped lengths). Tokens kept for agreement."""
+    """The lab's server and vLLM's, both on the same cores, sent the same loads in turns
+    (`loadgen.compare_servers`): c requests of fixed length in flight, at 16 `rounds` times and there also
+    the lab's server with its engine stepped in the server's own process (`lab_one_process`); one request at
+    a time (the lab's sequential loop); each offered rate (Poisson arrivals, ShareGPT-shaped lengths)."""
     servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS),
                "lab_one_process": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, one_process=True),
                                    loadgen.LAB_FIELDS)}
@@ -271,36 +193,10 @@ def http(s) -> dict:
         out["vllm"] = "vLLM's environment is not built here (make vllm)"
     else:
         servers["vllm"] = (loadgen.vllm_server(cores=CORES), loadgen.VLLM_FIELDS)
-    with contextlib.ExitStack() as stack:
-        urls = {side: stack.enter_context(server)[1] for side, (server, _) in servers.items()}
-
-        def run(side, reqs, c=None):
-            time.sleep(SETTLE_S)                  # the other server's threads spin for about a second after a run
-            return loadgen.run_load(urls[side], reqs, "smollm2", s["timeout_s"], c, servers[side][1])
-
-        c16 = level_16(s)
-        for side in urls:
-            out[side] = {"concurrency": {}, "rates": {}}
-            run(side, fixed(2, s["http_prompt"], 4, seed=997))
-        for c in tqdm(s["http_levels"], desc="concurrency", leave=False):
-            sides = [side for side in urls if side != "lab_one_process" or c == c16]
-            runs = {side: [] for side in sides}
-            for r in range(s["rounds"] if c == c16 else 1):
-                for side in sides[::(-1) ** r]:                         # lab first, then last first, ...
-                    recs = run(side, fixed(c, s["http_prompt"], s["http_output"], seed=100 + c + 1000 * r), c)
-                    runs[side].append(loadgen.summarize(recs, **SLO) | dict(tokens=[x.token_ids for x in recs]))
-            for side, rs in runs.items():                              # the median run; round 0's tokens
-                ranked = sorted(rs, key=lambda x: x["throughput_tok_s"] or 0.0)
-                out[side]["concurrency"][c] = ranked[len(rs) // 2] | dict(
-                    rounds=[x["throughput_tok_s"] or 0.0 for x in rs], tokens=rs[0]["tokens"])
-        recs = run("lab", fixed(s["sequential"], s["http_prompt"], s["http_output"], seed=200), 1)
-        out["lab"]["sequential"] = loadgen.summarize(recs, **SLO)
-        for i, rate in enumerate(tqdm(s["rates"], desc="offered load", leave=False)):
-            reqs = loadgen.workload(s["rate_requests"], rate, seed=300 + i, max_prompt=s["max_prompt"],
-                                    max_output=s["max_output"])
-            for side in ("lab", "vllm"):
-                if side in urls:
-                    out[side]["rates"][rate] = loadgen.summarize(run(side, reqs), **SLO)
+    out |= loadgen.compare_servers(servers, s["http_levels"], s["http_prompt"], s["http_output"], s["rates"],
+                                   s["rate_requests"], s["max_prompt"], s["max_output"], s["sequential"],
+                                   rounds=s["rounds"], compare_at=level_16(s), compare_only=("lab_one_process",),
+                                   timeout_s=s["timeout_s"])
     if "vllm" in servers:
         out["agreement"] = agreement(out, s["http_levels"])
     return out

@@ -2,7 +2,7 @@
 
 `compare` times one cached SmolLM2 decode step in fresh processes, one per (setting, load): OpenMP reads
 its settings once, when torch loads, so a setting can only be tried in a process of its own. Each worker
-(`python -m lab.experiments.load`) loads the model, prefills `context` positions into a StaticCache and
+(`python -m lab.contention`) loads the model, prefills `context` positions into a StaticCache and
 times `reps` decode steps after a warm-up (lab.bench.time_steps, the cache cropped back before each); it
 prints one JSON line. The load is `hogs` other torch programs, started before the worker and stopped after
 it, each running small operators in a loop on torch's default threads with OpenMP's defaults, as a second
@@ -23,8 +23,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from .. import threads
-from ..results import REPO_ROOT
+from . import threads
+from .results import REPO_ROOT
 
 # The settings compared: OpenMP's own defaults (threads spin ~300,000 turns before sleeping), the lab's
 # (threads.SETTINGS), a short spin, and one thread (no team to wait for).
@@ -50,7 +50,7 @@ def environment(setting: dict) -> dict:
 
 def worker(setting: dict, context: int, reps: int, warmup: int = 3, timeout=600) -> dict:
     """One decode-step timing in a fresh process with OpenMP `setting`; the worker's JSON line."""
-    cmd = [sys.executable, "-m", "lab.experiments.load", "--context", str(context), "--reps", str(reps),
+    cmd = [sys.executable, "-m", "lab.contention", "--context", str(context), "--reps", str(reps),
            "--warmup", str(warmup)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=environment(setting), cwd=REPO_ROOT,
                           timeout=timeout)
@@ -105,9 +105,9 @@ def measure_step(context: int, reps: int, warmup: int = 3) -> dict:
     """In the worker: the median of `reps` SmolLM2 decode steps after `context` cached positions."""
     import torch
 
-    from ..bench import time_steps
-    from ..cache import StaticCache
-    from ..models import forward_cached, load
+    from .bench import time_steps
+    from .cache import StaticCache
+    from .models import forward_cached, load
 
     model = load("smollm2")
     ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))

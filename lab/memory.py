@@ -1,6 +1,6 @@
 """Peak extra memory of a KV cache while decoding, measured for real in a fresh process.
 
-`probe` starts `python -m lab.experiments.memory ...` and reads the one JSON line it prints. A fresh
+`probe` starts `python -m lab.memory ...` and reads the one JSON line it prints. A fresh
 process per measurement matters: memory a previous run freed is often not given back to the operating
 system, so it would hide (or inflate) the next run's growth.
 
@@ -44,11 +44,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..bench import sync
-from ..cache import cache_bytes, make_cache
-from ..models import forward_cached, load
-from ..results import REPO_ROOT
-from .plots import finish
+from .bench import sync
+from .cache import cache_bytes, make_cache
+from .models import forward_cached, load
+from .results import REPO_ROOT
 
 MiB = 2**20
 
@@ -129,7 +128,7 @@ def measure(model_name, design, batch_size, tokens, prompt=16, device="cpu", see
 
 def probe(model_name, design, batch_size, tokens, prompt=16, device="cpu", timeout=1800) -> dict:
     """Measure one (model, design, batch, tokens) in a fresh Python process; returns the child's dict."""
-    cmd = [sys.executable, "-m", "lab.experiments.memory", "--model", model_name, "--design", design,
+    cmd = [sys.executable, "-m", "lab.memory", "--model", model_name, "--design", design,
            "--batch", str(batch_size), "--tokens", str(tokens), "--prompt", str(prompt), "--device", device]
     # the same environment (LAB_CACHE, thread settings); run from the repository root so `-m` finds `lab`
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), cwd=REPO_ROOT, timeout=timeout)
@@ -149,29 +148,6 @@ def sweep(models=("gpt2-random", "smollm2"), designs=("concat", "static"), batch
     for model_name, batch_size, design in tqdm(combos, desc="cache memory", disable=not progress):
         rows.append(probe(model_name, design, batch_size, tokens, device=device))
     return rows
-
-
-def plot(rows, path=None):
-    """Grouped bars: peak extra RSS (MiB) per (model, batch), one bar per design; the formula as a marker."""
-    import matplotlib.pyplot as plt
-
-    groups = list(dict.fromkeys((r["model"], r["batch_size"]) for r in rows))
-    designs = list(dict.fromkeys(r["design"] for r in rows))
-    by_key = {(r["model"], r["batch_size"], r["design"]): r for r in rows}
-    width = 0.8 / len(designs)
-    fig, ax = plt.subplots(figsize=(max(6.4, 1.6 * len(groups)), 4))
-    for j, design in enumerate(designs):
-        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(groups))]
-        ys = [by_key[(m, b, design)]["peak_extra_bytes"] / MiB if (m, b, design) in by_key else 0
-              for m, b in groups]
-        ax.bar(xs, ys, width, label=f"{design}: peak RSS - baseline")
-    formula = [next(r["cache_bytes"] for r in rows if (r["model"], r["batch_size"]) == g) / MiB for g in groups]
-    ax.hlines(formula, [i - 0.45 for i in range(len(groups))], [i + 0.45 for i in range(len(groups))],
-              colors="black", linestyles="--", label="cache_bytes (formula)")
-    ax.set_xticks(range(len(groups)), [f"{m}\nbatch {b}" for m, b in groups])
-    ax.set(ylabel="MiB", title=f"Peak extra RSS while decoding to {rows[0]['tokens']} positions")
-    ax.legend(fontsize=8)
-    return finish(fig, path)
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 """transformers' own QuantizedCache on the lab's model, teacher-forced, for chapter 7's comparison.
 
 The model is `lab.models.hf.to_transformers(model)`: a LlamaForCausalLM holding the lab's weights. The text
-goes through it the way `ch07_compress.teacher_forced` feeds the lab's caches: the first `prefill` tokens in
+goes through it the way `lab.metrics.teacher_forced` feeds the lab's caches: the first `prefill` tokens in
 one forward, then one token per step, each step handing the library its own cache object. Any cache the
 library accepts as `past_key_values` can be fed; `make_cache` builds the three the chapter compares.
 
@@ -47,6 +47,9 @@ and the sizes and strides the wrappers carry are not counted.
 """
 
 import torch
+from tqdm.auto import tqdm
+
+from ..metrics import as_batch, compare
 
 BACKENDS = ("dynamic", "quanto", "fp8")
 
@@ -167,3 +170,19 @@ def bytes_per_position(cache) -> float:
     h = held(cache)
     quantized = h["codes"] + h["scales"] + h["zero_points"]
     return (quantized if quantized else h["float"]) / n
+
+
+def quality(model, ids, prefill: int, ref, cases: dict) -> dict:
+    """transformers' own model (`to_transformers(model)`) and each cache of `cases` ({name: make_cache
+    settings}), fed passages ids `[B, T]` teacher-forced as `lab.metrics.quality` feeds the lab's caches, and
+    compared (`lab.metrics.compare`) with the same oracle `ref` (`lab.metrics.reference`): {name: compare's
+    dict with the bytes the cache stored, `length` T, `batch` B and its `settings`}."""
+    from ..models.hf import to_transformers
+
+    hf, x, out = to_transformers(model), as_batch(ids), {}
+    for name, kw in tqdm(cases.items(), desc="transformers"):
+        cache = make_cache(hf, **kw)
+        got = teacher_forced(hf, x, prefill, cache)
+        out[name] = compare(got, ref, x[:, prefill:]) | dict(nbytes=stored_bytes(cache), length=x.shape[1],
+                                                             batch=x.shape[0], settings=kw)
+    return out

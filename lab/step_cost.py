@@ -1,0 +1,258 @@
+"""What one decode step costs, measured.
+
+- `step_times`: a step's time uncached and through each cache design, per context; `cache_step_times`: a
+  step's time through each of several caches (any factories) at one context;
+- `attention_share`: the share of a cached step's time attention takes (timed, with and without it);
+  `counted_step`: its FLOPs counted by PyTorch; `predicted_shares`: the share FLOPs and bytes read predict;
+- `attention_case`: one decode attention over pages against a contiguous cache;
+- `profile`, `step_costs`: where a serving engine's decode step spends its time.
+
+Every timing runs its variants in interleaved rounds (`lab.bench.time_rounds`): each round runs every
+variant once, in turn, so that a slow spell of a shared machine hits all of them alike; ratios are taken
+round by round (`lab.bench.ratio_summary`). Token ids are seeded random: a step's time does not depend on
+the text. Chapters 3, 5, 7 and 8, the GPU script and the exercises measure with these.
+"""
+
+import threading
+from time import perf_counter
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
+
+from .bench import flush_caches, ratio_summary, time_rounds
+from .cache import cache_bytes, make_cache
+from .cache.paged import StepBatch
+from .engine import ServingEngine
+from .kernels import paged_attention_cpu
+from .kernels.pages import paged_copy
+from .loadgen import random_prompts
+from .models import forward, forward_cached
+
+
+@torch.inference_mode()
+def step_times(model, contexts, rounds=11, warmup=1, designs=("concat", "static"), progress=True) -> dict:
+    """One decode step at context T: uncached (a forward over T + 1 positions) and through each cache
+    holding T positions (one new position), timed in interleaved rounds; before every call each cache is
+    cropped back to T positions, untimed. Returns {T: {"uncached": summary, design: summary}}, each summary
+    with its per-round samples."""
+    cfg, w, device = model.config, model.weights, model.device
+    out = {}
+    for T in tqdm(contexts, desc=f"step time {model.name}", disable=not progress):
+        g = torch.Generator().manual_seed(T)
+        ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g).to(device)     # [1, T+1]
+        caches = {d: make_cache(d, cfg, T + 1, device=device) for d in designs}
+        for cache in caches.values():
+            forward_cached(ids[:, :T], w, cfg, cache)                                  # prefill, untimed
+        fns = {"uncached": lambda ids=ids: forward(ids, w, cfg, last_only=True)}
+        fns |= {d: lambda c=c, ids=ids: forward_cached(ids[:, -1:], w, cfg, c, last_only=True)
+                for d, c in caches.items()}
+
+        def back_to_T(T=T, caches=caches):
+            for c in caches.values():
+                c.crop(T)                                  # drop the position the last call added
+
+        out[T] = time_rounds(fns, warmup, rounds, setup=back_to_T, device=device, samples=True)
+    return out
+
+
+def cache_step_times(model, context: int, cases: dict, rounds=9, seed=0) -> dict:
+    """Seconds per decode step after a prompt of `context` seeded random ids, one cache per design (`cases`:
+    {name: make_cache(config, batch_size)}), timed in rounds
+    (each design once per round) so a slow spell of a shared machine hits all alike. Each step appends a
+    position: over 2 + rounds steps the caches grow by under 2% at context 1,024."""
+    w, cfg = model.weights, model.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=g)
+    token = prompt[:, -1:]
+    caches = {name: make(cfg, 1) for name, make in cases.items()}
+    with torch.inference_mode():
+        for cache in caches.values():
+            forward_cached(prompt, w, cfg, cache, last_only=True)
+    fns = {name: (lambda c=cache: forward_cached(token, w, cfg, c)) for name, cache in caches.items()}
+    return time_rounds(fns, warmup=2, rounds=rounds)
+
+
+def skip_attention(cache):
+    """An attend(i, q, k, v) that stores k, v like the real one but returns q (the attention output's shape,
+    `[B, H_q, 1, D]`) instead of attending: the step without the attention computation."""
+    def attend(i, q, k, v):
+        cache.update(i, k, v)
+        return q
+    return attend
+
+
+@torch.inference_mode()
+def attention_share(model, contexts, rounds=15, warmup=1, progress=True) -> dict:
+    """The fraction of one cached decode step's time spent in attention, per context T.
+
+    A StaticCache is filled with T positions of random keys and values (the time does not depend on the
+    values; a prefill of 4,096 positions would take minutes). Two variants of the same decode step run in
+    interleaved rounds: the real one, and one whose attention returns its query unchanged, a tensor of the
+    same shape (the cache is still written). Per round, share = 1 - without / with. Returns
+    {T: {"with": summary, "without": summary, "share": ratio-style summary of the shares}}."""
+    cfg, w, device = model.config, model.weights, model.device
+    out = {}
+    for T in tqdm(contexts, desc=f"attention share {model.name}", disable=not progress):
+        g = torch.Generator().manual_seed(T)
+        cache = make_cache("static", cfg, T + 1, device=device)
+        shape = (1, cfg.n_kv_heads, T, cfg.head_dim)                                    # [1, H_kv, T, D]
+        for i in range(cfg.n_layers):
+            cache.update(i, torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device))
+        cache.advance(T)
+        ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=g).to(device)          # [1, 1]
+        skip = skip_attention(cache)
+
+        def without(ids=ids, cache=cache, skip=skip):
+            cache.attend = skip                                   # forward_cached uses a cache's own attend
+            try:
+                forward_cached(ids, w, cfg, cache, last_only=True)
+            finally:
+                del cache.attend
+
+        fns = {"with": lambda ids=ids, cache=cache: forward_cached(ids, w, cfg, cache, last_only=True),
+               "without": without}
+        r = time_rounds(fns, warmup, rounds, setup=lambda T=T, cache=cache: cache.crop(T), device=device,
+                        samples=True)
+        share = ratio_summary([a - b for a, b in zip(r["with"]["samples"], r["without"]["samples"], strict=True)],
+                              r["with"]["samples"])
+        out[T] = dict(r, share=share)
+        del cache
+    return out
+
+
+def counted_step(model, T):
+    """FLOPs of one cached decode step at context T, counted by PyTorch while the step runs.
+
+    The step is `forward_cached` through a StaticCache whose attend writes attention out as two matrix
+    products (scores = q k^T, then weights v) so that the counter sees it; projections, MLP and output
+    head are the model's own code. Returns (total, attention).
+    """
+    cfg, w = model.config, model.weights
+    cache = make_cache("static", cfg, T + 1)
+    ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=torch.Generator().manual_seed(T))
+    attention_flops = 0
+
+    def attend(i, q, k, v):
+        nonlocal attention_flops
+        keys, values = cache.update(i, k, v)                       # [1, H_kv, T+1, D]
+        g = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+        with FlopCounterMode(display=False) as inner:
+            weights = torch.softmax(q @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5, -1)  # [1, H, 1, T+1]
+            out = weights @ values                                                          # [1, H, 1, D]
+        attention_flops += inner.get_total_flops()
+        return out
+
+    with torch.inference_mode():
+        cache.length = T  # the counts do not depend on the cached values: skip the prefill, keep the zeros
+        cache.attend = attend                                      # forward_cached calls cache.attend
+        with FlopCounterMode(display=False) as outer:
+            forward_cached(ids[:, T:], w, cfg, cache)
+    return outer.get_total_flops(), attention_flops
+
+
+def predicted_shares(model, contexts) -> dict:
+    """What attention's share would be if time followed FLOPs, or bytes read, per context T.
+
+    FLOPs: counted by PyTorch's FLOP counter on a real step (lab.step_cost.counted_step). Bytes: the
+    keys and values of T + 1 positions, against every weight read once (the output head reads the whole
+    embedding; GPT-2's table of position embeddings, read one row at a time, is counted whole, about 1%)."""
+    weight_bytes = sum(t.nbytes for t in model.weights.values())
+    out = {}
+    for T in contexts:
+        total, attention = counted_step(model, T)
+        kv = cache_bytes(model.config, T + 1, dtype=torch.float32)
+        out[T] = dict(flops=attention / total, bytes=kv / (kv + weight_bytes))
+    return out
+
+
+@torch.inference_mode()
+def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0, cold=False,
+                   threads=None) -> dict:
+    """One decode attention at context L, batch B: over pages (`paged_attention_cpu`, the CPU-tuned version a
+    PagedCache uses) and over a contiguous cache (SDPA),
+    timed in alternating rounds. ratio = median paged time / median contiguous time. cold: flush the CPU's
+    caches before every call, as the other layers of a real decode step would, so both read main memory.
+    threads: run both on this many CPU threads (default: torch's current setting, restored afterwards)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads[0], head_dim, generator=g)                         # [B, H_q, D]
+    k, v = (torch.randn(B, heads[1], L, head_dim, generator=g) for _ in range(2))  # [B, H_kv, L, D]
+    pool_k, pool_v, tables, lengths = paged_copy(k, v, page_size, g)
+    paged_fn = lambda: paged_attention_cpu(q, pool_k, pool_v, tables, lengths)                # [B, H_q, D]
+    contiguous_fn = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        r = time_rounds({"paged": paged_fn, "contiguous": contiguous_fn}, warmup=2, rounds=reps,
+                        setup=flush_caches if cold else None)
+    finally:
+        torch.set_num_threads(before)
+    paged, contiguous = r["paged"], r["contiguous"]
+    return dict(paged=paged, contiguous=contiguous, ratio=paged["median"] / contiguous["median"],
+                max_diff=float((paged_fn() - contiguous_fn()).abs().max()))
+
+
+# ---- a serving engine's decode step, by part -----------------------------------------------------------------
+
+def profile(model, batch, context, steps=8, packed=True, page_size=16) -> dict:
+    """Where one decode step's time goes with `batch` sequences at `context` positions: scheduling (Python),
+    building the step's batch (block tables, slots), attention (`attend`, every layer), the rest of the forward
+    (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False runs the
+    projections through F.linear instead of the engine's prepacked weights. The engine holds pages of
+    `page_size` positions and takes 256 tokens a step; the prompts are seeded random ids."""
+
+    parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
+    # enough new tokens that the first prefilled still decode when the last starts (256 tokens a step), and
+    # a page to spare per request: admission keeps a free page for every running one
+    new = steps + 3 + -(-batch * context // 256)
+    eng = ServingEngine(model, batch * (-(-(context + new) // page_size) + 1), page_size, 256, prefix_caching=False)
+    if not packed:
+        eng.weights = model.weights
+    for p in random_prompts(batch, context, 50, model.config.vocab_size):
+        eng.add_request(p, new)
+    while any(r.state == "waiting" or not r.output for r in eng.requests.values()):
+        eng.step()                                                      # every prompt prefilled
+    orig_schedule, orig_init, orig_attend = eng._schedule, StepBatch.__init__, StepBatch.attend
+    acc = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] = acc.get(name, 0.0) + perf_counter() - t
+        return wrapper
+
+    eng._schedule = timed("schedule", orig_schedule)
+    StepBatch.__init__ = timed("batch", orig_init)
+    StepBatch.attend = timed("attention", orig_attend)
+    try:
+        for _ in range(steps):
+            acc.clear()
+            t = perf_counter()
+            eng.step()
+            total = perf_counter() - t
+            if eng.stats["batch_sizes"][-1] != batch:
+                raise RuntimeError(f"a profiled step ran {eng.stats['batch_sizes'][-1]} sequences, not {batch}")
+            for k in ("schedule", "batch", "attention"):
+                parts[k].append(acc.get(k, 0.0))
+            parts["forward"].append(total - sum(acc.values()))
+    finally:
+        StepBatch.__init__, StepBatch.attend = orig_init, orig_attend
+    med = {k: float(np.median(v)) for k, v in parts.items()}
+    return dict(batch=batch, context=context, parts=med, step_s=sum(med.values()))
+
+
+def step_costs(model, batch, context) -> dict:
+    """A decode step's time (profile) three ways: as the engine runs it; with F.linear instead of prepacked
+    weights; and run from a second thread, as a server that steps its engine off the main thread would."""
+
+    out = {"engine": profile(model, batch, context), "unpacked": profile(model, batch, context, packed=False)}
+    worker = threading.Thread(target=lambda: out.update(thread=profile(model, batch, context)))
+    worker.start()
+    worker.join()
+    return out
