@@ -60,3 +60,14 @@ def test_compare_runs_every_setting_under_every_load_in_rounds():
     assert list(r) == ["one_thread"] and list(r["one_thread"]) == [0, 1]
     for x in r["one_thread"].values():
         assert len(x["rounds"]) == 2 and x["threads"] == 1 and min(x["rounds"]) <= x["median"] <= max(x["rounds"])
+
+
+def test_chapter_3_records_what_compare_returns():
+    """ch03's results entries for a compare()-shaped run (numbers made up; the arithmetic is the oracle)."""
+    from lab.experiments.ch03_savings import load_values
+
+    run = lambda *ms: {n: dict(median=m, rounds=[m], threads=2) for n, m in zip((0, 1, 4), ms, strict=True)}
+    v = load_values({"default": run(0.02, 0.05, 0.8), "lab": run(0.04, 0.05, 0.2)})
+    assert v["default"]["busy_ms"]["value"] == 800 and v["default"]["busy_slowdown"]["value"] == 40
+    assert v["lab"]["one_ms"]["value"] == 50 and v["lab"]["setting"]["value"] == "OMP_WAIT_POLICY=PASSIVE"
+    assert v["idle_cost"]["value"] == 2 and v["busy_gain"]["value"] == 4 and v["busy_programs"]["value"] == 4

@@ -312,7 +312,7 @@ def load_values(r: dict) -> dict:
     """results.json entries for lab.contention.compare()'s output: per setting, the step idle ("idle"),
     beside one other torch program ("one", when measured) and beside the most ("busy"), and how many times
     slower each load makes it."""
-    from . import load as busy
+    from .. import contention as busy
 
     out = {}
     loads = sorted(next(iter(r.values())))
