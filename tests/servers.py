@@ -3,6 +3,7 @@ tests/test_loadgen.py): the lab's HTTP app served by uvicorn in a thread, or `py
 process of its own."""
 
 import http.client
+import json
 import os
 import socket
 import subprocess
@@ -17,6 +18,17 @@ import uvicorn
 from lab.serve import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def call(port, path, body=None, method="POST"):
+    """(status, parsed JSON body) of one request; `body` a dict, or bytes sent as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 from safetensors.torch import save_file
-from servers import health, serve_process, serving
+from servers import call, health, serve_process, serving
 
 from lab.engine import ServingEngine
 from lab.models import load
@@ -40,17 +40,6 @@ def server(tiny):
     engine = ServingEngine(tiny, NUM_PAGES, PAGE_SIZE, max_batch_tokens=64)
     with serving(engine) as (port, app):
         yield port, app, engine
-
-
-def call(port, path, body=None, method="POST"):
-    """(status, parsed JSON body) of one request; `body` a dict, or bytes sent as they are."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
-    conn.close()
-    return out
 
 
 def send(port, body: dict) -> http.client.HTTPConnection:

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from servers import serve_process, serving
+from servers import call, serve_process, serving
 
 from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
 from lab.models import load
@@ -44,17 +44,6 @@ def server(tiny):
     engine = ServingEngine(tiny, NUM_PAGES, PAGE_SIZE, max_batch_tokens=64)
     with serving(engine) as (port, app):
         yield port, app, engine
-
-
-def call(port, path, body=None, method="POST"):
-    """(status, parsed JSON body) of one request; `body` a dict, or bytes sent as they are."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
-    conn.close()
-    return out
 
 
 def events(port, path, body) -> list:
