@@ -345,6 +345,18 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
 # ---- the servers, as processes on the same cores ----
 
 
+def agreement(h, levels) -> dict:
+    """compare_servers' "lab" and "vllm" answers to the same requests (round 0 of every level): identical;
+    one a prefix of the other (the lab's server stops at SmolLM2's end-of-turn token, vLLM was told to ignore
+    it); shorter."""
+    pairs = [pair for c in levels for pair in zip(h["lab"]["concurrency"][c]["tokens"],
+                                                  h["vllm"]["concurrency"][c]["tokens"], strict=True)]
+    return dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
+                prefix=sum(len(a) > 0 and a == b[:len(a)] for a, b in pairs),
+                lab_stopped=sum(len(a) < len(b) for a, b in pairs),
+                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
+
+
 def free_port() -> int:
     """A port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

@@ -5,7 +5,8 @@
 - `attention_share`: the share of a cached step's time attention takes (timed, with and without it);
   `counted_step`: its FLOPs counted by PyTorch; `predicted_shares`: the share FLOPs and bytes read predict;
 - `attention_case`: one decode attention over pages against a contiguous cache;
-- `profile`, `step_costs`: where a serving engine's decode step spends its time.
+- `profile`, `step_costs`: where a serving engine's decode step spends its time; `run_timed`: a serving
+  engine's run with every step timed (`seconds_between` sums a stretch of it).
 
 Every timing runs its variants in interleaved rounds (`lab.bench.time_rounds`): each round runs every
 variant once, in turn, so that a slow spell of a shared machine hits all of them alike; ratios are taken
@@ -256,3 +257,27 @@ def step_costs(model, batch, context) -> dict:
     worker.start()
     worker.join()
     return out
+
+
+def run_timed(engine, prompts_, max_new_tokens, arrivals=None) -> dict:
+    """`engine.generate` by hand: add each prompt at its arrival step, step until all finish, and time every
+    step. Returns outputs, per-step seconds, and the timeline of these requests."""
+    n = len(prompts_)
+    news = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    arrivals = arrivals or [0] * n
+    start, rids, times = engine.stats["steps"], [None] * n, []
+    while None in rids or not all(engine.requests[r].done for r in rids):
+        for i in range(n):
+            if rids[i] is None and arrivals[i] <= engine.stats["steps"] - start:
+                rids[i] = engine.add_request(prompts_[i], news[i])
+        t = perf_counter()
+        engine.step()
+        times.append(perf_counter() - t)
+    line = {r["id"]: r for r in engine.timeline()}
+    return dict(outputs=[engine.output(r) for r in rids], step_s=times, start=start,
+                timeline=[line[r] for r in rids], seconds=sum(times))
+
+
+def seconds_between(r, first, last):
+    """Wall seconds of steps first .. last inclusive (engine step numbers) of a run_timed result."""
+    return sum(r["step_s"][first - r["start"]:last - r["start"] + 1])

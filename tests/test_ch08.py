@@ -31,12 +31,12 @@ def test_run_timed_is_generate_with_a_clock(tiny):
     ps = random_prompts(3, 20, 0, tiny.config.vocab_size)
     want = ServingEngine(tiny, 40, 16, 16).generate(ps, 5, arrivals=[0, 1, 4])
     eng = ServingEngine(tiny, 40, 16, 16)
-    r = ch08.run_timed(eng, ps, 5, arrivals=[0, 1, 4])
+    r = step_cost.run_timed(eng, ps, 5, arrivals=[0, 1, 4])
     assert r["outputs"] == want
     assert len(r["step_s"]) == eng.stats["steps"] and all(t > 0 for t in r["step_s"])
     first = r["timeline"][2]
     assert first["arrived"] == 4 and first["admitted"][0] >= 4
-    assert ch08.seconds_between(r, 0, eng.stats["steps"] - 1) == pytest.approx(r["seconds"])
+    assert step_cost.seconds_between(r, 0, eng.stats["steps"] - 1) == pytest.approx(r["seconds"])
 
 
 def test_the_parts_of_the_experiment_measure_what_they_say(tiny):

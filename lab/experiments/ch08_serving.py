@@ -14,7 +14,6 @@ purpose; answers are greedy and max_tokens long (vLLM with ignore_eos; the lab's
 SmolLM2's end-of-turn token, which random prompts rarely reach; `agreement` counts how often).
 """
 
-from time import perf_counter
 
 import numpy as np
 import torch
@@ -25,7 +24,7 @@ from ..engine import ServingEngine
 from ..loadgen import random_prompts
 from ..models import load
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
-from ..step_cost import profile, step_costs
+from ..step_cost import profile, run_timed, seconds_between, step_costs
 from . import plots
 from .plots import finish
 
@@ -52,30 +51,6 @@ def settings(quick_mode: bool) -> dict:
 
 
 # ---- in process --------------------------------------------------------------------------------------------
-
-def run_timed(engine, prompts_, max_new_tokens, arrivals=None) -> dict:
-    """`engine.generate` by hand: add each prompt at its arrival step, step until all finish, and time every
-    step. Returns outputs, per-step seconds, and the timeline of these requests."""
-    n = len(prompts_)
-    news = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-    arrivals = arrivals or [0] * n
-    start, rids, times = engine.stats["steps"], [None] * n, []
-    while None in rids or not all(engine.requests[r].done for r in rids):
-        for i in range(n):
-            if rids[i] is None and arrivals[i] <= engine.stats["steps"] - start:
-                rids[i] = engine.add_request(prompts_[i], news[i])
-        t = perf_counter()
-        engine.step()
-        times.append(perf_counter() - t)
-    line = {r["id"]: r for r in engine.timeline()}
-    return dict(outputs=[engine.output(r) for r in rids], step_s=times, start=start,
-                timeline=[line[r] for r in rids], seconds=sum(times))
-
-
-def seconds_between(r, first, last):
-    """Wall seconds of steps first .. last inclusive (engine step numbers) of a run_timed result."""
-    return sum(r["step_s"][first - r["start"]:last - r["start"] + 1])
-
 
 def batching(model, s) -> dict:
     """Output tokens per second when `c` requests (prompt + output of fixed length) arrive at once: the
@@ -198,19 +173,8 @@ def http(s) -> dict:
                                    rounds=s["rounds"], compare_at=level_16(s), compare_only=("lab_one_process",),
                                    timeout_s=s["timeout_s"])
     if "vllm" in servers:
-        out["agreement"] = agreement(out, s["http_levels"])
+        out["agreement"] = loadgen.agreement(out, s["http_levels"])
     return out
-
-
-def agreement(h, levels) -> dict:
-    """The two servers' answers to the same requests (round 0 of every level): identical; one a prefix of
-    the other (the lab's server stops at SmolLM2's end-of-turn token, vLLM was told to ignore it); shorter."""
-    pairs = [pair for c in levels for pair in zip(h["lab"]["concurrency"][c]["tokens"],
-                                                  h["vllm"]["concurrency"][c]["tokens"], strict=True)]
-    return dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
-                prefix=sum(len(a) > 0 and a == b[:len(a)] for a, b in pairs),
-                lab_stopped=sum(len(a) < len(b) for a, b in pairs),
-                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
 
 
 # ---- figures ------------------------------------------------------------------------------------------------
