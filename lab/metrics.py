@@ -5,6 +5,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from .cache import ConcatCache
 from .models import forward, forward_cached
@@ -105,6 +106,14 @@ def quality(model, ids, make_cache, prefill: int = 64, ref=None) -> dict:
     got = teacher_forced(model, x, cache, prefill)
     return compare(got, ref, x[:, prefill:]) | dict(nbytes=cache.nbytes(), length=x.shape[1], batch=x.shape[0])
 
+
+def sweep(model, ids, prefill, cases: dict, ref=None, desc="caches") -> dict:
+    """{name: `quality`} for caches {name: make_cache} on the same passages, the oracle computed once."""
+    ref = reference(model, ids, prefill) if ref is None else ref
+    return {name: quality(model, ids, make, prefill, ref) for name, make in tqdm(cases.items(), desc=desc)}
+
+
+# ---- which positions the eviction policies keep -------------------------------------------------------------
 
 @torch.inference_mode()
 def key_spread(model, ids) -> dict:

@@ -55,7 +55,7 @@ print("quick mode" if QUICK else "full mode", "-> results in", results.results_p
 # $\hat{k} = s \cdot \text{code}$, and no element is off by more than half a step, $s / 2$.
 
 # %%
-from lab.cache import ConcatCache, QuantizedCache
+from lab.cache import ConcatCache, QuantizedCache, cache_bytes
 from lab.models import forward_cached, load
 
 smol = load("smollm2")
@@ -127,7 +127,7 @@ assert torch.allclose(mine, theirs, atol=1e-3)      # float32, different summati
 # $(D + 2) / (2D)$ of bfloat16's, 0.516 at $D = 64$.
 
 # %%
-bf16 = ch07.float_bytes(cfg, torch.bfloat16)
+bf16 = cache_bytes(cfg, 1, dtype=torch.bfloat16)
 int8 = QuantizedCache(cfg, bits=8, scale_dtype=torch.bfloat16).bytes_per_position()
 print(f"bytes per position: bfloat16 {bf16:,}, INT8 with bfloat16 scales {int8:,.0f} ({int8 / bf16:.3f}×)")
 assert int8 / bf16 == (cfg.head_dim + 2) / (2 * cfg.head_dim)
@@ -201,12 +201,12 @@ def table(runs: dict, extra=None, percent=(), note=None):
 
 
 def held_share(r):  # bytes the cache held at the end of the passages / what a float32 cache holds
-    return r["nbytes"] / (r["batch"] * r["length"] * ch07.float_bytes(cfg))
+    return r["nbytes"] / (r["batch"] * r["length"] * cache_bytes(cfg, 1))
 
 
 # bytes per position: codes and scales of a quantized position; the float cache holds float32, 2x bfloat16;
 # the simulated per-tensor cache stores floats, so it has no bytes of its own to count
-per_position = bits["bytes_per_position"] | {"float": ch07.float_bytes(cfg)}
+per_position = bits["bytes_per_position"] | {"float": cache_bytes(cfg, 1)}
 table(bits["quantized"], lambda n, r: {"bytes / position, over bfloat16's (×)": per_position[n] / bf16
                                        if n in per_position else None, "bytes held / float32's": held_share(r)},
       percent=["bytes held / float32's"],
@@ -286,8 +286,8 @@ table({f"key group {g}, value group {vg}": r for (g, vg), r in bits["groups"].it
 # layer, frozen after the prompt.
 
 # %%
-hf = hf_quantized.quality(smol, ids, prefill, ref, ch07.HF_QUANTIZED)
-full_bytes = ch07.float_bytes(cfg) * ids.numel()
+hf = hf_quantized.quality(smol, ids, prefill, ref, hf_quantized.CASES)
+full_bytes = cache_bytes(cfg, 1) * ids.numel()
 table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes}, percent=["bytes held / float32's"])
 
 # %% [markdown]
@@ -413,7 +413,7 @@ print(f"the fastest quantized cache takes {fastest_quantized:.2f}x the float cac
 
 # %%
 m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
-         float_bytes=ch07.float_bytes(cfg), bf16_bytes=bf16, transformers=hf, steps=steps,
+         float_bytes=cache_bytes(cfg, 1), bf16_bytes=bf16, transformers=hf, steps=steps,
          kvpress=ch07.kvpress_comparison(smol, ids, S)) | bits | positions
 fig_kl_bytes = ch07.plot_kl_bytes(ch07.kl_bytes_points(ch07.values(m)))
 int8 = held_share(bits["quantized"]["per_token_8"])

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from lab import metrics
+from lab.cache import cache_bytes
+from lab.cache.quantized import PerTensorCache
 from lab.experiments import ch07_compress as ch07
 from lab.models import forward_cached, load
+from lab.models.retrofit import with_outlier_channels
 from lab.peers import kvpress_agreement
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -69,7 +72,7 @@ def test_the_figures_draw_legibly(tiny, tmp_path):
     ids = text(80)
     runs = {name: metrics.quality(tiny, ids, ch07.quantized(**s), 16)
             for name, s in (("per_token_8", dict(bits=8)), ("per_token_4", dict(bits=4)))}
-    full = 80 * ch07.float_bytes(tiny.config)
+    full = 80 * cache_bytes(tiny.config, 1)
     ch07.plot_kl_bytes({"lab": {n: (r["nbytes"] / full, r["kl"]) for n, r in runs.items()},
                         "other": {"x": (0.5, 0.1)}}, tmp_path / "kl.png")
     budgets = {f"{p}_{b}": metrics.quality(tiny, ids, ch07.evicting(b, p), 16) for p in ("window", "sinks")
@@ -96,7 +99,7 @@ def test_a_batch_measures_what_its_passages_measure_one_at_a_time(tiny):
 
 
 def test_one_frozen_scale_per_tensor_rounds_to_its_grid_and_clips(tiny):
-    cache = ch07.PerTensorCache(tiny.config)
+    cache = PerTensorCache(tiny.config)
     x = torch.tensor([text(24)])
     forward_cached(x[:, :16], tiny.weights, tiny.config, cache)
     s = cache.scales[0][0]
@@ -106,7 +109,7 @@ def test_one_frozen_scale_per_tensor_rounds_to_its_grid_and_clips(tiny):
     before = cache.scales[0][0].clone()
     forward_cached(x[:, 16:17] , tiny.weights, tiny.config, cache)
     assert torch.equal(cache.scales[0][0], before)                            # frozen after the first step
-    r = metrics.quality(tiny, text(96), lambda c, b: ch07.PerTensorCache(c, b), 16)
+    r = metrics.quality(tiny, text(96), lambda c, b: PerTensorCache(c, b), 16)
     tok = metrics.quality(tiny, text(96), ch07.quantized(bits=8, scheme="per_token"), 16)
     assert r["kl"] > tok["kl"] > 0
 
@@ -141,7 +144,7 @@ def test_overlap_is_the_mean_jaccard_share():
 
 def test_outlier_channels_keep_the_function_and_widen_the_keys(tiny):
     ids = text(48)
-    odd = ch07.with_outlier_channels(tiny, factor=16.0, pairs=(1,))
+    odd = with_outlier_channels(tiny, factor=16.0, pairs=(1,))
     ref, got = (metrics.reference(m, [ids], 16) for m in (tiny, odd))
     assert torch.allclose(ref, got, atol=1e-5)                 # q . k unchanged: a power of two scales exactly
     assert metrics.key_spread(odd, ids)["channel_max"] > 4 * metrics.key_spread(tiny, ids)["channel_max"]

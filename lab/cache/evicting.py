@@ -272,6 +272,12 @@ class EvictingCache(KVCache):
         child._held = self._held
         return self._copy_state_to(child)
 
+    def kept_map(self, layer: int, length: int, row: int = 0) -> torch.Tensor:
+        """Which original positions each KV head of `layer` holds: bool `[H_kv, length]`."""
+        kept = self.kept_positions[layer][row]                                    # [H_kv, held]
+        out = torch.zeros(kept.shape[0], length, dtype=torch.bool)
+        return out.scatter_(1, kept, True)
+
     def nbytes(self) -> int:
         """Bytes of the keys and values held (at most the budget's, between steps)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

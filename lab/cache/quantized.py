@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from . import checks
 from .base import CacheInputError, KVCache, offset_causal_mask
+from .concat import ConcatCache
 from .quant import (
     dequantize_asymmetric,
     dequantize_symmetric,
@@ -393,3 +394,23 @@ def check_query(cache, q, k):
     if (B, T, D) != (k.shape[0], k.shape[2], cache.head_dim) or Hq % cache.n_kv_heads:
         raise CacheInputError(f"q has shape {tuple(q.shape)}, expected [{k.shape[0]}, a multiple of "
                               f"{cache.n_kv_heads}, {k.shape[2]}, {cache.head_dim}]")
+
+
+# a what-if beside the real thing: one frozen scale per tensor (chapter 7 shows why it fails)
+class PerTensorCache(ConcatCache):
+    """SIMULATED INT8 with one scale per layer for all keys (and one for all values), set by the first step
+    (the prefill) and frozen, later values clipped to its range, as transformers' FP8 cache fixes its scale.
+    It stores the rounded values in float: a what-if for accuracy, not a way to save memory."""
+
+    def __init__(self, config, batch_size=1, bits=8):
+        super().__init__(config, batch_size)
+        self.qmax, self.scales = 2 ** (bits - 1) - 1, [None] * self.n_layers
+
+    def _commit(self, t):
+        super()._commit(t)
+        for i in range(self.n_layers):
+            k, v = self.keys[i][:, :, -t:], self.values[i][:, :, -t:]              # the new positions
+            if self.scales[i] is None:
+                self.scales[i] = [x.abs().amax() / self.qmax for x in (k, v)]
+            for x, s in zip((k, v), self.scales[i], strict=True):
+                x.copy_((x / s).round().clamp(-self.qmax, self.qmax) * s)           # in place: views

@@ -18,10 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import data
-from ..cache import ConcatCache, EvictingCache, QuantizedCache
-from ..metrics import compare, key_spread, quality, reference, teacher_forced
+from ..cache import ConcatCache, EvictingCache, QuantizedCache, cache_bytes
+from ..cache.quantized import PerTensorCache
+from ..metrics import compare, key_spread, reference, sweep, teacher_forced
 from ..models import load
-from ..peers import hf_quantized
+from ..models.retrofit import OUTLIER_FACTOR, OUTLIER_PAIRS, with_outlier_channels
+from ..peers import hf_quantized, kvpress_agreement
 from ..peers.kvpress_agreement import LAB_PRESS, against_kvpress
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
 from ..step_cost import cache_step_times
@@ -70,87 +72,13 @@ def float_cache(config, batch_size=1):
     return ConcatCache(config, batch_size)
 
 
-def float_bytes(config, dtype=torch.float32) -> int:
-    """Bytes one position takes in an uncompressed cache: keys and values of every layer and KV head."""
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def sweep(model, ids, prefill, cases: dict, ref=None, desc="caches") -> dict:
-    """{name: quality} for {name: make_cache}, the oracle computed once."""
-    ref = reference(model, ids, prefill) if ref is None else ref
-    return {name: quality(model, ids, make, prefill, ref) for name, make in tqdm(cases.items(), desc=desc)}
-
-
-# ---- why one scale per tensor is worse: a simulated INT8 cache, and how far apart key channels are ---------
-
-class PerTensorCache(ConcatCache):
-    """SIMULATED INT8 with one scale per layer for all keys (and one for all values), set by the first step
-    (the prefill) and frozen, later values clipped to its range, as transformers' FP8 cache fixes its scale.
-    It stores the rounded values in float: a what-if for accuracy, not a way to save memory."""
-
-    def __init__(self, config, batch_size=1, bits=8):
-        super().__init__(config, batch_size)
-        self.qmax, self.scales = 2 ** (bits - 1) - 1, [None] * self.n_layers
-
-    def _commit(self, t):
-        super()._commit(t)
-        for i in range(self.n_layers):
-            k, v = self.keys[i][:, :, -t:], self.values[i][:, :, -t:]              # the new positions
-            if self.scales[i] is None:
-                self.scales[i] = [x.abs().amax() / self.qmax for x in (k, v)]
-            for x, s in zip((k, v), self.scales[i], strict=True):
-                x.copy_((x / s).round().clamp(-self.qmax, self.qmax) * s)           # in place: views
-
-
-OUTLIER_FACTOR, OUTLIER_PAIRS = 16.0, (3,)
-
-
-def with_outlier_channels(model, factor=OUTLIER_FACTOR, pairs=OUTLIER_PAIRS):
-    """The same function with keys that have outlier channels: in every layer and KV head, the key
-    projection's rows for channels i and i + D/2 (a pair RoPE rotates together) times `factor`, the
-    matching rows of every query head of the group divided by it. q . k is unchanged (exactly, for a power
-    of two), the keys' range is not: what a model whose keys have outlier channels gives a quantizer."""
-    from ..models.load import Model
-
-    cfg, weights = model.config, dict(model.weights)
-    D = cfg.head_dim
-    channels = torch.tensor([c for i in pairs for c in (i, i + D // 2)])
-    for i in range(cfg.n_layers):
-        k_name, q_name = (f"model.layers.{i}.self_attn.{x}_proj.weight" for x in "kq")
-        k, q = weights[k_name].clone(), weights[q_name].clone()                 # [H_kv * D, d], [H_q * D, d]
-        k.view(cfg.n_kv_heads, D, -1)[:, channels] *= factor
-        q.view(cfg.n_heads, D, -1)[:, channels] /= factor
-        weights[k_name], weights[q_name] = k, q
-    return Model(f"{model.name}-outlier-keys", cfg, weights, model.tokenizer)
-
-
-# ---- kvpress's protocol, a context compressed once and a continuation scored: lab.peers.kvpress_agreement --
-
-# ---- transformers' QuantizedCache on the same passages (lab.peers.hf_quantized.quality) ---------------------
-
-HF_QUANTIZED = {"quanto_4": dict(backend="quanto", nbits=4, q_group_size=32, residual_length=128),
-                "quanto_2": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128),
-                "quanto_2_channel_keys": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128,
-                                              axis_key=-1),
-                "fp8": dict(backend="fp8")}
-
-
-# ---- which positions the eviction policies keep -------------------------------------------------------------
-
-def kept_map(cache, layer: int, length: int, row: int = 0) -> torch.Tensor:
-    """Which original positions each KV head of `layer` holds in an EvictingCache: bool `[H_kv, length]`."""
-    kept = cache.kept_positions[layer][row]                                   # [H_kv, held]
-    out = torch.zeros(kept.shape[0], length, dtype=torch.bool)
-    return out.scatter_(1, kept, True)
-
-
 @torch.inference_mode()
 def kept_positions(model, ids: list, policy: str, budget: int, layer: int = 0, prefill: int = 64, **settings):
-    """`kept_map` after one passage `ids` went through an EvictingCache as `quality` feeds it (the heat map
-    of what H2O and SnapKV keep)."""
+    """`EvictingCache.kept_map` after one passage `ids` went through the cache as `quality` feeds it (the
+    heat map of what H2O and SnapKV keep)."""
     cache = EvictingCache(model.config, budget, policy, **settings)
     teacher_forced(model, ids, cache, prefill)
-    return kept_map(cache, layer, len(ids))
+    return cache.kept_map(layer, len(ids))
 
 
 # ---- figures ----------------------------------------------------------------------------------------------
@@ -264,7 +192,7 @@ def measure_positions(model, ids, prefill, ref, s: dict) -> dict:
         cache = evicting(b, p)(cfg, len(ids))
         got = teacher_forced(model, ids, cache, prefill)
         m["eviction"][f"{p}_{b}"] = compare(got, ref, ids[:, prefill:]) | dict(nbytes=cache.nbytes())
-        m["kept"][f"{p}_{b}"] = kept_map(cache, layer, ids.shape[1])
+        m["kept"][f"{p}_{b}"] = cache.kept_map(layer, ids.shape[1])
     m["rerotate"] = sweep(model, ids, prefill, {b: evicting(b, "sinks", rerotate=True) for b in s["rerotate_budgets"]},
                           ref, "sinks, re-rotated")
     return m
@@ -300,10 +228,10 @@ def measure(quick_mode=None) -> dict:
     smol = load("smollm2")
     ids, prefill, ref = held_out(smol, s)
     m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
-             float_bytes=float_bytes(smol.config), bf16_bytes=float_bytes(smol.config, BF16))
+             float_bytes=cache_bytes(smol.config, 1), bf16_bytes=cache_bytes(smol.config, 1, dtype=BF16))
     m |= measure_bits(smol, ids, prefill, ref, s)
     m |= measure_positions(smol, ids, prefill, ref, s)
-    m["transformers"] = hf_quantized.quality(smol, ids, prefill, ref, HF_QUANTIZED)
+    m["transformers"] = hf_quantized.quality(smol, ids, prefill, ref, hf_quantized.CASES)
     m["kvpress"] = kvpress_comparison(smol, ids, s)
     m["steps"] = measure_steps(smol, s)
     return m
@@ -369,27 +297,7 @@ def values(m: dict) -> dict:
     v["transformers"] = {name: _quality_values(r) | {"held_share": value(
         100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]), "%",
         settings=", ".join(f"{k}={x}" for k, x in r["settings"].items()))} for name, r in m["transformers"].items()}
-    kv = m["kvpress"]
-    if isinstance(kv, str):
-        v["kvpress"] = {"sinks_diff": not_run(kv), "snapkv_diff": not_run(kv)}
-    else:
-        versions = next(iter(kv.values()))["versions"]
-        v["kvpress"] = {"versions": value(", ".join(f"{k} {x}" for k, x in versions.items()), None)}
-        for key, r in kv.items():
-            label = "rerotate" if key == "rerotate" else f"ratio_{round(100 * key)}"
-            v["kvpress"][label] = {}
-            for press, x in ((p, x) for p, x in r.items() if p != "versions"):
-                mean = lambda xs: sum(xs) / len(xs)                            # noqa: E731
-                overlap = [o for o in x["overlap"] if o is not None]
-                v["kvpress"][label][press] = {
-                    "lab_loss": value(mean(x["lab_loss"]), "nats", pairs=len(x["lab_loss"])),
-                    "peer_loss": value(mean(x["peer_loss"]), "nats"), "ref_loss": value(mean(x["ref_loss"]), "nats"),
-                    "diff": value(x["diff"], "nats", se=x["diff_se"]),
-                    "within_noise": value(abs(x["diff"]) <= 2 * x["diff_se"] + 1e-4, None,
-                                          note="|lab - kvpress| <= 2 standard errors over pairs (+1e-4)"),
-                    "lab_kl": value(mean(x["lab_kl"]), "nats"), "peer_kl": value(mean(x["peer_kl"]), "nats"),
-                    "overlap": value(100 * mean(overlap), "%", note="kept positions shared (Jaccard)")
-                    if overlap else not_run("no kept positions to compare")}
+    v["kvpress"] = kvpress_agreement.values(m["kvpress"])
     st = m["steps"]
     v["steps"] = {name: {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
                          "over_float": value(t["median"] / st["float"]["median"], "x")} for name, t in st.items()}

@@ -52,6 +52,12 @@ from tqdm.auto import tqdm
 from ..metrics import as_batch, compare
 
 BACKENDS = ("dynamic", "quanto", "fp8")
+# the settings chapter 7 compares: quanto at 4 and 2 bits (2 bits with keys grouped per channel too), FP8
+CASES = {"quanto_4": dict(backend="quanto", nbits=4, q_group_size=32, residual_length=128),
+         "quanto_2": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128),
+         "quanto_2_channel_keys": dict(backend="quanto", nbits=2, q_group_size=32, residual_length=128,
+                                       axis_key=-1),
+         "fp8": dict(backend="fp8")}
 
 
 def make_cache(hf, backend: str = "dynamic", **settings):

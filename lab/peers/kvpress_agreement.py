@@ -10,6 +10,7 @@ from ..cache import EvictingCache
 from ..metrics import compare, reference
 from ..models import forward_cached
 from ..models.load import smollm2_folder
+from ..results import not_run, value
 from . import compare_kvpress
 
 
@@ -67,4 +68,30 @@ def against_kvpress(model, contexts, continuations, ratio, rerotate=False, press
                           budget=[int(len(c) * (1 - ratio)) for c in contexts],
                           peer_cache_length=[p["cache_length"] for p in peer["results"]])
     out["versions"] = dict(kvpress=peer["kvpress"], transformers=peer["transformers"], torch=peer["torch"])
+    return out
+
+
+def values(kv) -> dict:
+    """results.json entries for `against_kvpress` at each ratio (and "rerotate"), or NOT_RUN with the
+    reason `kv` gives as a string: mean losses and KL over the pairs, the difference and whether it is
+    within noise, and the kept positions the lab and kvpress share."""
+    if isinstance(kv, str):
+        return {"sinks_diff": not_run(kv), "snapkv_diff": not_run(kv)}
+    versions = next(iter(kv.values()))["versions"]
+    out = {"versions": value(", ".join(f"{k} {x}" for k, x in versions.items()), None)}
+    for key, r in kv.items():
+        label = "rerotate" if key == "rerotate" else f"ratio_{round(100 * key)}"
+        out[label] = {}
+        for press, x in ((p, x) for p, x in r.items() if p != "versions"):
+            mean = lambda xs: sum(xs) / len(xs)                        # noqa: E731
+            overlap = [o for o in x["overlap"] if o is not None]
+            out[label][press] = {
+                "lab_loss": value(mean(x["lab_loss"]), "nats", pairs=len(x["lab_loss"])),
+                "peer_loss": value(mean(x["peer_loss"]), "nats"), "ref_loss": value(mean(x["ref_loss"]), "nats"),
+                "diff": value(x["diff"], "nats", se=x["diff_se"]),
+                "within_noise": value(abs(x["diff"]) <= 2 * x["diff_se"] + 1e-4, None,
+                                      note="|lab - kvpress| <= 2 standard errors over pairs (+1e-4)"),
+                "lab_kl": value(mean(x["lab_kl"]), "nats"), "peer_kl": value(mean(x["peer_kl"]), "nats"),
+                "overlap": value(100 * mean(overlap), "%", note="kept positions shared (Jaccard)")
+                if overlap else not_run("no kept positions to compare")}
     return out
