@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from tqdm.auto import tqdm
 
 from .data import MAX_REQUEST_LEN, synthetic_lengths
+from .results import not_run, value
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
@@ -342,7 +343,7 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
     return out
 
 
-# ---- the servers, as processes on the same cores ----
+# ---- the two servers' answers ----
 
 
 def agreement(h, levels) -> dict:
@@ -355,6 +356,44 @@ def agreement(h, levels) -> dict:
                 prefix=sum(len(a) > 0 and a == b[:len(a)] for a, b in pairs),
                 lab_stopped=sum(len(a) < len(b) for a, b in pairs),
                 first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
+
+
+def agreement_values(a: dict) -> dict:
+    """`agreement` as results values: the share of identical answers, of answers equal to vLLM's or its start,
+    and how often the lab's server stopped at the end-of-turn token."""
+    return {"agreement": value(a["identical"] / a["requests"], None, identical=a["identical"],
+                               requests=a["requests"], first_token=a["first_token"]),
+            "agreement_prefix": value(a["prefix"] / a["requests"], None,
+                                      note="the lab's answer equal to vLLM's, or its start"),
+            "lab_stopped": value(a["lab_stopped"], "requests", of=a["requests"],
+                                 note="the lab's server stopped at the end-of-turn token")}
+
+
+# ---- as results values ----
+
+
+def values(r: dict) -> dict:
+    """One server's `compare_servers` results as results.json values: throughput, median TTFT and ITL at
+    each level in flight ("c16"), the same and the tails and goodput at each offered rate ("r0_5"), and the
+    sequential loop's throughput where it ran."""
+    ms = lambda x: value(x * 1e3, "ms") if x is not None else not_run("no request completed", "ms")
+    out = {"concurrency": {f"c{c}": {"throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", failed=x["failed"],
+                                                         rounds=x["rounds"]),
+                                     "ttft_median_ms": ms(x["ttft_median_s"]), "itl_median_ms": ms(x["itl_median_s"])}
+                           for c, x in r["concurrency"].items()}}
+    if r["rates"]:                                              # a server sent only the compared level has none
+        out["rates"] = {f"r{rate:g}".replace(".", "_"): {
+            "throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", offered=rate, completed=x["completed"],
+                                requests=x["requests"]),
+            "goodput": value(x["goodput"] or 0.0, "req/s", slo_ttft_s=x["slo_ttft_s"], slo_itl_s=x["slo_itl_s"]),
+            "ttft_median_ms": ms(x["ttft_median_s"]), "ttft_p99_ms": ms(x["ttft_p99_s"]),
+            "itl_median_ms": ms(x["itl_median_s"]), "itl_p99_ms": ms(x["itl_p99_s"])} for rate, x in r["rates"].items()}
+    if "sequential" in r:
+        out["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
+    return out
+
+
+# ---- the servers, as processes on the same cores ----
 
 
 def free_port() -> int:
@@ -433,13 +472,13 @@ def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int =
     port = port or free_port()
     command = pinned(cores) + [sys.executable, "-m", "lab.serve", "--model", model, "--host", "127.0.0.1",
                                "--port", str(port), "--threads", str(threads)]
-    for name, value in engine_args.items():
+    for name, arg in engine_args.items():
         if name == "prefix_caching":
-            command += [] if value else ["--no-prefix-caching"]
+            command += [] if arg else ["--no-prefix-caching"]
         elif name == "one_process":
-            command += ["--one-process"] if value else []
+            command += ["--one-process"] if arg else []
         else:
-            command += ["--" + name.replace("_", "-"), str(value)]
+            command += ["--" + name.replace("_", "-"), str(arg)]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     return server_process(command, env, port, timeout_s)
 

@@ -31,6 +31,7 @@ from .kernels import paged_attention_cpu
 from .kernels.pages import paged_copy
 from .loadgen import random_prompts
 from .models import forward, forward_cached
+from .results import not_run, value
 
 
 @torch.inference_mode()
@@ -259,6 +260,23 @@ def step_costs(model, batch, context) -> dict:
     return out
 
 
+def profile_values(pr: dict) -> dict:
+    """A `profile` as results values: each part's share of the step (%, with its ms), the step's ms."""
+    out = {k: value(100 * t / pr["step_s"], "%", ms=t * 1e3) for k, t in pr["parts"].items()}
+    return out | {"step_ms": value(pr["step_s"] * 1e3, "ms"), "sequences": value(pr["batch"], "sequences"),
+                  "positions": value(pr["context"], "positions", note="each sequence's, at the start")}
+
+
+def step_costs_values(sc: dict) -> dict:
+    """`step_costs` as results values: each way's step, attention and forward ms; prepacking's gain and the
+    cost of stepping from a second thread, as ratios of step times."""
+    ms = lambda t: value(t * 1e3, "ms")
+    out = {k: {"step_ms": ms(r["step_s"]), "attention_ms": ms(r["parts"]["attention"]),
+               "forward_ms": ms(r["parts"]["forward"])} for k, r in sc.items()}
+    return out | {"packing_gain": value(sc["unpacked"]["step_s"] / sc["engine"]["step_s"], "x"),
+                  "thread_cost": value(sc["thread"]["step_s"] / sc["engine"]["step_s"], "x")}
+
+
 def run_timed(engine, prompts_, max_new_tokens, arrivals=None) -> dict:
     """`engine.generate` by hand: add each prompt at its arrival step, step until all finish, and time every
     step. Returns outputs, per-step seconds, and the timeline of these requests."""
@@ -281,3 +299,36 @@ def run_timed(engine, prompts_, max_new_tokens, arrivals=None) -> dict:
 def seconds_between(r, first, last):
     """Wall seconds of steps first .. last inclusive (engine step numbers) of a run_timed result."""
     return sum(r["step_s"][first - r["start"]:last - r["start"] + 1])
+
+
+def timeline_values(timeline: list) -> dict:
+    """What happened to each request of a run_timed timeline, as results values: the engine step it arrived at, was
+    first and last admitted at, got its first token at (the end of its prefill) and finished at, how often it
+    was preempted and first when. Chapter 8 describes its timeline figure from these."""
+    step = lambda s: value(s, "step") if s is not None else not_run("did not happen in this run", "step")
+    first = lambda xs: xs[0] if xs else None
+    return {f"r{r['id']}": {"prompt": value(r["prompt_tokens"], "tokens"),
+                            "output": value(r["output_tokens"], "tokens"), "arrived": step(r["arrived"]),
+                            "admitted": step(first(r["admitted"])),
+                            "last_admitted": step(r["admitted"][-1] if r["admitted"] else None),
+                            "first_token": step(r["first_token"]), "finished": step(r["finished"]),
+                            "preempted": value(len(r["preempted"]), "times"),
+                            "preempted_at": step(first(r["preempted"]))} for r in timeline}
+
+
+def decoding_spans(r: dict, end: int) -> list:
+    """The (first step, steps) spans in which request r of a timeline decoded: after its first token, in no
+    prefill chunk, and not between a preemption and its next admission. end: the run's last step."""
+    chunks, spans, start = {s for s, _ in r["chunks"]}, [], None
+    done = r["finished"] if r["finished"] is not None else end
+    first = r["first_token"] if r["first_token"] is not None else end
+    out_of_pool = lambda step: any(p <= step < next((a for a in r["admitted"] if a > p), end + 1)
+                                   for p in r["preempted"])
+    for step in range(r["arrived"], done + 2):
+        decoding = first < step <= done and step not in chunks and not out_of_pool(step)
+        if decoding and start is None:
+            start = step
+        if not decoding and start is not None:
+            spans.append((start, step - start))
+            start = None
+    return spans

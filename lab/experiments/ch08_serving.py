@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .. import loadgen
+from .. import loadgen, step_cost
 from ..engine import ServingEngine
 from ..loadgen import random_prompts
 from ..models import load
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
-from ..step_cost import profile, run_timed, seconds_between, step_costs
+from ..step_cost import run_timed, seconds_between
 from . import plots
 from .plots import finish
 
@@ -179,21 +179,6 @@ def http(s) -> dict:
 
 # ---- figures ------------------------------------------------------------------------------------------------
 
-def timeline_values(timeline: list) -> dict:
-    """What happened to each request of the timeline run, as results values: the engine step it arrived at, was
-    first and last admitted at, got its first token at (the end of its prefill) and finished at, how often it
-    was preempted and first when. The manuscript describes the figure from these."""
-    step = lambda s: value(s, "step") if s is not None else not_run("did not happen in this run", "step")
-    first = lambda xs: xs[0] if xs else None
-    return {f"r{r['id']}": {"prompt": value(r["prompt_tokens"], "tokens"),
-                            "output": value(r["output_tokens"], "tokens"), "arrived": step(r["arrived"]),
-                            "admitted": step(first(r["admitted"])),
-                            "last_admitted": step(r["admitted"][-1] if r["admitted"] else None),
-                            "first_token": step(r["first_token"]), "finished": step(r["finished"]),
-                            "preempted": value(len(r["preempted"]), "times"),
-                            "preempted_at": step(first(r["preempted"]))} for r in timeline}
-
-
 def plot_timeline(t: dict, path=None):
     fig, ax = plots.figure(height=3.0)
     end = t["steps"]
@@ -202,19 +187,7 @@ def plot_timeline(t: dict, path=None):
         ax.broken_barh([(r["arrived"], done + 1 - r["arrived"])], (y - 0.3, 0.6), color="0.9")   # in the system
         chunks = [s for s, _ in r["chunks"]]
         ax.broken_barh([(s, 1) for s in chunks], (y - 0.3, 0.6), color="tab:orange")
-        running, start = [], None
-        for step in range(r["arrived"], done + 1):                            # decode: running, not a chunk
-            decoding = step > (r["first_token"] if r["first_token"] is not None else end) and step not in chunks
-            decoding = decoding and not any(p <= step < next((a for a in r["admitted"] if a > p), end + 1)
-                                            for p in r["preempted"])
-            if decoding and start is None:
-                start = step
-            if not decoding and start is not None:
-                running.append((start, step - start))
-                start = None
-        if start is not None:
-            running.append((start, done + 1 - start))
-        ax.broken_barh(running, (y - 0.3, 0.6), color="tab:blue")
+        ax.broken_barh(step_cost.decoding_spans(r, end), (y - 0.3, 0.6), color="tab:blue")
         for p in r["preempted"]:
             ax.plot(p + 0.5, y, "x", color="black", markersize=8, markeredgewidth=2)
     ax.set_yticks(range(len(t["timeline"])), [f"req {r['id']}: {r['prompt_tokens']}+{r['output_tokens']}"
@@ -282,8 +255,8 @@ def measure(quick_mode=None, http_runs=True) -> dict:
     m["chunked"] = chunked_prefill(smol, s)
     m["preemption"] = preemption(smol, s)
     m["prefix"] = prefix_sharing(smol, s)
-    m["profile"] = profile(smol, s["profile_batch"], s["prompt"])
-    m["step_costs"] = step_costs(smol, s["profile_batch"], s["prompt"])
+    m["profile"] = step_cost.profile(smol, s["profile_batch"], s["prompt"])
+    m["step_costs"] = step_cost.step_costs(smol, s["profile_batch"], s["prompt"])
     m["timeline"] = timeline_run(smol)
     m["http"] = http(s) if http_runs else None
     return m
@@ -318,9 +291,8 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                         "itl_median_ms": value(r["itl_median_s"] * 1e3, "ms"),
                         "ttft_long_ms": value(r["ttft_long_s"] * 1e3, "ms", chunks=r["long_chunks"]),
                         "max_batch_tokens": value(r["max_batch_tokens"], "tokens")} for k, r in c.items()}
-    v["chunked"]["stall_ratio"] = value(c["whole"]["itl_max_s"] / c["chunked"]["itl_max_s"], "x")
-    v["chunked"]["long"] = value(s["long"], "tokens")
-    v["chunked"]["decoders"] = value(s["decoders"], "requests")
+    v["chunked"] |= {"stall_ratio": value(c["whole"]["itl_max_s"] / c["chunked"]["itl_max_s"], "x"),
+                     "long": value(s["long"], "tokens"), "decoders": value(s["decoders"], "requests")}
     p = m["preemption"]
     v["preemption"] = {f"p{k}": {"preemptions": value(r["preemptions"], "preemptions"),
                                  "recomputed": value(r["computed"] - r["ideal"], "positions", ideal=r["ideal"]),
@@ -336,24 +308,14 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                        "ttft_median_ms": value(x[k]["ttft_median_s"] * 1e3, "ms")} for k in ("cached", "uncached")}
     v["prefix"]["speedup"] = value(x["uncached"]["seconds"] / x["cached"]["seconds"], "x",
                                    note=f"{s['shared_requests']} requests, {s['shared_system']}-token system prompt")
-    v["prefix"]["identical"] = value(x["identical"], None)
-    v["prefix"]["requests"] = value(s["shared_requests"], "requests")
-    v["prefix"]["system"] = value(s["shared_system"], "tokens")
-    pr = m["profile"]
-    v["profile"] = {k: value(100 * t / pr["step_s"], "%", ms=t * 1e3) for k, t in pr["parts"].items()}
-    v["profile"]["step_ms"] = value(pr["step_s"] * 1e3, "ms")
-    v["profile"]["sequences"] = value(pr["batch"], "sequences")
-    v["profile"]["positions"] = value(pr["context"], "positions", note="each sequence's, at the start")
+    v["prefix"] |= {"identical": value(x["identical"], None), "requests": value(s["shared_requests"], "requests"),
+                    "system": value(s["shared_system"], "tokens")}
+    v["profile"] = step_cost.profile_values(m["profile"])
     if "step_costs" in m:
-        sc = m["step_costs"]
-        v["step_costs"] = {k: {"step_ms": value(r["step_s"] * 1e3, "ms"),
-                               "attention_ms": value(r["parts"]["attention"] * 1e3, "ms"),
-                               "forward_ms": value(r["parts"]["forward"] * 1e3, "ms")} for k, r in sc.items()}
-        v["step_costs"]["packing_gain"] = value(sc["unpacked"]["step_s"] / sc["engine"]["step_s"], "x")
-        v["step_costs"]["thread_cost"] = value(sc["thread"]["step_s"] / sc["engine"]["step_s"], "x")
+        v["step_costs"] = step_cost.step_costs_values(m["step_costs"])
     t = m["timeline"]
     v["timeline"] = {"steps": value(t["steps"], "steps"), "preemptions": value(t["preemptions"], "preemptions"),
-                     "requests": timeline_values(t["timeline"])}
+                     "requests": step_cost.timeline_values(t["timeline"])}
     h = m["http"]
     if h is None:
         v["http"] = {"lab": not_run("run without the servers")}
@@ -361,28 +323,7 @@ def record(m: dict, drawn: dict | None = None) -> dict:
         v["http"] = {}
         for side in ("lab", "vllm", "lab_one_process"):
             r = h.get(side, "not run")
-            if isinstance(r, str):
-                v["http"][side] = {"throughput": not_run(r, "tok/s")}
-                continue
-            ms = lambda x: value(x * 1e3, "ms") if x is not None else not_run("no request completed", "ms")
-            v["http"][side] = {
-                "concurrency": {f"c{c}": {"throughput": value(x["throughput_tok_s"] or 0.0, "tok/s",
-                                                              failed=x["failed"], rounds=x["rounds"]),
-                                          "ttft_median_ms": ms(x["ttft_median_s"]),
-                                          "itl_median_ms": ms(x["itl_median_s"])}
-                                for c, x in r["concurrency"].items()},
-                "rates": {f"r{rate:g}".replace(".", "_"): {
-                    "throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", offered=rate, completed=x["completed"],
-                                        requests=x["requests"]),
-                    "goodput": value(x["goodput"] or 0.0, "req/s", slo_ttft_s=x["slo_ttft_s"],
-                                     slo_itl_s=x["slo_itl_s"]),
-                    "ttft_median_ms": ms(x["ttft_median_s"]), "ttft_p99_ms": ms(x["ttft_p99_s"]),
-                    "itl_median_ms": ms(x["itl_median_s"]), "itl_p99_ms": ms(x["itl_p99_s"])}
-                    for rate, x in r["rates"].items()}}
-            if not r["rates"]:                             # the one-process server: 16 in flight only
-                del v["http"][side]["rates"]
-            if "sequential" in r:
-                v["http"][side]["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
+            v["http"][side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else loadgen.values(r)
         c16 = level_16(s)
         v["http"]["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
         v["http"]["rounds"] = value(s["rounds"], "runs", note="of each server at 16 requests in flight")
@@ -390,13 +331,7 @@ def record(m: dict, drawn: dict | None = None) -> dict:
             lab, vl = h["lab"]["concurrency"][c16], h["vllm"]["concurrency"][c16]
             v["http"]["ratio"] = value(lab["throughput_tok_s"] / vl["throughput_tok_s"], "x",
                                        note=f"lab server over vLLM's, {c16} requests in flight, same two cores")
-            a = h["agreement"]
-            v["http"]["agreement"] = value(a["identical"] / a["requests"], None, identical=a["identical"],
-                                           requests=a["requests"], first_token=a["first_token"])
-            v["http"]["agreement_prefix"] = value(a["prefix"] / a["requests"], None,
-                                                  note="the lab's answer equal to vLLM's, or its start")
-            v["http"]["lab_stopped"] = value(a["lab_stopped"], "requests", of=a["requests"],
-                                             note="the lab's server stopped at the end-of-turn token")
+            v["http"] |= loadgen.agreement_values(h["agreement"])
         if isinstance(h.get("lab_one_process"), dict):
             one, own = h["lab_one_process"]["concurrency"][c16], h["lab"]["concurrency"][c16]
             v["http"]["process_gain"] = value(own["throughput_tok_s"] / one["throughput_tok_s"], "x",
