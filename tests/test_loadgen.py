@@ -172,7 +172,7 @@ def test_compare_servers_sends_every_server_the_same_loads_in_turns(tiny, monkey
 
     servers = {name: (in_thread(), loadgen.LAB_FIELDS) for name in ("a", "b", "c")}
     out = loadgen.compare_servers(servers, levels=(1, 3), prompt=8, output=4, rates=(50.0,), rate_requests=3,
-                                  max_prompt=8, max_output=4, sequential=2, rounds=2, compare_at=3,
+                                  max_prompt=8, max_output=4, sequential=2, rounds=2, compare_at=(3,),
                                   compare_only=("c",), timeout_s=60, model_name="tiny-llama", vocab=320)
     assert sorted(out["a"]["concurrency"]) == sorted(out["b"]["concurrency"]) == [1, 3]
     assert list(out["c"]["concurrency"]) == [3] and out["c"]["rates"] == {}
@@ -221,3 +221,15 @@ def test_vllm_server_answers_exactly_max_tokens():
     assert all(r.ok for r in records), [r.error for r in records]
     assert [r.tokens for r in records] == [r.max_tokens for r in requests]
     assert statistics.median(r.ttft for r in records) > 0
+
+
+def test_ratio_pairs_each_round_of_two_servers():
+    """ratio: the median runs' throughputs divided, and each round's pair divided (the spread); a round's
+    pair is the i-th entry of both servers' rounds, as compare_servers records them."""
+    from lab import loadgen
+
+    out = {"a": {"concurrency": {16: {"throughput_tok_s": 150.0, "rounds": [140.0, 150.0, 160.0]}}},
+           "b": {"concurrency": {16: {"throughput_tok_s": 100.0, "rounds": [100.0, 120.0, 80.0]}}}}
+    r = loadgen.ratio(out, "a", "b", 16)
+    assert r["value"] == pytest.approx(1.5) and r["unit"] == "x"
+    assert r["rounds"] == pytest.approx([1.4, 1.25, 2.0]) and (r["low"], r["high"]) == pytest.approx((1.25, 2.0))

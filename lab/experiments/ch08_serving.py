@@ -148,30 +148,32 @@ def timeline_run(model) -> dict:
 
 # ---- over HTTP: the lab's server and vLLM's on the same cores ------------------------------------------------
 
-def level_16(s) -> int:
-    """The load the servers are compared at: 16 requests in flight (quick mode: its largest level)."""
-    return 16 if 16 in s["http_levels"] else max(s["http_levels"])
+def compared(s) -> tuple:
+    """The loads the servers are compared at, several rounds each: 16 and 64 requests in flight (quick mode:
+    its largest level)."""
+    return tuple(c for c in (16, 64) if c in s["http_levels"]) or (max(s["http_levels"]),)
 
 
 def http(s) -> dict:
     """The lab's server and vLLM's, both on the same cores, sent the same loads in turns
-    (`loadgen.compare_servers`): c requests of fixed length in flight, at 16 `rounds` times and there also
-    the lab's server with its engine stepped in the server's own process (`lab_one_process`); one request at
-    a time (the lab's sequential loop); each offered rate (Poisson arrivals, ShareGPT-shaped lengths)."""
-    servers = {"lab": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024), loadgen.LAB_FIELDS),
-               "lab_one_process": (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, one_process=True),
-                                   loadgen.LAB_FIELDS)}
-    out = {}
+    (`loadgen.compare_servers`): c requests of fixed length in flight, at the `compared` levels `rounds`
+    times, there also both servers in bfloat16 (full mode) and the lab's server with its engine stepped in
+    the server's own process (`lab_one_process`); one request at a time (the lab's sequential loop); each
+    offered rate (Poisson arrivals, ShareGPT-shaped lengths), in float32."""
+    lab = lambda **kw: (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, **kw), loadgen.LAB_FIELDS)
+    servers, out = {"lab": lab(), "lab_one_process": lab(one_process=True)}, {}
     if not s["vllm"]:
-        out["vllm"] = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
+        why = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
+        out = dict.fromkeys(("vllm", "lab_bf16", "vllm_bf16"), why)
     elif not (loadgen.VLLM_BIN / "python").exists():
-        out["vllm"] = "vLLM's environment is not built here (make vllm)"
+        out = dict.fromkeys(("vllm", "lab_bf16", "vllm_bf16"), "vLLM's environment is not built here (make vllm)")
     else:
-        servers["vllm"] = (loadgen.vllm_server(cores=CORES), loadgen.VLLM_FIELDS)
+        servers |= {"vllm": (loadgen.vllm_server(cores=CORES), loadgen.VLLM_FIELDS), "lab_bf16": lab(dtype="bfloat16"),
+                    "vllm_bf16": (loadgen.vllm_server(cores=CORES, dtype="bfloat16"), loadgen.VLLM_FIELDS)}
     out |= loadgen.compare_servers(servers, s["http_levels"], s["http_prompt"], s["http_output"], s["rates"],
                                    s["rate_requests"], s["max_prompt"], s["max_output"], s["sequential"],
-                                   rounds=s["rounds"], compare_at=level_16(s), compare_only=("lab_one_process",),
-                                   timeout_s=s["timeout_s"])
+                                   rounds=s["rounds"], compare_at=compared(s), timeout_s=s["timeout_s"],
+                                   compare_only=("lab_one_process", "lab_bf16", "vllm_bf16"))
     if "vllm" in servers:
         out["agreement"] = loadgen.agreement(out, s["http_levels"])
     return out
@@ -321,22 +323,21 @@ def record(m: dict, drawn: dict | None = None) -> dict:
         v["http"] = {"lab": not_run("run without the servers")}
     else:
         v["http"] = {}
-        for side in ("lab", "vllm", "lab_one_process"):
-            r = h.get(side, "not run")
+        for side in ("lab", "vllm", "lab_one_process", "lab_bf16", "vllm_bf16"):
+            r = h[side]
             v["http"][side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else loadgen.values(r)
-        c16 = level_16(s)
+        c16 = compared(s)[0]
         v["http"]["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
-        v["http"]["rounds"] = value(s["rounds"], "runs", note="of each server at 16 requests in flight")
+        v["http"]["rounds"] = value(s["rounds"], "runs", note="of each server at 16 and 64 requests in flight")
         if isinstance(h["vllm"], dict):
-            lab, vl = h["lab"]["concurrency"][c16], h["vllm"]["concurrency"][c16]
-            v["http"]["ratio"] = value(lab["throughput_tok_s"] / vl["throughput_tok_s"], "x",
-                                       note=f"lab server over vLLM's, {c16} requests in flight, same two cores")
+            v["http"]["ratio"] = loadgen.ratio(h, "lab", "vllm", c16, f"lab server over vLLM's, {c16} requests in "
+                                               "flight, same two cores, float32")
+            v["http"]["ratios"] = {dt: {f"c{c}": loadgen.ratio(h, "lab" + sx, "vllm" + sx, c) for c in compared(s)}
+                                   for dt, sx in (("float32", ""), ("bfloat16", "_bf16"))}
             v["http"] |= loadgen.agreement_values(h["agreement"])
         if isinstance(h.get("lab_one_process"), dict):
-            one, own = h["lab_one_process"]["concurrency"][c16], h["lab"]["concurrency"][c16]
-            v["http"]["process_gain"] = value(own["throughput_tok_s"] / one["throughput_tok_s"], "x",
-                                              note=f"engine in its own process over in the server's, {c16} "
-                                                   "requests in flight")
+            v["http"]["process_gain"] = loadgen.ratio(h, "lab", "lab_one_process", c16, "engine in its own process "
+                                                      f"over in the server's, {c16} requests in flight")
     figures = {"timeline": {"path": figs / "ch08_timeline.png",
                             "caption": "Requests admitted, prefilled in chunks, decoded and preempted, step by step"},
                "throughput": {"path": figs / "ch08_throughput.png",
