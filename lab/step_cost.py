@@ -4,7 +4,7 @@
   step's time through each of several caches (any factories) at one context;
 - `attention_share`: the share of a cached step's time attention takes (timed, with and without it);
   `counted_step`: its FLOPs counted by PyTorch; `predicted_shares`: the share FLOPs and bytes read predict;
-- `attention_case`: one decode attention over pages against a contiguous cache;
+- `attention_case`: one decode attention over pages, read in place and gathered, against a contiguous cache;
 - `profile`, `step_costs`: where a serving engine's decode step spends its time; `run_timed`: a serving
   engine's run with every step timed (`seconds_between` sums a stretch of it).
 
@@ -27,7 +27,7 @@ from .bench import flush_caches, ratio_summary, time_rounds
 from .cache import cache_bytes, make_cache
 from .cache.paged import StepBatch
 from .engine import ServingEngine
-from .kernels import paged_attention_cpu
+from .kernels import paged_attention_cpu, paged_attention_gather
 from .kernels.pages import paged_copy
 from .loadgen import random_prompts
 from .models import forward, forward_cached
@@ -174,27 +174,31 @@ def predicted_shares(model, contexts) -> dict:
 @torch.inference_mode()
 def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0, cold=False,
                    threads=None) -> dict:
-    """One decode attention at context L, batch B: over pages (`paged_attention_cpu`, the CPU-tuned version a
-    PagedCache uses) and over a contiguous cache (SDPA),
-    timed in alternating rounds. ratio = median paged time / median contiguous time. cold: flush the CPU's
-    caches before every call, as the other layers of a real decode step would, so both read main memory.
-    threads: run both on this many CPU threads (default: torch's current setting, restored afterwards)."""
+    """One decode attention at context L, batch B, three ways: over pages read in place
+    (`paged_attention_cpu`, what a PagedCache uses on the CPU), over pages gathered into a copy first
+    (`paged_attention_gather`), and over a contiguous cache (SDPA); timed in interleaved rounds. The pages
+    are scattered at random over the pool. ratio = median paged time / median contiguous time;
+    gather_ratio the same for the gather. cold: flush the CPU's caches before every call, as the other
+    layers of a real decode step would, so all read main memory. threads: run on this many CPU threads
+    (default: torch's current setting, restored afterwards)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, heads[0], head_dim, generator=g)                         # [B, H_q, D]
     k, v = (torch.randn(B, heads[1], L, head_dim, generator=g) for _ in range(2))  # [B, H_kv, L, D]
     pool_k, pool_v, tables, lengths = paged_copy(k, v, page_size, g)
-    paged_fn = lambda: paged_attention_cpu(q, pool_k, pool_v, tables, lengths)                # [B, H_q, D]
-    contiguous_fn = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    fns = {"paged": lambda: paged_attention_cpu(q, pool_k, pool_v, tables, lengths),           # [B, H_q, D]
+           "gather": lambda: paged_attention_gather(q, pool_k, pool_v, tables, lengths),
+           "contiguous": lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]}
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        r = time_rounds({"paged": paged_fn, "contiguous": contiguous_fn}, warmup=2, rounds=reps,
-                        setup=flush_caches if cold else None)
+        r = time_rounds(fns, warmup=2, rounds=reps, setup=flush_caches if cold else None)
     finally:
         torch.set_num_threads(before)
-    paged, contiguous = r["paged"], r["contiguous"]
-    return dict(paged=paged, contiguous=contiguous, ratio=paged["median"] / contiguous["median"],
-                max_diff=float((paged_fn() - contiguous_fn()).abs().max()))
+    want = fns["contiguous"]()
+    return dict(r, ratio=r["paged"]["median"] / r["contiguous"]["median"],
+                gather_ratio=r["gather"]["median"] / r["contiguous"]["median"],
+                max_diff=float((fns["paged"]() - want).abs().max()),
+                gather_max_diff=float((fns["gather"]() - want).abs().max()))
 
 
 # ---- a serving engine's decode step, by part -----------------------------------------------------------------
@@ -206,10 +210,13 @@ def profile(model, batch, context, steps=8, packed=True, page_size=16) -> dict:
     projections through F.linear instead of the engine's prepacked weights. The engine holds pages of
     `page_size` positions and takes 256 tokens a step; the prompts are seeded random ids."""
 
+    if not 0 < batch < 256:
+        raise ValueError(f"profile takes 1 to 255 sequences (a step holds 256 tokens, one per decoder), got {batch}")
     parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
-    # enough new tokens that the first prefilled still decode when the last starts (256 tokens a step), and
-    # a page to spare per request: admission keeps a free page for every running one
-    new = steps + 3 + -(-batch * context // 256)
+    # enough new tokens that the first prefilled still decode when the last starts: a step of 256 tokens
+    # prefills what the decoders (up to `batch`) leave of it; and a page to spare per request: admission
+    # keeps a free page for every running one
+    new = steps + 3 + -(-batch * context // (256 - batch))
     eng = ServingEngine(model, batch * (-(-(context + new) // page_size) + 1), page_size, 256, prefix_caching=False)
     if not packed:
         eng.weights = model.weights
@@ -332,3 +339,23 @@ def decoding_spans(r: dict, end: int) -> list:
             spans.append((start, step - start))
             start = None
     return spans
+
+
+# ---- step_times over several models, within a time limit --------------------------------------------------------
+
+def step_sweep(contexts: dict, load, rounds=11, warmup=1, deadline=float("inf")) -> tuple:
+    """step_times over several models, until the deadline (time.perf_counter()) has passed: contexts is
+    {name: [T, ...]}; each model is made by load(name) in turn and dropped after its contexts, the longest
+    first. Returns ({(name, T): step_times' row for T}, {name: the model's manifest})."""
+    steps, manifests = {}, {}
+    for name, Ts in contexts.items():
+        if perf_counter() > deadline:
+            break
+        model = load(name)
+        manifests[name] = model.manifest
+        for T in sorted(Ts, reverse=True):
+            if perf_counter() > deadline:
+                break
+            steps[name, T] = step_times(model, [T], rounds, warmup, progress=False)[T]
+        del model
+    return steps, manifests

@@ -244,23 +244,25 @@ print("online softmax over pages equals the softmax of the whole row:",
       torch.allclose(acc / l, torch.softmax(scores, 0) @ values, atol=1e-6))
 
 # %% [markdown]
-# `lab` has three versions of this attention, with one signature:
+# `lab` has four versions of this attention, with one signature:
 # `(q [B, H_q, D], k_pool, v_pool [pages, page_size, H_kv, D], block_tables int32 [B, max_pages],
 # lengths int32 [B])`.
 #
-# - `paged_attention_reference`: the gather above plus `scaled_dot_product_attention`. Readable; the
-#   oracle the others are tested against.
-# - `paged_attention`: the Triton kernel. Compiled on a GPU; on a CPU it runs only in Triton's
-#   interpreter (NumPy, slow), which is how the test suite checks it without a GPU.
-# - `paged_attention_cpu`: the same attention arranged for a CPU (section 3 explains it). A
-#   `PagedCache` uses it when it decodes on the CPU.
+# - `paged_attention_reference`: the gather above plus `scaled_dot_product_attention`, one sequence at a
+#   time. Readable; the oracle the others are tested against.
+# - `paged_attention_gather`: the same gather for the whole batch at once, then one masked SDPA call.
+# - `paged_attention`: the Triton kernel, which reads the pages where they lie with the online softmax
+#   above. Compiled on a GPU; on a CPU it runs only in Triton's interpreter (NumPy, slow), which is how
+#   the test suite checks it without a GPU.
+# - `paged_attention_cpu`: the same loop in C++ for the CPU (section 3 explains it), compiled at its
+#   first call and cached. A `PagedCache` uses it when it decodes on the CPU.
 #
-# All three agree on a ragged batch. (The kernel runs here in the interpreter when this machine has no
+# All four agree on a ragged batch. (The kernel runs here in the interpreter when this machine has no
 # GPU; the interpreter cannot run in a process that has imported `torch._dynamo`, so the cell says so
 # instead of failing in that case.)
 
 # %%
-from lab.kernels import paged_attention, paged_attention_cpu, paged_attention_reference
+from lab.kernels import paged_attention, paged_attention_cpu, paged_attention_gather, paged_attention_reference
 
 g = torch.Generator().manual_seed(2)
 q = torch.randn(2, 9, 64, generator=g)                                 # [B, H_q, D]: SmolLM2's heads
@@ -268,7 +270,9 @@ k_pool, v_pool = torch.randn(2, 12, 16, 3, 64, generator=g)            # [pages,
 block_tables = torch.tensor([[5, 2, 9, 0], [7, 1, 0, 0]], dtype=torch.int32)  # zero-padded
 lens = torch.tensor([40, 17], dtype=torch.int32)
 want = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
-print("CPU version equals the reference:",
+print("gather version equals the reference:",
+      torch.allclose(paged_attention_gather(q, k_pool, v_pool, block_tables, lens), want, atol=1e-5))
+print("C++ kernel equals the reference:",
       torch.allclose(paged_attention_cpu(q, k_pool, v_pool, block_tables, lens), want, atol=1e-5))
 try:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -320,17 +324,15 @@ show(pd.DataFrame(conc).T.rename(columns=lambda k: k.replace("paged_", "pages of
 # %% [markdown]
 # ### What reading pages costs on the CPU
 #
-# On the CPU a `PagedCache` decodes with `paged_attention_cpu`. It computes the same attention as the
-# reference, for the whole batch in a fixed number of calls:
+# Decode attention moves many bytes and does little arithmetic on each, so its time follows the bytes.
+# `paged_attention_gather` reads every page, writes a copy and reads the copy again: three passes over the
+# keys and values where attention over a contiguous cache makes one. `paged_attention_cpu` makes one pass:
+# a task (a sequence and a run of up to 512 of its positions) walks its block table and reads each page
+# where it lies, a contiguous block of `page_size` rows with every KV head of one position, keeping the
+# online softmax above per query head; a short second loop merges each sequence's runs by log-sum-exp.
+# This is why serving engines (vLLM's paged attention, FlashInfer) read pages in place.
 #
-# - **whole pages are copied**: one `index_select` per pool, each page one contiguous block, laid end to
-#   end so that row $t$ of a sequence is its position $t$;
-# - **every sequence of the batch at once**: the tables are cut to the longest sequence's pages and each
-#   sequence's positions past its length are masked, so there is no loop over sequences in Python;
-# - **one `scaled_dot_product_attention` call** under that mask reads the copies through strides and
-#   serves each KV head's group of query heads itself, so nothing else is copied.
-#
-# It is timed against `scaled_dot_product_attention` over a contiguous cache with SmolLM2's heads and
+# Both are timed against `scaled_dot_product_attention` over a contiguous cache with SmolLM2's heads and
 # pages of 16 scattered at random in the pool: medians over alternating rounds, warm (back to back).
 # At 4,096 positions (full mode) each case is repeated on fresh data, in turns, also with the CPU caches
 # flushed before every call and on one thread; the table keeps the median run and the spread.
@@ -340,9 +342,10 @@ speed = ch05.decode_attention_times(S["contexts"], S["batches"], S["reps"], S["r
 
 
 def speed_row(r):
-    return {"pages (ms)": r["paged"]["median"] * 1e3, "contiguous (ms)": r["contiguous"]["median"] * 1e3,
-            "ratio": r["ratio"], "lowest ratio": r["ratio_range"][0], "highest ratio": r["ratio_range"][1],
-            "runs": r["repeats"]}
+    return {"in place (ms)": r["paged"]["median"] * 1e3, "gathered (ms)": r["gather"]["median"] * 1e3,
+            "contiguous (ms)": r["contiguous"]["median"] * 1e3, "ratio": r["ratio"],
+            "lowest ratio": r["ratio_range"][0], "highest ratio": r["ratio_range"][1],
+            "gathered ratio": r["gather_ratio"], "runs": r["repeats"]}
 
 
 rows = {}
@@ -352,7 +355,7 @@ for (B, L), r in speed.items():
         if name in r:
             rows[(B, L, name.replace("_", " "))] = speed_row(r[name])
 speed_table = pd.DataFrame(rows).T.rename_axis(["batch", "context", "case"])
-show(speed_table, caption="decode attention, pages against contiguous (ratio: pages / contiguous)")
+show(speed_table, caption="decode attention over pages against contiguous (ratio: in place / contiguous)")
 
 # %%
 fig_speed = ch05.plot_speed(speed)
@@ -361,8 +364,7 @@ fig_speed = ch05.plot_speed(speed)
 # Read the ratio with its spread: on a shared machine a single run can land anywhere in it. How much the
 # ratio matters for a whole decode step depends on attention's share of the step, which grows with the
 # context: chapter 3 measures it (figure `ch03_attention_share.png`). On a GPU the Triton kernel reads
-# the pages in place, with neither the copy nor the extra operations: `python -m
-# lab.experiments.gpu` measures it there.
+# the pages in place the same way: `python -m lab.experiments.gpu` measures it there.
 #
 # ## Record
 #

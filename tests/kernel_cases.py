@@ -1,5 +1,5 @@
-"""Paged decode attention: the readable reference, the CPU-tuned variant and the Triton kernel, each
-against dense attention.
+"""Paged decode attention: the readable reference, the gather version, the C++ CPU kernel and the Triton
+kernel, each against dense attention.
 
 Not collected by pytest on its own (its name does not start with test_): tests/test_kernels.py runs this
 file in a fresh Python process. Without a GPU the kernel runs in Triton's interpreter, which fails in a
@@ -23,6 +23,7 @@ they are used.
 """
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -30,9 +31,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lab.kernels import (
+    KernelBuildError,
+    cpu,
     decode_attention,
     paged_attention,
     paged_attention_cpu,
+    paged_attention_gather,
     paged_attention_int8,
     paged_attention_int8_reference,
     paged_attention_reference,
@@ -49,9 +53,10 @@ ATOL = 1e-5   # float32, see the module docstring
 FP16_RTOL = 2 * 2**-11
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not triton_paged.INTERPRETED else "cpu"
 needs_triton = pytest.mark.skipif(triton_paged.triton is None, reason="triton is not installed")
-# The two PyTorch versions: the readable oracle (gather + SDPA) and the CPU-tuned one a PagedCache uses.
-PYTORCH_VERSIONS = pytest.mark.parametrize("attend", [paged_attention_reference, paged_attention_cpu],
-                                           ids=["reference", "cpu"])
+# The versions that run on CPU tensors without Triton: the readable oracle (gather + SDPA per sequence),
+# the batched gather, and the C++ kernel a PagedCache uses on the CPU (reads pages in place).
+PYTORCH_VERSIONS = pytest.mark.parametrize("attend", [paged_attention_reference, paged_attention_gather,
+                                                      paged_attention_cpu], ids=["reference", "gather", "cpu"])
 
 
 def huge(dtype):
@@ -153,7 +158,7 @@ def test_reference_with_a_custom_scale(attend):
 @PYTORCH_VERSIONS
 def test_reference_bfloat16(attend):
     # The inputs are rounded to bfloat16 before the oracle sees them, so two roundings are left, each at
-    # most 2**-8 relative (8 significant bits): the output's, under 2e-2 for |out| < 5, and (CPU version
+    # most 2**-8 relative (8 significant bits): the output's, under 2e-2 for |out| < 5, and (gather version
     # only) the probabilities' (its weighted sum of values runs in the pool's dtype), which moves it by at
     # most 2**-8 * max|v|, under 2e-2 for these standard-normal values (|v| < 5). 4e-2 is their sum; a
     # wrong page or position moves the output by far more (HUGE).
@@ -405,18 +410,122 @@ def test_a_length_that_fills_the_block_table_is_accepted():
         torch.testing.assert_close(out.cpu().double(), dense_oracle(q, ks, vs), atol=ATOL, rtol=0)
 
 
-def test_decode_attention_uses_the_cpu_version_off_the_gpu():
+def test_decode_attention_uses_the_cpu_kernel_off_the_gpu():
     q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4, 9], 4, 6, 2, 16)
     assert torch.equal(decode_attention(q, k_pool, v_pool, block_tables, lens),
                        paged_attention_cpu(q, k_pool, v_pool, block_tables, lens))
 
 
+def test_decode_attention_gathers_what_the_cpu_kernel_does_not_take(monkeypatch):
+    # float64 is no dtype of the C++ kernel, and a machine without a C++ compiler has no kernel at all:
+    # both times the gather version serves.
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4, 9], 4, 6, 2, 16)
+    args = (q.double(), k_pool.double(), v_pool.double(), block_tables, lens)
+    assert torch.equal(decode_attention(*args), paged_attention_gather(*args))
+    import lab.kernels
+    monkeypatch.setattr(lab.kernels, "cpu_kernel_available", lambda: False)
+    args = (q, k_pool, v_pool, block_tables, lens)
+    assert torch.equal(decode_attention(*args), paged_attention_gather(*args))
+
+
+@pytest.mark.parametrize("attend", [paged_attention_gather, paged_attention_cpu], ids=["gather", "cpu"])
 @pytest.mark.parametrize("page_size, lengths, q_heads, kv_heads, head_dim", KERNEL_CASES)
-def test_cpu_version_matches_the_readable_reference(page_size, lengths, q_heads, kv_heads, head_dim):
-    # Both compute in float32 from the same inputs, in different orders: ATOL as above.
+def test_cpu_versions_match_the_readable_reference(page_size, lengths, q_heads, kv_heads, head_dim, attend):
+    # All compute in float32 from the same inputs, in different orders: ATOL as above.
     q, k_pool, v_pool, block_tables, lens, _, _ = make_paged(lengths, page_size, q_heads, kv_heads, head_dim)
-    torch.testing.assert_close(paged_attention_cpu(q, k_pool, v_pool, block_tables, lens),
+    torch.testing.assert_close(attend(q, k_pool, v_pool, block_tables, lens),
                                paged_attention_reference(q, k_pool, v_pool, block_tables, lens), atol=ATOL, rtol=0)
+
+
+def consecutive_pages(block_tables, lens, page_size, k_pool, v_pool):
+    """The same sequences with their pages moved so that each sequence's pages lie in a run, in order
+    (pool page 1 + j for the j-th page handed out). Returns k_pool, v_pool, block_tables."""
+    k, v, tables = k_pool.clone(), v_pool.clone(), torch.zeros_like(block_tables)
+    nxt = 1
+    for b, n in enumerate(lens.tolist()):
+        for j in range(-(-n // page_size)):
+            k[nxt], v[nxt] = k_pool[block_tables[b, j]], v_pool[block_tables[b, j]]
+            tables[b, j], nxt = nxt, nxt + 1
+    return k, v, tables
+
+
+# Tolerances of the C++ kernel against the reference. Both accumulate in float32 and round once to the
+# output dtype. float32: the two differ only in summation order (the kernel sums page by page, rescaled by
+# the online softmax, then merges runs of CHUNK positions); each order's error is a few float32 units
+# (6e-8) times the number of terms' growth, about 1e-6 of the values' scale for a few thousand positions.
+# 1e-5 of max|v| leaves a tenfold margin. 16-bit: the float32 results differ by that much, then each
+# rounds to the nearest 16-bit value, so they agree or land one unit apart; a unit is at most 2**-7 of
+# the value for bfloat16 (8 significant bits) and 2**-10 for float16 (11 bits): that is rtol, with the
+# float32 atol beside it. A wrong page or position moves the output by far more (HUGE in unused slots).
+CPU_TOLERANCES = {torch.float32: 0.0, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+@pytest.mark.parametrize("dtype", list(CPU_TOLERANCES), ids=str)
+@pytest.mark.parametrize("layout", ["scattered", "consecutive"])
+@pytest.mark.parametrize("lengths, q_heads, kv_heads", [
+    ([1], 9, 3),                        # a single position
+    ([16, 32, 1], 9, 3),                # lengths that fill their last page exactly
+    ([1300, 17, 600, 1], 9, 3),         # ragged, two sequences longer than one run of CHUNK positions
+    ([700, 5], 8, 1),                   # one kv head for all query heads
+    ([40, 3], 4, 4),                    # no grouping
+])
+def test_cpu_kernel_matches_the_reference(lengths, q_heads, kv_heads, layout, dtype):
+    page_size = 16
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged(lengths, page_size, q_heads, kv_heads, 64, dtype=dtype,
+                                                             extra_pages=30)   # tables wider than needed
+    if layout == "consecutive":
+        k_pool, v_pool, block_tables = consecutive_pages(block_tables, lens, page_size, k_pool, v_pool)
+    out = paged_attention_cpu(q, k_pool, v_pool, block_tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    want = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
+    scale = max(float(v_pool[p].float().abs().max()) for p in block_tables[:, 0].tolist())  # the values'
+    torch.testing.assert_close(out.float(), want.float(), atol=ATOL * scale, rtol=CPU_TOLERANCES[dtype])
+
+
+def test_cpu_kernel_takes_a_scale_and_chunks_of_any_page_size():
+    # A custom scale, and a page size (24) that does not divide the CHUNK of 512: runs are whole pages.
+    q, k_pool, v_pool, block_tables, lens, ks, vs = make_paged([1000, 530, 7], 24, 6, 2, 32, seed=5)
+    out = paged_attention_cpu(q, k_pool, v_pool, block_tables, lens, scale=0.05)
+    torch.testing.assert_close(out.double(), dense_oracle(q, ks, vs, scale=0.05), atol=ATOL, rtol=0)
+
+
+def test_cpu_kernel_refuses_what_it_cannot_run():
+    q, k_pool, v_pool, block_tables, lens, _, _ = make_paged([4, 9], 4, 6, 2, 16)
+    with pytest.raises(TypeError, match=r"paged_attention_cpu takes torch.float32, .* got torch.float64"):
+        paged_attention_cpu(q.double(), k_pool.double(), v_pool.double(), block_tables, lens)
+    meta = [t.to("meta") for t in (q, k_pool, v_pool, block_tables, lens)]
+    with pytest.raises(ValueError, match=r"runs on CPU tensors, got meta"):
+        paged_attention_cpu(*meta, check_values=False)
+
+
+def test_loading_the_cpu_kernel_keeps_subnormal_floats():
+    # The kernel is compiled with -ffast-math but linked without it: linked with it, GCC adds start-up code
+    # that flushes subnormal floats to zero in the whole process, PyTorch's arithmetic included.
+    cpu._library()
+    tiny = torch.tensor([1e-39])                                      # below float32's smallest normal, 1.2e-38
+    assert (tiny * torch.tensor([1.0])).item() == pytest.approx(1e-39, rel=1e-6)
+
+
+def test_cpu_kernel_runs_its_tasks_on_openmp_threads():
+    # at::parallel_for splits work over threads only when the kernel is compiled with OpenMP; built without
+    # it, the loop runs on one thread whatever torch.set_num_threads says (two threads then took 1.75x
+    # SDPA at 4,096 positions, batch 8). Compiled with it, the library calls into libgomp (GOMP_parallel),
+    # the copy PyTorch loaded: nm, from the binutils the compiler needs, lists the undefined symbols.
+    lib = cpu._library()
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", lib._name], capture_output=True, text=True,
+                               check=True).stdout
+    assert "GOMP_parallel" in undefined
+
+
+def test_cpu_kernel_without_a_compiler_raises_a_build_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LAB_KERNEL_CACHE", str(tmp_path))            # nothing built there yet
+    cpu._library.cache_clear()
+    try:
+        with pytest.raises(KernelBuildError, match=r"cannot run the C\+\+ compiler .*no-such-compiler.*CXX"):
+            cpu._library()
+    finally:
+        cpu._library.cache_clear()                                    # the next call loads the real build
 
 
 @needs_triton
@@ -476,6 +585,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("kernel", [
     paged_attention_reference,
+    paged_attention_gather,
     paged_attention_cpu,
     pytest.param(paged_attention, marks=needs_triton),
 ])

@@ -68,3 +68,31 @@ def test_kernel_cases_after_dynamo_in_their_own_process_fail_with_the_cause():
         return
     assert done.returncode == 1 and "1 error" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert "torch._dynamo was imported in this process before this test" in done.stdout, done.stdout[-3000:]
+
+
+def allocated_bytes(fn) -> int:
+    """Bytes PyTorch's allocator hands out while fn() runs (torch.profiler with profile_memory: every
+    operator's own allocations, frees not subtracted). Here, not in kernel_cases.py: the profiler imports
+    torch._dynamo, after which Triton's interpreter cannot run in that process."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
+
+
+def test_cpu_version_reads_pages_without_copying_them():
+    # Two sequences of 2,048 positions, pages scattered over the pool: 6 MiB of keys and values to read.
+    # A version that copies them allocates at least that much (the reference does: the positive control).
+    # The in-place kernel allocates its scaled query, its output and the partial results of its runs,
+    # [B, runs, H_q, D + 2] floats: 28 KiB here, under 1% of what it reads. Its C++ scratch (not seen by
+    # the profiler) is one page's scores per task, too small to hold a page's keys.
+    from lab.kernels import paged_attention_cpu, paged_attention_reference
+    from lab.kernels.pages import paged_copy
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 3, 2048, 64, generator=g) for _ in range(2))               # [B, H_kv, L, D]
+    k_pool, v_pool, tables, lengths = paged_copy(k, v, 16, g)
+    q = torch.randn(2, 9, 64, generator=g)                                             # [B, H_q, D]
+    args, read = (q, k_pool, v_pool, tables, lengths), k.nbytes + v.nbytes
+    assert allocated_bytes(lambda: paged_attention_reference(*args)) >= read
+    assert allocated_bytes(lambda: paged_attention_cpu(*args)) < read / 100
+    torch.testing.assert_close(paged_attention_cpu(*args), paged_attention_reference(*args), atol=1e-5, rtol=0)

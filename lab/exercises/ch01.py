@@ -24,6 +24,7 @@ from ..kernels import (
     decode_attention,
     paged_attention,
     paged_attention_cpu,
+    paged_attention_gather,
     paged_attention_int8,
     paged_attention_int8_reference,
     paged_attention_reference,
@@ -91,9 +92,9 @@ def check_bytes_per_position(fn, seed=None):
 
 
 # the lab's own attention, every function that computes it (most call SDPA; the Triton kernel does not)
-LAB_ATTENTION = (paged_attention, paged_attention_cpu, paged_attention_reference, paged_attention_int8,
-                 paged_attention_int8_reference, decode_attention, gpt2.causal_attention, llama.causal_attention,
-                 ch01_recompute.causal, ch01_recompute.bidirectional)
+LAB_ATTENTION = (paged_attention, paged_attention_cpu, paged_attention_gather, paged_attention_reference,
+                 paged_attention_int8, paged_attention_int8_reference, decode_attention, gpt2.causal_attention,
+                 llama.causal_attention, ch01_recompute.causal, ch01_recompute.bidirectional)
 NO_SDPA = "scaled_dot_product_attention is switched off in this check: write softmax(q k^T / sqrt(d)) v yourself"
 
 

@@ -219,18 +219,22 @@ def plot_speed(times: dict, path=None):
     contexts = sorted({L for _, L in times})
     for B in sorted({b for b, _ in times}):
         Ls = sorted(L for b, L in times if b == B)
-        line, = ax.plot(Ls, [times[(B, L)]["paged"]["median"] * 1e3 for L in Ls], "o-", label=f"pages, B={B}")
+        line, = ax.plot(Ls, [times[(B, L)]["paged"]["median"] * 1e3 for L in Ls], "o-", label=f"in place, B={B}")
         ax.plot(Ls, [times[(B, L)]["contiguous"]["median"] * 1e3 for L in Ls], "s--", color=line.get_color(),
                 label=f"contiguous, B={B}")
+        ax.plot(Ls, [times[(B, L)]["gather"]["median"] * 1e3 for L in Ls], "^:", color=line.get_color(),
+                label=f"gathered, B={B}")
         ax_ratio.plot(Ls, [times[(B, L)]["ratio"] for L in Ls], "o-", color=line.get_color(),
-                      label=f"warm, B={B}")
+                      label=f"in place, warm, B={B}")
+        ax_ratio.plot(Ls, [times[(B, L)]["gather_ratio"] for L in Ls], "^:", color=line.get_color(),
+                      label=f"gathered, warm, B={B}")
         for name, marker, label in (("cold", "x", "flushed"), ("one_thread", "+", "1 thread")):
             at = [L for L in Ls if name in times[(B, L)]]
             if at:
                 ax_ratio.plot(at, [times[(B, L)][name]["ratio"] for L in at], marker, markersize=9,
                               color=line.get_color(), label=f"{label}, B={B}")
     ax.set(yscale="log", ylabel="median time (ms)", title="Decode attention, warm")
-    ax_ratio.set(ylim=(0, None), ylabel="pages / contiguous", title="Time ratio")
+    ax_ratio.set(ylim=(0, None), ylabel="over pages / contiguous", title="Time ratio")
     for a in (ax, ax_ratio):
         a.set_xscale("log")
         a.set_xticks(contexts, [f"{L:,}" for L in contexts])
@@ -283,8 +287,12 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                                                       note="1 GiB of 16-bit SmolLM2 cache")
     def timing(r):
         return {"paged_ms": value(r["paged"]["median"] * 1e3, "ms", min=r["paged"]["min"] * 1e3, n=r["paged"]["n"]),
+                "gather_ms": value(r["gather"]["median"] * 1e3, "ms", min=r["gather"]["min"] * 1e3),
                 "contiguous_ms": value(r["contiguous"]["median"] * 1e3, "ms", min=r["contiguous"]["min"] * 1e3),
-                "ratio": value(r["ratio"], "x"), "max_diff": value(r["max_diff"], "logit"),
+                "ratio": value(r["ratio"], "x", note="pages read in place (paged_attention_cpu) / contiguous"),
+                "gather_ratio": value(r["gather_ratio"], "x", note="pages gathered (paged_attention_gather) / "
+                                                                   "contiguous"),
+                "max_diff": value(r["max_diff"], "logit"),
                 "threads": value(r["paged"]["threads"], "threads")}
 
     def spread(r):

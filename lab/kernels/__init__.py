@@ -1,9 +1,10 @@
-"""Paged decode attention: a readable PyTorch reference and a Triton kernel with the same signature.
+"""Paged decode attention: a readable PyTorch reference, a C++ CPU kernel and a Triton kernel, one signature.
 
     out = paged_attention(q, k_pool, v_pool, block_tables, lengths)   # Triton: CUDA, or TRITON_INTERPRET=1
-    out = paged_attention_reference(...)                              # gather + SDPA: the oracle
-    out = paged_attention_cpu(...)                                    # the same, tuned for a CPU
-    out = decode_attention(...)                                       # the kernel on a GPU, else the CPU one
+    out = paged_attention_reference(...)                              # gather + SDPA per sequence: the oracle
+    out = paged_attention_gather(...)                                 # gather + one SDPA for the batch
+    out = paged_attention_cpu(...)                                    # C++, reads the pages in place
+    out = decode_attention(...)                                       # the right one for the device
     out = paged_attention_int8(q, k_codes, v_codes, k_scale, v_scale, block_tables, lengths)  # INT8 pages
     out = paged_attention_int8_reference(...)                         # dequantize, then the reference
 
@@ -18,21 +19,28 @@ The INT8 versions take int8 pools and one float scale per token per kv head, k_s
 
 from . import triton_paged
 from .checks import check_paged_inputs
-from .reference import paged_attention_cpu, paged_attention_int8_reference, paged_attention_reference
+from .cpu import DTYPES as CPU_DTYPES
+from .cpu import KernelBuildError, cpu_kernel_available, paged_attention_cpu
+from .reference import paged_attention_gather, paged_attention_int8_reference, paged_attention_reference
 from .triton_paged import paged_attention
 from .triton_paged_int8 import paged_attention_int8, quantize_pages
 
 
 def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
-    """The Triton kernel for CUDA tensors (when Triton is installed and compiling), else `paged_attention_cpu`.
+    """The Triton kernel for CUDA tensors (when Triton is installed and compiling); the C++ kernel
+    `paged_attention_cpu` for CPU tensors of its dtypes (when a C++ compiler built it); else
+    `paged_attention_gather`.
 
-    Under TRITON_INTERPRET=1 the kernel would run in NumPy, far slower than the PyTorch version, so that
-    serves then too; call `paged_attention` directly to run the kernel in the interpreter.
+    Under TRITON_INTERPRET=1 the Triton kernel would run in NumPy, far slower than the PyTorch versions,
+    so they serve then too; call `paged_attention` directly to run the kernel in the interpreter.
     """
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
         return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
-    return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
+    if q.device.type == "cpu" and q.dtype in CPU_DTYPES and cpu_kernel_available():
+        return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
+    return paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_cpu", "decode_attention",
-           "check_paged_inputs", "paged_attention_int8", "paged_attention_int8_reference", "quantize_pages"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_gather", "paged_attention_cpu",
+           "decode_attention", "cpu_kernel_available", "KernelBuildError", "check_paged_inputs",
+           "paged_attention_int8", "paged_attention_int8_reference", "quantize_pages"]

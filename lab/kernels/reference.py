@@ -1,18 +1,19 @@
-"""Paged decode attention in plain PyTorch: the readable reference, and a variant tuned for the CPU.
+"""Paged decode attention in plain PyTorch: the readable reference, and the gather-then-SDPA version.
 
 One decode step: every sequence in the batch has one new query per head, and its keys and values live
 in pages of a shared pool. The sequence's block table lists its pages in order, so position t sits in
 page `block_table[t // page_size]` at offset `t % page_size`.
 
-- `paged_attention_reference` is the oracle the Triton kernel is tested against: gather the sequence's
+- `paged_attention_reference` is the oracle the kernels are tested against: gather the sequence's
   pages into a contiguous copy, then call `scaled_dot_product_attention`. A dozen lines.
-- `paged_attention_cpu` computes the same thing faster on a CPU (it is what a PagedCache and the serving
-  engine use there): the whole batch at once, one copy of the pages per pool and one masked SDPA call,
-  with no Python loop over sequences. Chapter 5's speed section explains the choices.
+- `paged_attention_gather` computes the same thing for the whole batch at once, with no Python loop
+  over sequences: one copy of the pages per pool and one masked SDPA call. It runs on any device and
+  dtype SDPA takes; on the CPU, `paged_attention_cpu` (cpu.py) reads the pages in place instead of
+  copying them, and chapter 5 measures what the copy costs.
 - `paged_attention_int8_reference` is the oracle of the INT8 kernel: dequantize the pools (code * scale,
   in float32), then `paged_attention_reference`.
 
-The argument checks both share live in `checks.py`.
+The argument checks they share live in `checks.py`.
 """
 
 import torch
@@ -43,8 +44,8 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
     return out
 
 
-def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
-    """The same attention as `paged_attention_reference`, arranged for a CPU. Returns [B, H_q, D].
+def paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
+    """The same attention as `paged_attention_reference`, for the whole batch at once. Returns [B, H_q, D].
 
     Every sequence at once, with no Python loop over them: the tables are cut to the longest
     sequence's pages, one `index_select` per pool copies those pages (whole pages, each a contiguous
