@@ -252,6 +252,15 @@ show(pd.DataFrame([{"model": r["model"], "layers": r["layers"], "query heads": r
 fig_bytes = ch01.plot_bytes(rows)
 
 # %% [markdown]
+# The book's model runs in float32 or in bfloat16 (`load("smollm2", dtype=torch.bfloat16)`), and its
+# caches store what it computes: the same positions take half the bytes in bfloat16.
+
+# %%
+dt_bytes = ch01.dtype_bytes(smol.config)
+show(pd.DataFrame({dt: {"bytes / position": r["bytes"], "GiB at 4,096 tokens": r["context_gib"]}
+                   for dt, r in dt_bytes.items()}).T, caption="SmolLM2's cache, computed and allocated")
+
+# %% [markdown]
 # ## Is our forward right?
 #
 # The functional forward is checked against the transformers library's own model holding the same
@@ -274,7 +283,7 @@ show(pd.DataFrame({name: {"max |Δ logit|": r["max"], "median |Δ logit|": r["me
 # %%
 m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest},
          load=ch01.load_seconds("smollm2"), parity=par, causal=causal, bidirectional=unmasked, loop=loop,
-         times=times, prefill_decode=pdt, bytes=rows, perplexity=ppl)
+         times=times, prefill_decode=pdt, bytes=rows, dtype_bytes=dt_bytes, perplexity=ppl)
 values = ch01.record(m, drawn={"step_time": fig_step, "causal_mask": fig_causal, "bytes_per_position": fig_bytes})
 print("wrote section ch01 to", results.results_path())
 

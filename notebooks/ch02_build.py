@@ -310,6 +310,18 @@ display(show(pd.DataFrame({f"{model}, {design}": {
 fig = ch02.plot_agreement(runs)
 
 # %% [markdown]
+# The same check in bfloat16: SmolLM2 loaded with `dtype=torch.bfloat16`, whose cache then stores
+# bfloat16, against recomputation and transformers' model in bfloat16. bfloat16 keeps 8 significant bits,
+# so one rounding step is $2^{-8}$ of a value: the differences are counted in those steps.
+
+# %%
+bf16 = ch02.step_agreement(smol.to(dtype=torch.bfloat16), "static", S["prompt"], S["steps"]["smollm2"])
+print(f"bfloat16, static: max |Δ logit| {max(bf16['vs_recompute']):.3g} vs recomputation "
+      f"({max(bf16['vs_recompute']) / (2**-8 * bf16['scale']):.1f} steps of the largest logit), "
+      f"{max(bf16['vs_library']):.3g} vs transformers; greedy tokens "
+      f"{'identical' if bf16['tokens_identical'] else 'different'} over {len(bf16['tokens'])} steps")
+
+# %% [markdown]
 # Where the two designs share one legend entry, their curves coincide: they compute bit for bit the same
 # logits. How far the differences stay below the largest logit, in this run:
 
@@ -378,7 +390,7 @@ print(f"static / concat: {ratio:.2f}, the static cache "
 
 # %%
 m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": load("gpt2-random").manifest},
-         runs=runs, chunked=chunked, fork=fork, crop=crop, bytes=sizes, decode=decode)
+         runs=runs, chunked=chunked, fork=fork, crop=crop, bytes=sizes, decode=decode, bf16=bf16)
 ch02.record(m, drawn={"agreement": fig})
 print("wrote section ch02 to", results.results_path())
 

@@ -277,6 +277,27 @@ for name, by_load in busy.items():
     print(f"{name}: {loaded / idle:.1f}x slower with every core busy")
 
 # %% [markdown]
+# ## In bfloat16
+#
+# The same model in bfloat16 (`load("smollm2", dtype=torch.bfloat16)`), whose caches then store bfloat16:
+# a cached decode step in each dtype, timed in the same interleaved rounds; the bytes of the weights and of
+# the cache; and how far bfloat16's next-token distribution moves from float32's on held-out text.
+
+# %%
+bf16 = dict(step=ch03.bf16_step(smol, S["bf16_context"], S["bf16_rounds"]),
+            divergence=ch03.bf16_divergence(smol, S["kl_passages"], S["kl_tokens"]))
+st, dv = bf16["step"], bf16["divergence"]
+show(pd.DataFrame({dt: {"step, F.linear (ms)": st[dt]["median"] * 1e3,
+                        "step, prepacked (ms)": st[dt + "_packed"]["median"] * 1e3,
+                        "weights (MiB)": st["bytes"][dt]["weights"] / 2**20,
+                        f"cache at {st['context']} positions (MiB)": st["bytes"][dt]["cache"] / 2**20}
+                   for dt in ("float32", "bfloat16")}).T)
+print(f"float32 step / bfloat16 step (median over rounds): {st['ratio']['median']:.2f} through F.linear, "
+      f"{st['ratio_packed']['median']:.2f} prepacked; KL(float32 || bfloat16) "
+      f"{dv['kl_mean']:.2g} nats on average, {dv['kl_max']:.2g} at worst; greedy token the same at "
+      f"{100 * dv['top1_same']:.1f}% of {dv['positions']} positions")
+
+# %% [markdown]
 # ## Record
 #
 # The measurements above go into results.json (section `ch03`); the figures were saved when they were
@@ -284,7 +305,7 @@ for name, by_load in busy.items():
 
 # %%
 m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times,
-         shares=shares, predicted=predicted, end_to_end=e2e, library=lib, memory=mem, under_load=busy)
+         shares=shares, predicted=predicted, end_to_end=e2e, library=lib, memory=mem, under_load=busy, bf16=bf16)
 ch03.record(m, draw=False)
 print("wrote section ch03 to", results.results_path())
 

@@ -92,7 +92,11 @@ def with_a_subclass(memory, weights, config, tokens, dtype_bytes):
     return max(0, (memory - weights) // MyCache(config, tokens, dtype=DTYPES[dtype_bytes], device="meta").nbytes())
 
 
-@pytest.mark.parametrize("shortcut", [with_a_cache, with_cache_bytes, with_a_subclass,
+def with_the_config(memory, weights, config, tokens, dtype_bytes):  # the config's own bytes per position
+    return max(0, (memory - weights) // (tokens * config.kv_bytes_per_position(DTYPES[dtype_bytes])))
+
+
+@pytest.mark.parametrize("shortcut", [with_a_cache, with_cache_bytes, with_a_subclass, with_the_config,
                                       lambda m, w, c, t, b: copy_of(with_cache_bytes)(m, w, c, t, b)])
 def test_ch02_sequences_check_forbids_building_a_cache(shortcut):
     with pytest.raises(AssertionError, match="called lab's caches or sizing"):

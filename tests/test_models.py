@@ -400,7 +400,7 @@ def test_prepacked_projections_compute_the_same_forward(smollm2, smollm2_ids):
 
     packed = Prepacked(smollm2.weights)
     assert owner(packed, smollm2.config) == owner(smollm2.weights, smollm2.config)   # the same tensors
-    assert len(packed.packed) == 7 * smollm2.config.n_layers + 1                     # every projection, the head
+    assert len(packed.packed) == 4 * smollm2.config.n_layers + 1    # qkv, o, gate_up, down per layer; the head
     with torch.inference_mode():
         want, got = forward(smollm2_ids, smollm2.weights, smollm2.config), forward(smollm2_ids, packed, smollm2.config)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=0)

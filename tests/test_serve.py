@@ -386,6 +386,23 @@ def test_an_engine_process_answers_what_the_engine_computes(remote, tiny):
     assert snap["free_pages"] == NUM_PAGES and max(snap["batch_sizes"]) > 1
 
 
+def test_an_engine_process_in_bfloat16_answers_what_a_bfloat16_engine_computes():
+    """Regression: `python -m lab.serve` always loaded float32. With --dtype bfloat16 the engine's process
+    loads the model in bfloat16 (the server's side reads the same dtype into its config) and answers what
+    an engine over `load("tiny-llama", dtype="bfloat16")` computes."""
+    engine = EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1, dtype="bfloat16")
+    ps = prompts([5, 17, 9], seed=12)
+    engine.start()
+    try:
+        with serving(engine) as (port, app):
+            answers = [call(port, "/v1/completions", dict(prompt=p, max_tokens=6, return_token_ids=True)) for p in ps]
+    finally:
+        engine.stop()
+    want = ServingEngine(load("tiny-llama", dtype="bfloat16"), NUM_PAGES, PAGE_SIZE).generate(ps, 6)
+    assert engine.config.dtype == "bfloat16"
+    assert [a[1]["choices"][0]["token_ids"] for a in answers] == want
+
+
 def test_an_engine_process_frees_the_pages_of_a_client_that_leaves(remote):
     port, engine = remote
     before = wait_idle_remote(engine)

@@ -1,7 +1,5 @@
 """KV caches behind one interface (attend, update, advance, reset, fork, crop, nbytes), and their sizing."""
 
-import torch
-
 from .base import (
     CacheError,
     CacheFullError,
@@ -22,7 +20,7 @@ from .static import StaticCache
 DESIGNS = ("concat", "static", "paged")
 
 
-def make_cache(design: str, config, max_tokens: int, batch_size: int = 1, dtype=torch.float32, device="cpu",
+def make_cache(design: str, config, max_tokens: int, batch_size: int = 1, dtype=None, device="cpu",
                page_size: int = 16):
     """A cache by name, room for max_tokens positions per row: "concat" (grows; max_tokens unused), "static"
     (max_tokens reserved per row) or "paged" (a pool of pages for max_tokens positions in every row)."""

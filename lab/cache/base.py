@@ -41,8 +41,9 @@ def offset_causal_mask(start: int, T: int, device=None) -> torch.Tensor:
 class KVCache:
     """What every design shares: the committed length, the positions pending in this step, the owner."""
 
-    def __init__(self, config, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+    def __init__(self, config, batch_size: int = 1, dtype=None, device="cpu"):
         checks.at_least_one("batch_size", batch_size)
+        dtype = config.torch_dtype if dtype is None else dtype  # the model's, unless told otherwise
         self.config, self.batch_size, self.dtype = config, batch_size, dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors say it
         self.n_layers, self.n_kv_heads = config.n_layers, config.n_kv_heads

@@ -103,6 +103,13 @@ def between_steps(cache, what):
                               "call advance() first")
 
 
+def dtype(held, config, what):
+    """A cache stores keys and values in the dtype its model computes them in (`config.dtype`, the weights')."""
+    if held != config.torch_dtype:
+        raise CacheMismatchError(f"the {what} holds {held}, the model {config.name or config.arch} computes in "
+                                 f"{config.torch_dtype}: build it with the model's dtype (the default)")
+
+
 def model(cache, config, owner):
     """The cache was built for a model of this shape (layers, kv_heads, head_dim), and the positions it
     holds were computed by `owner`."""
@@ -110,6 +117,7 @@ def model(cache, config, owner):
     theirs = (config.n_layers, config.n_kv_heads, config.head_dim)
     if mine != theirs:
         raise CacheMismatchError(f"cache built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
+    dtype(cache.dtype, config, "cache")
     held = cache.max_length or any(cache.pending)
     if held and cache.owner is not None and owner != cache.owner:
         raise CacheMismatchError(f"the cache holds {cache.max_length} positions computed by another model (or by "
@@ -176,6 +184,7 @@ def step_model(step, config, owner):
     theirs = (config.n_layers, config.n_kv_heads, config.head_dim)
     if mine != theirs:
         raise CacheMismatchError(f"pool built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
+    dtype(pool.dtype, config, "pool")
     if pool.owner is not None and owner != pool.owner:
         raise CacheMismatchError("the pool's pages hold keys and values of another model (or of these weights "
                                  "before they changed): use a new pool")

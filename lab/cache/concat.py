@@ -12,7 +12,7 @@ from .base import KVCache
 
 
 class ConcatCache(KVCache):
-    def __init__(self, config, batch_size: int = 1, dtype=torch.float32, device="cpu"):
+    def __init__(self, config, batch_size: int = 1, dtype=None, device="cpu"):
         super().__init__(config, batch_size, dtype, device)
         self.keys = [None] * self.n_layers    # per layer [B, H_kv, length, D], None while empty
         self.values = [None] * self.n_layers

@@ -122,7 +122,7 @@ def gather(x, index):  # x [B, H, N, ...], index [B, H, n] -> x at those positio
 
 
 class EvictingCache(KVCache):
-    def __init__(self, config, budget: int, policy: str = "window", batch_size: int = 1, dtype=torch.float32,
+    def __init__(self, config, budget: int, policy: str = "window", batch_size: int = 1, dtype=None,
                  device="cpu", sinks: int = 4, window: int | None = None, rerotate: bool = False,
                  observation: int = 32, pool: int = 7, pooling: str = "avg"):
         check_arguments(config, budget, policy, sinks, window, rerotate, observation, pool, pooling)

@@ -41,15 +41,15 @@ def round_up(n, multiple):
 # region paged_cache_init
 class PagedCache(KVCache):
     def __init__(self, config, max_tokens: int, page_size: int = 16, batch_size: int = 1,
-                 dtype=torch.float32, device="cpu", max_seq_tokens: int | None = None):
+                 dtype=None, device="cpu", max_seq_tokens: int | None = None):
         super().__init__(config, batch_size, dtype, device)
         checks.paged_sizes(max_tokens, page_size, max_seq_tokens)
         self.page_size, self.num_pages = page_size, math.ceil(max_tokens / page_size)
         self.manager = BlockManager(self.num_pages, page_size)
         L, H, D = self.n_layers, self.n_kv_heads, self.head_dim
         shape = (L, self.num_pages, page_size, H, D)                # [L, N, page, H_kv, D]
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         longest = max_seq_tokens or max_tokens
         self.max_pages = round_up(math.ceil(longest / page_size), 16)  # padded table width
         self._ids = itertools.count()            # sequence ids in the manager, never reused
@@ -83,7 +83,7 @@ class PagedCache(KVCache):
         return view
 
     @classmethod
-    def from_memory(cls, config, fraction: float, page_size=16, batch_size=1, dtype=torch.float32, device="cpu",
+    def from_memory(cls, config, fraction: float, page_size=16, batch_size=1, dtype=None, device="cpu",
                     available_bytes=None):
         """A cache whose pool takes `fraction` of the memory available now (host RAM, or free GPU memory)."""
         checks.memory_fraction(fraction)

@@ -81,10 +81,11 @@ KIVI_RESIDUAL = 128  # KIVI's residual length R: positions kept in float at the 
 
 class QuantizedCache(KVCache):
     def __init__(self, config, bits: int = 8, scheme: str = "per_token", batch_size: int = 1,
-                 dtype=torch.float32, device="cpu", smooth: bool = False, group_size: int = 32,
+                 dtype=None, device="cpu", smooth: bool = False, group_size: int = 32,
                  residual: int | None = None, value_group_size: int | None = None, zero_point: bool | None = None,
                  scale_dtype=None):
         super().__init__(config, batch_size, dtype, device)
+        dtype = self.dtype                                             # the model's unless told otherwise
         scale_dtype = dtype if scale_dtype is None else scale_dtype   # 16-bit caches keep 16-bit scales
         residual = (KIVI_RESIDUAL if scheme == "kivi" else 0) if residual is None else residual
         zero_point = (scheme == "kivi") if zero_point is None else zero_point   # KIVI's grids have zero points

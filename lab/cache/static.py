@@ -12,14 +12,15 @@ from .base import KVCache
 
 
 class StaticCache(KVCache):
-    def __init__(self, config, max_tokens: int, batch_size: int = 1, dtype=torch.float32,
-                 device="cpu"):
+    def __init__(self, config, max_tokens: int, batch_size: int = 1, dtype=None,
+                 device="cpu"):                    # dtype None: the model's (config.dtype)
         super().__init__(config, batch_size, dtype, device)
         checks.at_least_one("max_tokens", max_tokens)
         self.max_tokens = max_tokens
         shape = (self.n_layers, batch_size, self.n_kv_heads, max_tokens, self.head_dim)
-        self.k_buf = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, B, H_kv, T_max, D]
-        self.v_buf = torch.zeros(shape, dtype=dtype, device=self.device)
+        like = dict(dtype=self.dtype, device=self.device)
+        self.k_buf = torch.zeros(shape, **like)       # [L, B, H_kv, T_max, D]
+        self.v_buf = torch.zeros(shape, **like)
 
     def capacity(self) -> int:
         return self.max_tokens

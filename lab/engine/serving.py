@@ -93,7 +93,8 @@ class ServingEngine:
         self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
         self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
-        # float32 Llama weights on a CPU: the projections also prepacked for oneDNN, as vLLM's CPU backend does
+        # Llama weights on a CPU (float32, or bfloat16 where oneDNN runs it natively): the projections also
+        # prepacked for oneDNN, q, k, v and gate, up merged, as vLLM's CPU backend holds them
         packs = cfg.arch != "gpt2" and Prepacked.applies(model.weights)
         self.weights = Prepacked(model.weights) if packs else model.weights
         # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)

@@ -17,6 +17,7 @@ from ..cache import ConcatCache, EvictingCache, PagedCache, QuantizedCache, Stat
 from ..cache import base as cache_base
 from ..cache.base import KVCache
 from ..models import forward, forward_cached, load
+from ..models.config import ModelConfig
 from .rules import drawn_with, fresh_seed, functions_raise, unchanged
 
 
@@ -89,7 +90,7 @@ def check_mask_offset(offset_causal_mask, seed=None):
 
 
 CACHES = (StaticCache, ConcatCache, PagedCache, QuantizedCache, EvictingCache, make_cache, sizing.cache_bytes,
-          sizing.bytes_per_position)
+          sizing.bytes_per_position, ModelConfig.kv_bytes_per_position)
 OWN_SIZING = ("your function called lab's caches or sizing functions: the exercise is to work it out from the "
               "model's shape")
 
@@ -98,8 +99,8 @@ def check_sequences_that_fit(fn, seed=None):
     """fn(memory_bytes, weight_bytes, config, tokens, dtype_bytes) -> sequences whose caches fit beside the weights.
 
     Oracle: the bytes of a real StaticCache for one sequence, for memories and lengths drawn fresh. Rule: work
-    it out from the model's shape (layers, KV heads, head size); lab's caches, cache_bytes and
-    bytes_per_position raise while it runs.
+    it out from the model's shape (layers, KV heads, head size); lab's caches, cache_bytes,
+    bytes_per_position and the config's kv_bytes_per_position raise while it runs.
     """
     seed = fresh_seed(seed)
     rng = random.Random(seed)

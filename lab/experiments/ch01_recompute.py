@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from .. import data
 from ..bench import time_call
-from ..cache import bytes_per_position, make_cache
+from ..cache import StaticCache, bytes_per_position, make_cache
 from ..engine import RecomputeBackend, generate, positions_cached, positions_uncached
 from ..metrics import logit_diff, perplexity
 from ..models import forward, forward_cached, load
@@ -141,6 +141,20 @@ def bytes_table(dtype_bytes: int = 2, context: int = 4096) -> list:
     return rows
 
 
+def dtype_bytes(config, context: int = 4096) -> dict:
+    """The cache of `config`'s model per position in float32 and in bfloat16, computed from its config
+    (`kv_bytes_per_position`) and checked against what a StaticCache of that dtype allocates (on the meta
+    device: shapes, no memory): {dtype: {"bytes", "context_gib"}}."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        per = config.kv_bytes_per_position(dtype)
+        held = StaticCache(config, context, dtype=dtype, device="meta").nbytes()
+        if held != per * context:
+            raise AssertionError(f"{dtype}: a StaticCache holds {held} bytes, the formula says {per * context}")
+        out[str(dtype).removeprefix("torch.")] = dict(bytes=per, context=context, context_gib=held / 2**30)
+    return out
+
+
 @torch.inference_mode()
 def parity(names, n_tokens=256, seed=0, progress=True) -> dict:
     """Max and median |our logits - transformers' logits| on the same weights and ids."""
@@ -263,6 +277,7 @@ def measure(quick_mode=None) -> dict:
         times={m.name: step_times(m, s["contexts"][m.name], s["reps"], s["warmup"]) for m in (gpt2, smol)},
         prefill_decode={m.name: prefill_decode(m, s["prefill_prompts"], s["decode_tokens"]) for m in (gpt2, smol)},
         bytes=bytes_table(),
+        dtype_bytes=dtype_bytes(smol.config),
         perplexity=perplexities(smol, s["ppl_passages"], s["ppl_tokens"]),
     )
 
@@ -318,6 +333,11 @@ def record(m: dict, drawn: dict | None = None):
         "perplexity": {"heldout": value(ppl["heldout"], "perplexity"), "shuffled": value(ppl["shuffled"], "perplexity"),
                        "passages": value(ppl["passages"], "passages"), "tokens": value(ppl["tokens"], "tokens")},
     }
+    if "dtype_bytes" in m:  # the book's model's cache in float32 and in bfloat16
+        values["dtype_bytes"] = {dt: {
+            "bytes": value(r["bytes"], "bytes"), "kib": value(r["bytes"] / 1024, "KiB"),
+            "gib_at_4096": value(r["context_gib"], "GiB", note=f"one sequence of {r['context']} tokens of SmolLM2")}
+            for dt, r in m["dtype_bytes"].items()}
     if "bidirectional" in m:  # the same experiment with the mask removed
         b = m["bidirectional"]
         values["bidirectional"] = {

@@ -183,7 +183,8 @@ def measure(quick_mode=None) -> dict:
                 fork={d: fork_check(smol, d, s["fork_prefix"]) for d in DESIGNS},
                 crop={d: crop_check(smol, d, s["crop_keep"], s["crop_drop"]) for d in DESIGNS},
                 bytes={d: bytes_check(smol, d, s["bytes_tokens"], s["bytes_batch"]) for d in DESIGNS},
-                decode=decode_step_times(smol, s["decode_context"], s["decode_rounds"]))
+                decode=decode_step_times(smol, s["decode_context"], s["decode_rounds"]),
+                bf16=step_agreement(smol.to(dtype=torch.bfloat16), "static", s["prompt"], s["steps"]["smollm2"]))
 
 
 def record(m: dict, drawn: dict | None = None) -> dict:
@@ -233,6 +234,15 @@ def record(m: dict, drawn: dict | None = None) -> dict:
             "rounds": value(t["static"]["n"], "steps"),
             "static_over_concat": value(t["static"]["median"] / t["concat"]["median"], "x",
                                         note="median static step / median concat step")}
+    if "bf16" in m:  # the same agreement, model and cache in bfloat16 (transformers' model too)
+        r = m["bf16"]
+        values["agreement_bf16"] = {
+            "vs_recompute_max": value(max(r["vs_recompute"]), "logit"),
+            "vs_library_max": value(max(r["vs_library"]), "logit"),
+            "logit_scale": value(r["scale"], "logit"), "steps": value(len(r["tokens"]), "steps"),
+            "tokens_identical": value(r["tokens_identical"], None),
+            "recompute_steps": value(max(r["vs_recompute"]) / (2 ** -8 * r["scale"]), "bfloat16 steps",
+                                     note="largest difference in steps of 2^-8 of the largest logit")}
     identical = all(r["tokens_identical"] for r in m["runs"].values())
     values["all_tokens_identical"] = value(identical, None)
     figures = {"agreement": {"path": figs / "ch02_agreement.png",

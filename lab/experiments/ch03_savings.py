@@ -12,10 +12,12 @@ lowest and highest round and the interquartile range.
 import torch
 
 from .. import contention, data, memory
-from ..bench import ratio_summary
-from ..cache import make_cache
+from ..bench import ratio_summary, time_rounds
+from ..cache import StaticCache, make_cache
 from ..engine import CachedBackend, RecomputeBackend, generate
-from ..models import load
+from ..metrics import kl_divergence
+from ..models import forward, forward_cached, load
+from ..models.llama import Prepacked
 from ..peers import hf_generate
 from ..results import figures_dir, provenance, quick, value, write_section
 from ..step_cost import attention_share, predicted_shares, step_times
@@ -31,14 +33,15 @@ def settings(quick_mode: bool) -> dict:
                     share_contexts={"gpt2-random": [64, 960], "smollm2": [64, 512, 4096]}, share_rounds=5,
                     library_context=128, library_tokens=8, library_reps=1, memory_tokens=128, memory_batches=(1, 8),
                     memory_models=("gpt2-random",), e2e_tokens=32,
-                    load_settings=("default", "lab"), load_rounds=1, load_reps=3, load_warmup=1)
+                    load_settings=("default", "lab"), load_rounds=1, load_reps=3, load_warmup=1,
+                    bf16_context=512, bf16_rounds=3, kl_passages=2, kl_tokens=128)
     T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 960]  # 960: GPT-2's 1,024 positions, less the generated ones
     return dict(contexts={"gpt2-random": T, "smollm2": T + [2048]}, rounds=11, warmup=1,
                 share_contexts={"gpt2-random": [64, 256, 512, 960], "smollm2": [64, 256, 512, 1024, 2048, 4096]},
                 share_rounds=15, library_context=512, library_tokens=32, library_reps=5, memory_tokens=960,
                 memory_batches=(1, 8), memory_models=("gpt2-random", "smollm2"), e2e_tokens=32,
                 load_settings=("default", "lab", "short_spin", "one_thread"), load_rounds=3, load_reps=15,
-                load_warmup=3)
+                load_warmup=3, bf16_context=512, bf16_rounds=11, kl_passages=16, kl_tokens=256)
 
 
 # ---- one decode step, with and without a cache (lab.step_cost.step_times) ----------------------------------
@@ -193,6 +196,48 @@ def plot_memory(rows, path=None):
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 
+# ---- what bfloat16 changes: step time, memory, the next-token distribution ------------------------------------
+
+@torch.inference_mode()
+def bf16_step(model, context=512, rounds=11, warmup=2, seed=0) -> dict:
+    """A cached decode step of `model` (a float32 Llama-family model) and of its bfloat16 copy after
+    `context` seeded random ids, each through a StaticCache of its own dtype, two ways: the projections
+    through F.linear (the chapter's forward) and through oneDNN's prepacked, merged weights (`Prepacked`,
+    what the serving engine runs). All four timed in interleaved rounds (cropped back to `context` before
+    every call, untimed). {"float32", "bfloat16", "float32_packed", "bfloat16_packed": summary, "ratio" and
+    "ratio_packed": float32 / bfloat16 per round, "bytes": {dtype: {"weights", "cache"}}} with the cache's
+    bytes at `context` positions."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(seed))
+    models = {"float32": model, "bfloat16": model.to(dtype=torch.bfloat16)}
+    fns, caches = {}, []
+    for way in ("", "_packed"):
+        for dt, m in models.items():
+            w = Prepacked(m.weights, rows=1) if way else m.weights
+            cache = StaticCache(m.config, context + 1)                               # the model's dtype
+            forward_cached(ids[:, :context], w, m.config, cache)                     # prefill, untimed
+            fns[dt + way] = lambda m=m, w=w, c=cache: forward_cached(ids[:, -1:], w, m.config, c, last_only=True)
+            caches.append(cache)
+    times = time_rounds(fns, warmup, rounds, setup=lambda: [c.crop(context) for c in caches], samples=True)
+    ratio = {"ratio" + way: ratio_summary(times["float32" + way]["samples"], times["bfloat16" + way]["samples"])
+             for way in ("", "_packed")}
+    nbytes = {dt: dict(weights=sum(t.nbytes for t in m.weights.values()),
+                       cache=m.config.kv_bytes_per_position() * context) for dt, m in models.items()}
+    return times | ratio | dict(bytes=nbytes, context=context)
+
+
+@torch.inference_mode()
+def bf16_divergence(model, passages=16, tokens=256, seed=11) -> dict:
+    """KL(float32 || bfloat16) of the next-token distribution at every position of `passages` held-out
+    passages of `tokens` tokens (nats): mean and largest, and the share of positions whose greedy token is
+    the same."""
+    half = model.to(dtype=torch.bfloat16)
+    ids = torch.tensor(data.passages(model.tokenizer, tokens, count=passages, seed=seed))   # [N, T]
+    p, q = forward(ids, model.weights, model.config), forward(ids, half.weights, half.config)
+    kl = kl_divergence(p, q.float())                                                            # [N, T]
+    return dict(kl_mean=kl.mean().item(), kl_max=kl.max().item(), positions=kl.numel(),
+                top1_same=(p.argmax(-1) == q.argmax(-1)).float().mean().item())
+
+
 def under_load(s: dict) -> dict:
     """A SmolLM2 decode step after 256 positions, idle and beside other torch programs, for each OpenMP setting
     of s["load_settings"] (lab.contention; a fresh process per case)."""
@@ -217,6 +262,8 @@ def measure(quick_mode=None) -> dict:
                                     s["library_reps"]),
         memory=memory.sweep(s["memory_models"], ("concat", "static"), s["memory_batches"], s["memory_tokens"]),
         under_load=under_load(s),
+        bf16=dict(step=bf16_step(smol, s["bf16_context"], s["bf16_rounds"]),
+                  divergence=bf16_divergence(smol, s["kl_passages"], s["kl_tokens"])),
     )
 
 
@@ -299,6 +346,8 @@ def record(m: dict, draw: bool = True) -> dict:
     values["memory"]["tokens"] = value(m["settings"]["memory_tokens"], "tokens")
     if "under_load" in m:
         values["under_load"] = load_values(m["under_load"])
+    if "bf16" in m:
+        values["bf16"] = bf16_values(m["bf16"])
     figures = {"step_time": {"path": figs / "ch03_step_time.png",
                              "caption": "Step time against context, and the speedup of each cache"},
                "attention_share": {"path": figs / "ch03_attention_share.png",
@@ -306,6 +355,21 @@ def record(m: dict, draw: bool = True) -> dict:
                "memory": {"path": figs / "ch03_memory.png", "caption": "Peak extra memory while decoding"}}
     write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
     return values
+
+
+def bf16_values(r: dict) -> dict:
+    """bf16_step and bf16_divergence as results values."""
+    st, dv, mib = r["step"], r["divergence"], lambda b: value(b / 2**20, "MiB")
+    return {"context": value(st["context"], "tokens"),
+            "step_ms": {dt: _ms(st[dt]) for dt in ("float32", "bfloat16")},
+            "step_ms_packed": {dt: _ms(st[dt + "_packed"]) for dt in ("float32", "bfloat16")},
+            "speedup": _ratio(st["ratio"], note="float32 step / bfloat16 step, F.linear, median over rounds"),
+            "speedup_packed": _ratio(st["ratio_packed"], note="the same with oneDNN's prepacked weights"),
+            "weights_mib": {dt: mib(b["weights"]) for dt, b in st["bytes"].items()},
+            "cache_mib": {dt: mib(b["cache"]) for dt, b in st["bytes"].items()},
+            "kl_mean": value(dv["kl_mean"], "nats", note="KL(float32 || bfloat16), next token, held-out text"),
+            "kl_max": value(dv["kl_max"], "nats"), "positions": value(dv["positions"], "positions"),
+            "top1_same": value(100 * dv["top1_same"], "%", note="positions whose greedy token is the same")}
 
 
 def load_values(r: dict) -> dict:

@@ -3,7 +3,7 @@
 from . import gpt2, llama
 from .checks import InputError, PositionLimitError, check_ids, check_positions, owner
 from .config import ModelConfig
-from .load import KNOWN, Model, load, random_model
+from .load import KNOWN, DtypeError, Model, load, random_model
 
 
 def forward(ids, weights, config, last_only=False):
@@ -39,4 +39,4 @@ def forward_cached(ids, weights, config, cache, last_only=False, positions=None,
 
 
 __all__ = ["load", "forward", "forward_cached", "Model", "ModelConfig", "InputError", "PositionLimitError",
-           "check_ids", "owner", "random_model", "KNOWN"]
+           "DtypeError", "check_ids", "owner", "random_model", "KNOWN"]

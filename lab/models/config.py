@@ -2,6 +2,10 @@
 
 from dataclasses import asdict, dataclass
 
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16")  # what the forwards and caches run in: weights and activations
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -18,10 +22,13 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base (Llama family only)
     tie_embeddings: bool = True  # the output head reuses the token embedding
     name: str = ""
+    dtype: str = "float32"       # of the weights `load` gave; every cache stores this unless told otherwise
 
     def __post_init__(self):
         if self.arch not in ("gpt2", "llama"):
             raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
@@ -29,6 +36,16 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads that share one key/value head (1 = multi-head, n_heads = multi-query)."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def kv_bytes_per_position(self, dtype=None) -> int:
+        """Bytes one position occupies in a cache of `dtype` (the model's by default): 2 (K and V) x layers
+        x kv_heads x head_dim x bytes per element. SmolLM2 in bfloat16: 2 x 30 x 3 x 64 x 2 = 23,040."""
+        size = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * size
 
     def to_dict(self) -> dict:
         return asdict(self)

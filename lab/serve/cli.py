@@ -20,6 +20,7 @@ import uvicorn
 
 from ..engine import ServingEngine
 from ..models import load
+from ..models.config import DTYPES
 from .api import MAX_BODY_BYTES
 from .app import create_app
 from .engine_loop import EngineProcess, EngineThread
@@ -44,6 +45,8 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2", help="any lab.models.load name or folder (default smollm2)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the weights', activations' and cache's "
+                   "dtype (default float32; bfloat16 halves the cache and runs natively on CPUs with AVX-512 BF16)")
     p.add_argument("--num-pages", type=int, default=512, help="pages in the pool (default 512: 8,192 positions)")
     p.add_argument("--page-size", type=int, default=16, help="positions per page")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens in one step's forward, at most")
@@ -58,12 +61,12 @@ def main(argv=None):
     if args.one_process:
         if args.threads:
             torch.set_num_threads(args.threads)
-        client = EngineThread(ServingEngine(load(args.model), *engine_args,
+        client = EngineThread(ServingEngine(load(args.model, args.dtype), *engine_args,
                                             prefix_caching=not args.no_prefix_caching))
     else:
         torch.set_num_threads(1)       # this process parses and detokenizes; the engine's has the threads
         client = EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
-                               threads=args.threads)
+                               threads=args.threads, dtype=args.dtype)
     app = create_app(client, max_body_bytes=args.max_body_bytes)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
     died = []
@@ -77,8 +80,9 @@ def main(argv=None):
         client.on_exit = engine_died
         client.start()
     where = "in this process" if args.one_process else "in a process of its own"
-    print(f"serving {client.name} (pool of {args.num_pages} pages of {args.page_size}, max_batch_tokens="
-          f"{args.max_batch_tokens}, the engine {where}) on http://{args.host}:{args.port}", flush=True)
+    print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}, "
+          f"max_batch_tokens={args.max_batch_tokens}, the engine {where}) on http://{args.host}:{args.port}",
+          flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
         signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0
     if args.one_process:

@@ -159,7 +159,7 @@ class EngineThread(Router):
 
 
 class EngineProcess(Router):
-    """The loop in a process of its own, over the model `load(model)` returns (a name or a folder).
+    """The loop in a process of its own, over the model `load(model, dtype)` returns (a name or a folder).
 
     The server's side loads only the tokenizer and the config (`load_config`). The engine's process ending
     unexpectedly fails every request in flight, and `alive` turns False for good; `on_exit(why)`, if set,
@@ -167,8 +167,8 @@ class EngineProcess(Router):
     """
 
     def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
-                 prefix_caching: bool = True, threads: int | None = None):
-        self.config, self.tokenizer = load_config(model)
+                 prefix_caching: bool = True, threads: int | None = None, dtype: str = "float32"):
+        self.config, self.tokenizer = load_config(model, dtype)       # DtypeError here, before a process starts
         self.name, self.num_pages, self.page_size = self.config.name, num_pages, page_size
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
         self.conn, child = ctx.Pipe()
@@ -176,7 +176,7 @@ class EngineProcess(Router):
         super().__init__(self._send)
         engine_args = dict(num_pages=num_pages, page_size=page_size, max_batch_tokens=max_batch_tokens,
                            prefix_caching=prefix_caching)
-        self.process = ctx.Process(target=engine_process, args=(child, model, engine_args, threads),
+        self.process = ctx.Process(target=engine_process, args=(child, model, engine_args, threads, self.config.dtype),
                                    name="lab-engine", daemon=True)
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self.on_exit = None
@@ -222,13 +222,13 @@ class EngineProcess(Router):
                 return
 
 
-def engine_process(conn, model: str, engine_args: dict, threads: int | None):
-    """The engine's process: load the model, then run the loop over the pipe."""
+def engine_process(conn, model: str, engine_args: dict, threads: int | None, dtype: str = "float32"):
+    """The engine's process: load the model in `dtype`, then run the loop over the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)         # the server decides when to stop (it drains first)
     try:
         if threads:
             torch.set_num_threads(threads)
-        engine = ServingEngine(load(model), **engine_args)
+        engine = ServingEngine(load(model, dtype), **engine_args)
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
