@@ -65,6 +65,17 @@ def test_time_rounds_runs_setup_before_warmup_too_and_keeps_samples_in_round_ord
     assert "samples" not in time_rounds(fns, warmup=0, rounds=1)["a"]  # only when asked
 
 
+def test_device_times_on_the_cpu_is_time_call(clock):
+    # Off CUDA there are no events to record: device_times times each call on the host clock, warm-up
+    # excluded, as time_call does.
+    from lab.bench import device_times
+
+    calls = []
+    r = device_times(lambda: calls.append(clock.advance(3)), warmup=2, reps=4, device="cpu")
+    assert len(calls) == 6 and r["n"] == 4                      # 2 warm-up calls, then 4 timed
+    assert (r["median"], r["min"], r["max"]) == (3, 3, 3)     # 3 s of the fake clock per call
+
+
 def _rounds(**medians):  # a fake step_times row: each variant's samples, three rounds
     return {name: {"samples": list(s), "median": sorted(s)[1]} for name, s in medians.items()}
 

@@ -1,303 +1,347 @@
-"""`LAB_FULL=1 python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (a few
-minutes). LAB_FULL=1 writes results/results.json, as `make results` does; without it the run is in quick
-mode and writes a temporary results file.
+"""`LAB_FULL=1 python -m lab.experiments.gpu`: every CUDA measurement of the book, in one command (about two
+minutes on one H200, never more than four). LAB_FULL=1 writes results/results.json, as `make results` does;
+without it the run is in quick mode and writes a temporary results file.
 
-On a machine with a GPU it runs chapter 3's step-time sweep and memory probe on CUDA (section `ch03_gpu`
-of results.json) and chapter 5's paged-attention kernel: achieved bandwidth at contexts 4k-32k and batch
-1-64, and the kernel against SDPA on a contiguous cache (section `ch05_gpu`), with the GPU's provenance;
-beside it, at the same shapes, the INT8 kernel over the same pages quantized (int8 codes and a float32
-scale per token per kv head) and its time against the float kernel's.
-Then chapter 8's load (section `ch08_gpu`, sized for about 2 minutes on an H200): requests from
-`lab.loadgen.workload` (ShareGPT-shaped lengths, all arriving at once) through `ServingEngine` in this
-process, on SmolLM2 in float32, at 1, 16, 64 and 256 requests at once; output tokens per second of each
-`generate` (after a warm-up run of the same requests), the sequential loop (the first 8 requests one after
-another through the same engine) for comparison, and the ratio of the two. On CUDA the engine's decode
-attention is chapter 5's Triton kernel (`lab.kernels.decode_attention` dispatches to it for CUDA tensors;
-the section's provenance names the kernel that ran). vLLM runs beside it only if some environment here
-holds a CUDA build of vLLM; otherwise its value is NOT_RUN with the reason.
-Without a GPU, it records NOT_RUN with the reason — unless a section already holds measurements, which a
-CPU-only run must never overwrite.
+On a machine with a GPU it measures three parts, each written to its section as soon as it is done:
+- `ch03_gpu`: the decode step's time uncached and through each cache against the context
+  (`lab.step_cost.step_times`), SmolLM2 and the GPT-2 shape in float32, and the memory a decode of 960
+  tokens holds (`lab.memory.probe`: PyTorch's allocated and reserved CUDA memory);
+- `ch05_gpu`: the paged kernels' achieved bandwidth (`lab.kernel_bench`: the float and INT8 Triton kernels,
+  SDPA over the same keys and values laid end to end) at contexts of 4k to 32k positions and batches of 1
+  to 64, float16, 32 query and 8 KV heads of 128 features, pages of 16;
+- `ch08_gpu`: ShareGPT-shaped requests, all arriving at once, through `ServingEngine` in this process
+  (`lab.serving_bench`), SmolLM2 in float32, at 256, 64, 16 and 1 requests at once and 8 one after another,
+  the decode attention chapter 5's Triton kernel; vLLM beside it where an environment holds a CUDA build.
 
-`--dry-run` runs the same code on the CPU with tiny sizes, into sections `gpu_dryrun`, `gpu_dryrun_ch05` and
-`gpu_dryrun_ch08`, so the tests can exercise the script on machines without a GPU.
+The keys. One function per section (`ch03_values`, `ch05_values`, `ch08_values`) builds its values from what
+was measured, every case that was not measured NOT_RUN with the reason; a run without a GPU calls the same
+functions with nothing measured. So a measured run and a NOT_RUN one write the same keys. The manuscript
+cites the headline leaves, which name no shape: `ch03_gpu.step_ms` and `.speedup` (SmolLM2's static cache
+at its longest context, 2,048), `ch03_gpu.concat_reserved_mib` and `.static_reserved_mib`;
+`ch05_gpu.bandwidth` (at 32,768 positions, the batch that reads fastest), `.bandwidth_fraction` (that over
+the GPU's peak), `.kernel_over_sdpa`, `.int8_bandwidth`, `.int8_over_float` (the same case), `.max_abs_error`;
+`ch08_gpu.output_tok_s` and `.speedup` (256 requests at once), `.vllm.output_tok_s`. The sweeps sit under
+`ch03_gpu.sweep`, `.speedups`, `.memory`, `ch05_gpu.sweep`, `ch08_gpu.engine`, `.speedups`.
+
+A time limit bounds each part (BUDGET_S): a sweep stops there and records what it measured, the rest NOT_RUN
+with the reason; vLLM, where a CUDA build is found, gets what is left of the four minutes. Without a GPU,
+the run records NOT_RUN with the reason, under the same keys, unless a section already holds
+measurements, which a CPU-only run never overwrites. A part that fails records NOT_RUN with its error (the
+other parts keep their measurements), and the command exits with an error. `--dry-run` runs the same code
+on the CPU with tiny sizes (the kernels in Triton's interpreter), into sections `gpu_dryrun`,
+`gpu_dryrun_ch05` and `gpu_dryrun_ch08`, so the tests can exercise the script.
 """
 
 import argparse
+import itertools
 import math
 import subprocess
 import time
+import traceback
 
 import torch
 
-from .. import memory, step_cost
+from .. import kernel_bench, memory, serving_bench, step_cost
+from ..bench import ratio_summary
+from ..loadgen import workload
 from ..models import load
-from ..peers import vllm_gpu
-from ..results import not_run, provenance, read, results_path, value, write_section
-from . import ch03_savings as ch03
+from ..results import NOT_RUN, leaf_keys, lookup, not_run, provenance, read, results_path, value, write_section
 
-SECTION = "ch03_gpu"
-SECTION5 = "ch05_gpu"
-SECTION8 = "ch08_gpu"
+NO_GPU = "no CUDA GPU on the machine that ran `make results`"
+DESIGNS = ("concat", "static")
 
+# Seconds each part may take before its sweep stops, and the whole run's, which vLLM's start-up and run must
+# also fit in. Estimated on one H200 from the bytes moved and the kernel launches (each section records its
+# `seconds`): start-up and Triton's compilations ~15 s; steps ~15 s (launch-bound: ~750 launches a SmolLM2
+# step); memory ~25 s (two fresh processes, each stopped at the limit); kernels ~10 s (~1.5 TB moved in all:
+# compilation and Python bind it); serving ~45 s (~85 engine steps of ~30 ms per `generate` at 256 requests).
+# Each limit leaves a margin; the parts' limits, start-up and one serving level past its limit: about 200 s.
+BUDGET_S = dict(steps=30, memory=45, kernel=30, serving=70, total=230)
 
-# Chapter 8 on the GPU: the chapter's CPU load, larger. Prompts up to 256 and answers up to 64 tokens keep
-# the whole part near 2 minutes on an H200.
+# Chapter 8 on the GPU: the chapter's CPU load, larger. Prompts up to 256 and answers up to 64 tokens.
 SERVE = dict(model="smollm2",
-             levels=(1, 16, 64, 256),   # requests at once: one alone, then batches only a GPU serves quickly
+             levels=(256, 64, 16, 1),   # requests at once, the headline (the largest) first
              max_prompt=256,            # ShareGPT's long tail is clipped here (workload's max_prompt)
              max_output=64,             # every answer runs to its length: no eos stop on either side
              sequential=8,              # requests in the one-after-another loop (up to 64 decode steps each)
              reps=3,                    # timed runs per level, after one warm-up run
              page_size=16,              # vLLM's default block size too
-             max_batch_tokens=2048,     # a step's token budget: 256 decodes and several prompt chunks fit
-             section=SECTION8)
+             max_batch_tokens=2048)     # a step's token budget: 256 decodes and several prompt chunks fit
 # The same code on the CPU for --dry-run: the tiny model, a small budget so that prompts are chunked.
-SERVE_DRY = dict(model="tiny-llama", levels=(1, 4), max_prompt=16, max_output=4, sequential=2, reps=1, page_size=16,
-                 max_batch_tokens=32, section="gpu_dryrun_ch08")
+SERVE_DRY = dict(model="tiny-llama", levels=(4, 1), max_prompt=16, max_output=4, sequential=2, reps=1,
+                 page_size=16, max_batch_tokens=32)
 
 
 def settings(dry_run: bool) -> dict:
-    if dry_run:  # the kernel runs under Triton's interpreter here: tiny shapes
-        return dict(device="cpu", models=("tiny-llama",), contexts=[16, 64], reps=2, warmup=1, memory_tokens=48,
-                    batches=(1, 2), section="gpu_dryrun", kernel_contexts=[40], kernel_batches=[1, 2],
-                    kernel_heads=(4, 2), kernel_head_dim=16, kernel_dtype=torch.float32, kernel_reps=1,
-                    section5="gpu_dryrun_ch05", serve=SERVE_DRY)
-    return dict(device="cuda", models=("gpt2-random", "smollm2"), contexts=[16, 32, 64, 128, 256, 512, 960],
-                reps=10, warmup=3, memory_tokens=960, batches=(1, 8), section=SECTION,
-                kernel_contexts=[4096, 8192, 16384, 32768], kernel_batches=[1, 4, 16, 64],
-                kernel_heads=(32, 8), kernel_head_dim=128, kernel_dtype=torch.float16, kernel_reps=20,
-                section5=SECTION5, serve=SERVE)
+    """What the run measures. The headline of each part is its first model, its longest context and its
+    largest batch or level; the manuscript cites only those."""
+    if dry_run:  # the kernels run under Triton's interpreter here: tiny shapes, a limit it never reaches
+        return dict(device="cpu", budget_s=dict.fromkeys(BUDGET_S, 600),
+                    sections=dict(ch03="gpu_dryrun", ch05="gpu_dryrun_ch05", ch08="gpu_dryrun_ch08"),
+                    steps=dict(contexts={"tiny-llama": [16, 64]}, rounds=2, warmup=1),
+                    memory=dict(models=("tiny-llama",), batches=(2,), tokens=48),
+                    kernel=dict(contexts=[40], batches=[1, 2], heads=(4, 2), head_dim=16, dtype=torch.float32,
+                                page_size=16, warmup=1, reps=2, check_batch=2),
+                    serve=SERVE_DRY)
+    return dict(device="cuda", budget_s=BUDGET_S,
+                sections=dict(ch03="ch03_gpu", ch05="ch05_gpu", ch08="ch08_gpu"),
+                steps=dict(contexts={"smollm2": [16, 32, 64, 128, 256, 512, 960, 2048],
+                                     "gpt2-random": [16, 32, 64, 128, 256, 512, 960]},  # 1,024 positions at most
+                           rounds=10, warmup=3),
+                memory=dict(models=("gpt2-random",), batches=(8,), tokens=960),   # chapter 3's batch-8 case
+                kernel=dict(contexts=[32768, 16384, 8192, 4096], batches=[64, 16, 4, 1], heads=(32, 8),
+                            head_dim=128, dtype=torch.float16, page_size=16, warmup=2, reps=10,
+                            check_batch=2),    # sequences per case checked against the reference
+                serve=SERVE)
 
 
-# Peak memory bandwidth by GPU name, from the vendor's product page (NVIDIA, "H200 Tensor Core GPU",
-# specifications: GPU memory bandwidth 4.8 TB/s; research/ch03/sources.md); others: not known here.
-PEAK_BYTES_PER_S = {"H200": 4.8e12}
+def leaf_of(why: str):
+    """value(x, unit, **extra) for a measured x, not_run(why, unit) for x None: a section's builder writes
+    every key through it, whether its case was measured or not."""
+    return lambda x, unit, **extra: not_run(why, unit) if x is None else value(x, unit, **extra)
 
 
-def peak_bandwidth(name: str):
-    return next((v for k, v in PEAK_BYTES_PER_S.items() if k in name), None)
+def summary_leaf(leaf, st, scale=1.0, unit="ms"):
+    """A timing summary (lab.bench) as a leaf: its median x scale, with min, max and n."""
+    if st is None:
+        return leaf(None, unit)
+    return leaf(st["median"] * scale, unit, min=st["min"] * scale, max=st["max"] * scale, n=st["n"])
 
+
+def spent(budget) -> str:
+    return f"not measured: the run's time limit for this part ({budget} s) was spent before this case"
+
+
+# ---- chapter 3: step time against context, and the memory a decode holds ----
+
+def measure_ch03(s, gpu) -> dict:
+    """Step times per (model, context), longest context first, and one memory probe per (model, design,
+    batch), each sweep stopping at its time limit."""
+    st, mem, budget, device = s["steps"], s["memory"], s["budget_s"], s["device"]
+    t0 = time.perf_counter()
+    steps, manifests = step_cost.step_sweep(st["contexts"], lambda name: load(name).to(device), st["rounds"],
+                                            st["warmup"], deadline=t0 + budget["steps"])
+    probes, deadline = {}, time.perf_counter() + budget["memory"]
+    for name, B, design in itertools.product(mem["models"], sorted(mem["batches"], reverse=True), DESIGNS):
+        if time.perf_counter() > deadline:
+            break
+        try:   # a probe is a process of its own: it too must end within the part's limit
+            probes[name, design, B] = memory.probe(name, design, B, mem["tokens"], device=device,
+                                                   timeout=deadline - time.perf_counter())
+        except subprocess.TimeoutExpired:
+            break
+    why = spent(f"{budget['steps']} s for the steps, {budget['memory']} s for memory")
+    return dict(steps=steps, probes=probes, seconds=time.perf_counter() - t0, why=why,
+                extra=dict(manifest=manifests, dtype="float32"))
+
+
+def probe_values(leaf, r) -> dict:
+    """One memory probe (lab.memory.measure's dict, None when not run) in MiB: the process's resident memory
+    above its baseline, the cache's size by the formula, and on CUDA the allocator's peaks above baseline."""
+    mib = lambda k: leaf(r[k] / 2**20 if r else None, "MiB")
+    cuda = lambda k: not_run("a CPU run has no CUDA allocator", "MiB") if r and k not in r else mib(k)
+    return {"rss_extra_mib": mib("peak_extra_bytes"), "cache_mib": mib("cache_bytes"),
+            "allocated_extra_mib": cuda("cuda_peak_allocated_extra"),
+            "reserved_extra_mib": cuda("cuda_peak_reserved_extra")}
+
+
+def ch03_values(s, m: dict, why: str) -> dict:
+    """Section ch03_gpu from a measure_ch03 result m ({} when nothing was measured), the rest NOT_RUN."""
+    leaf = leaf_of(m.get("why", why))
+    steps, probes = m.get("steps", {}), m.get("probes", {})
+    v = {"sweep": {}, "speedups": {}, "memory": {}}
+    for name, contexts in s["steps"]["contexts"].items():
+        for T in contexts:
+            row = steps.get((name, T))
+            v["sweep"].setdefault(name, {})[f"T{T}"] = {d: summary_leaf(leaf, row and row[d], 1e3)
+                                                        for d in ("uncached",) + DESIGNS}
+            v["speedups"].setdefault(name, {})[f"T{T}"] = {  # uncached over cached, round by round
+                d: summary_leaf(leaf, row and ratio_summary(row["uncached"]["samples"], row[d]["samples"]),
+                                unit="x") for d in DESIGNS}
+    mem = s["memory"]
+    v["memory"] = {name: {d: {f"B{B}": probe_values(leaf, probes.get((name, d, B))) for B in mem["batches"]}
+                          for d in DESIGNS} for name in mem["models"]}
+    name, contexts = next(iter(s["steps"]["contexts"].items()))
+    T = f"T{max(contexts)}"
+    headline = v["sweep"][name][T]["static"], v["speedups"][name][T]["static"]
+    v["step_ms"], v["speedup"] = ({**x, "note": f"{name}, static cache, context {T[1:]}"} for x in headline)
+    largest = v["memory"][mem["models"][0]]
+    for design in DESIGNS:
+        v[f"{design}_reserved_mib"] = largest[design][f"B{max(mem['batches'])}"]["reserved_extra_mib"]
+    v["seconds"] = leaf(m.get("seconds"), "s")
+    return v
+
+
+# ---- chapter 5: the kernels' bandwidth ----
+
+def measure_ch05(s, gpu) -> dict:
+    """lab.kernel_bench.kernel_bandwidth over the grid of s["kernel"], until its time limit."""
+    k, t0 = s["kernel"], time.perf_counter()
+    cases = kernel_bench.kernel_bandwidth(**k, device=s["device"], deadline=t0 + s["budget_s"]["kernel"])
+    timing = "CUDA events, the L2 cache flushed before each call" if s["device"] == "cuda" else "perf_counter"
+    extra = dict(dtype=str(k["dtype"]).removeprefix("torch."), heads=list(k["heads"]), head_dim=k["head_dim"],
+                 page_size=k["page_size"], check_batch=k["check_batch"], timing=timing)
+    return dict(cases=cases, gpu=gpu, seconds=time.perf_counter() - t0, why=spent(s["budget_s"]["kernel"]), extra=extra)
+
+
+def ch05_values(s, m: dict, why: str) -> dict:
+    """Section ch05_gpu from a measure_ch05 result m ({} when nothing was measured), the rest NOT_RUN."""
+    leaf = leaf_of(m.get("why", why))
+    cases, gpu, k = m.get("cases", {}), m.get("gpu"), s["kernel"]
+    peak = kernel_bench.peak_bandwidth(gpu) if gpu else None
+
+    def fraction(gb_s):  # of the GPU's peak
+        if gb_s is None or peak is not None:
+            return leaf(gb_s and gb_s * 1e9 / peak * 100, "%", peak_gb_s=peak and peak / 1e9)
+        return not_run(f"no peak bandwidth is known for {gpu}: add it to lab.kernel_bench.PEAK_BYTES_PER_S", "%")
+
+    sweep = {}
+    for B in k["batches"]:
+        for L in k["contexts"]:
+            c = cases.get((B, L))
+            med = lambda part, c=c: c and c[part]["median"]
+            gb_s = c and c["bytes"] / med("kernel") / 1e9
+            sweep.setdefault(f"B{B}", {})[f"T{L}"] = {
+                "kernel_ms": summary_leaf(leaf, c and c["kernel"], 1e3),
+                "bandwidth_gb_s": leaf(gb_s, "GB/s", bytes=c and c["bytes"]),
+                "fraction_of_peak": fraction(gb_s),
+                "sdpa_contiguous_ms": summary_leaf(leaf, c and c["sdpa"], 1e3),
+                "kernel_over_sdpa": leaf(c and med("kernel") / med("sdpa"), "x"),
+                "int8_kernel_ms": summary_leaf(leaf, c and c["int8"], 1e3),
+                "int8_bandwidth_gb_s": leaf(c and c["int8_bytes"] / med("int8") / 1e9, "GB/s",
+                                            bytes=c and c["int8_bytes"]),
+                "int8_over_float": leaf(c and med("int8") / med("kernel"), "x"),
+                "max_abs_error": leaf(c and c["check"]["error"], None, within_tolerance=c and c["check"]["within"]),
+                "int8_max_abs_error": leaf(c and c["int8_check"]["error"], None,
+                                           within_tolerance=c and c["int8_check"]["within"])}
+    # The headline: at the longest context, the batch that reads fastest (NOT_RUN if none was measured there).
+    L = max(k["contexts"])
+    measured = [B for B in k["batches"] if (B, L) in cases]
+    B = max(measured, key=lambda B: cases[B, L]["bytes"] / cases[B, L]["kernel"]["median"]) if measured else None
+    best = sweep[f"B{B if B is not None else max(k['batches'])}"][f"T{L}"]
+    where = {"note": f"batch {B}, context {L}"} if B is not None else {}
+    v = {"bandwidth": {**best["bandwidth_gb_s"], **where}, "bandwidth_fraction": best["fraction_of_peak"],
+         "kernel_over_sdpa": best["kernel_over_sdpa"], "int8_bandwidth": best["int8_bandwidth_gb_s"],
+         "int8_over_float": best["int8_over_float"]}
+    errors = [c[part]["error"] for c in cases.values() for part in ("check", "int8_check")]
+    v["max_abs_error"] = leaf(max(errors) if errors else None, None, cases=len(cases),
+                              note="both kernels against their references, every case measured")
+    return v | {"sweep": sweep, "seconds": leaf(m.get("seconds"), "s")}
+
+
+# ---- chapter 8: the engine under load ----
 
 @torch.inference_mode()
-def kernel_case(B, L, s, gpu) -> dict:
-    """One (batch, context): the kernel's time and bandwidth, SDPA over a contiguous cache, and the INT8
-    kernel's time and bandwidth over the same pages quantized."""
-    import torch.nn.functional as F
-
-    from ..bench import time_call
-    from ..kernels import paged_attention, paged_attention_int8, quantize_pages
-    from ..kernels.pages import paged_copy
-
-    (Hq, Hkv), D, dtype, device = s["kernel_heads"], s["kernel_head_dim"], s["kernel_dtype"], s["device"]
-    g = torch.Generator().manual_seed(L + B)
-    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)                          # [B, H_q, D]
-    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))         # [B, H_kv, L, D]
-    pool_k, pool_v, tables, lengths = (t.to(device) for t in paged_copy(k, v, 16, g))
-    k, v = k.to(device), v.to(device)
-    kernel = time_call(lambda: paged_attention(q, pool_k, pool_v, tables, lengths), 2, s["kernel_reps"], device=device)
-    sdpa = time_call(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True), 2,
-                     s["kernel_reps"], device=device)
-    bandwidth = 2 * B * L * Hkv * D * k.element_size() / kernel["median"]              # every key and value once
-    codes_k, codes_v, scale_k, scale_v = quantize_pages(pool_k, pool_v)                 # int8 [pages, 16, H_kv, D]
-    int8 = time_call(lambda: paged_attention_int8(q, codes_k, codes_v, scale_k, scale_v, tables, lengths), 2,
-                     s["kernel_reps"], device=device)
-    int8_bytes = 2 * B * L * Hkv * (D * codes_k.element_size() + scale_k.element_size())  # codes and scales once
-    int8_bandwidth = int8_bytes / int8["median"]
-    peak = peak_bandwidth(gpu)
-    return {"kernel_ms": value(kernel["median"] * 1e3, "ms", n=kernel["n"]),
-            "sdpa_contiguous_ms": value(sdpa["median"] * 1e3, "ms"),
-            "kernel_over_sdpa": value(kernel["median"] / sdpa["median"], "x"),
-            "bandwidth_gb_s": value(bandwidth / 1e9, "GB/s"),
-            "fraction_of_peak": (value(bandwidth / peak * 100, "%") if peak
-                                 else value("unknown", None, note=f"no peak bandwidth known for {gpu}")),
-            "int8_kernel_ms": value(int8["median"] * 1e3, "ms", n=int8["n"]),
-            "int8_bandwidth_gb_s": value(int8_bandwidth / 1e9, "GB/s", bytes=int8_bytes),
-            "int8_over_float": value(int8["median"] / kernel["median"], "x")}
-
-
-def kernel_bandwidth(s: dict) -> dict:
-    """The Triton paged-attention kernel's achieved bandwidth (bytes of K and V read / time), and its time
-    against scaled_dot_product_attention over a contiguous cache, per (batch, context); the INT8 kernel's
-    bandwidth (bytes of codes and scales read / time) and its time against the float kernel's."""
-    gpu = torch.cuda.get_device_name(0) if s["device"] == "cuda" else "cpu (interpreter)"
-    return {f"B{B}": {f"T{L}": kernel_case(B, L, s, gpu) for L in s["kernel_contexts"]} for B in s["kernel_batches"]}
-
-
-def level(C: int) -> str:
-    return f"C{C}"
-
-
-@torch.inference_mode()
-def serving(s: dict) -> tuple[dict, dict]:
-    """Chapter 8's load through ServingEngine on s["device"]: (values, provenance extras).
-
-    One workload of max(levels) requests, all arriving at once; level C sends its first C, so every level
-    and the sequential loop share their prompts. The pool holds every request of the largest level at once
-    (no preemption), and prefix caching is off: the warm-up run sends the same prompts, and its pages must
-    not shorten the timed runs' prefills. Output tokens per second = output tokens / wall time of one
-    `generate`, median of `reps` runs after one warm-up run."""
-    from ..bench import time_call
-    from ..engine import ServingEngine
-    from ..kernels import triton_paged
-    from ..loadgen import workload
-
-    v, device = s["serve"], s["device"]
+def measure_ch08(s, gpu) -> dict:
+    """Chapter 8's load through ServingEngine (lab.serving_bench.engine_throughput), the largest level first,
+    until its time limit; then vLLM over the largest level's requests, in what is left of the run's. One
+    workload of max(levels) requests: level C sends its first C, the sequential loop its first few."""
+    v, device, t0 = s["serve"], s["device"], time.perf_counter()
     model = load(v["model"]).to(device)
     requests = workload(max(v["levels"]), rate=math.inf, seed=0, vocab=model.config.vocab_size,
                         max_prompt=v["max_prompt"], max_output=v["max_output"])
-    prompts, news = [r.prompt for r in requests], [r.max_tokens for r in requests]
-    P = v["page_size"]
-    num_pages = sum(-(-(len(p) + n - 1) // P) for p, n in zip(prompts, news, strict=True))  # all at once
-    engine = ServingEngine(model, num_pages, P, v["max_batch_tokens"], prefix_caching=False)
-    values = {"engine": {}, "speedup": {}}
-    for C in v["levels"]:
-        batch = lambda C=C: engine.generate(prompts[:C], news[:C])
-        tokens = sum(map(len, batch()))                                 # the warm-up run
-        steps, sizes = engine.stats["steps"], len(engine.stats["batch_sizes"])
-        t = time_call(batch, warmup=0, reps=v["reps"], device=device)
-        per_step = engine.stats["batch_sizes"][sizes:]                  # sequences in each timed step
-        values["engine"][level(C)] = {
-            "output_tok_s": value(tokens / t["median"], "tok/s", min=tokens / t["max"], max=tokens / t["min"],
-                                  n=t["n"]),
-            "wall_s": value(t["median"], "s", min=t["min"], max=t["max"], n=t["n"]),
-            "output_tokens": value(tokens, "tokens"),
-            "prompt_tokens": value(sum(len(p) for p in prompts[:C]), "tokens"),
-            "steps": value((engine.stats["steps"] - steps) / t["n"], "steps"),
-            "mean_batch": value(sum(per_step) / len(per_step), "requests", note="sequences per step"),
-        }
-    K = min(v["sequential"], len(prompts))
-
-    def one_after_another():
-        for p, n in zip(prompts[:K], news[:K], strict=True):
-            engine.generate([p], n)
-
-    t = time_call(one_after_another, warmup=0, reps=1, device=device)  # warm: the levels ran first
-    tokens = sum(news[:K])
-    sequential = tokens / t["median"]
-    values["sequential"] = {"output_tok_s": value(sequential, "tok/s", requests=K),
-                            "wall_s": value(t["median"], "s", requests=K),
-                            "output_tokens": value(tokens, "tokens")}
-    for C in v["levels"]:
-        rate = values["engine"][level(C)]["output_tok_s"]["value"]
-        values["speedup"][level(C)] = value(rate / sequential, "x", note=f"over the sequential loop ({K} requests)")
-    values["preemptions"] = value(engine.stats["preemptions"], "preemptions")
-    largest = max(v["levels"])
-    values["vllm"] = vllm_values(s, prompts[:largest], news[:largest], values["engine"][level(largest)])
-    kernel = ("Triton paged decode kernel (lab.kernels.triton_paged)"
-              if device == "cuda" and triton_paged.triton is not None and not triton_paged.INTERPRETED
-              else "paged_attention_cpu (PyTorch gather + SDPA)")
+    K = min(v["sequential"], len(requests))
+    m = serving_bench.engine_throughput(model, requests, v["levels"], v["reps"], K, v["page_size"],
+                                        v["max_batch_tokens"], device, deadline=t0 + s["budget_s"]["serving"])
+    largest, vllm = max(v["levels"]), None
+    if largest in m["levels"]:
+        left = s["budget_s"]["total"] - (time.perf_counter() - STARTED)
+        vllm = (serving_bench.vllm_run(requests[:largest], left) if device == "cuda"
+                else {"why": "a dry run on the CPU never starts vLLM"})
     extra = dict(manifest={v["model"]: model.manifest}, dtype=str(model.dtype).removeprefix("torch."),
-                 decode_attention=kernel,
-                 engine=dict(num_pages=num_pages, page_size=P, max_batch_tokens=v["max_batch_tokens"],
-                             prefix_caching=False),
+                 decode_attention=m["decode_attention"], engine=m["engine"],
                  workload=dict(dataset="ShareGPT (synthetic lengths)", seed=0, arrivals="all at 0 s",
                                max_prompt=v["max_prompt"], max_output=v["max_output"], levels=list(v["levels"]),
                                sequential_requests=K))
-    return values, extra
+    return m | dict(vllm=vllm, seconds=time.perf_counter() - t0, extra=extra, why=spent(s["budget_s"]["serving"]))
 
 
-# ---- vLLM on the GPU, only where an environment holds a CUDA build of it (lab.peers.vllm_gpu) ----
-
-def vllm_values(s, prompts, news, engine) -> dict:
-    """vLLM's output tokens per second at the largest level, beside the engine's; NOT_RUN and why where no
-    CUDA build of vLLM is at hand (or on a dry run, which never runs it)."""
-    python, found = vllm_gpu.find_vllm_cuda()
-    if python is None:
-        return {"output_tok_s": not_run(found, "tok/s")}
-    if s["device"] != "cuda":
-        return {"output_tok_s": not_run(f"a dry run on the CPU never starts vLLM ({found} is at hand)", "tok/s")}
-    from ..models.load import smollm2_folder
-    try:
-        # half the GPU's memory: the lab's model and pool still hold theirs in this process
-        r = vllm_gpu.vllm_throughput(python, smollm2_folder(), prompts, news,
-                                     engine_args=dict(gpu_memory_utilization=0.5))
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        return {"output_tok_s": not_run(f"{found} failed to run: {e}"[:2000], "tok/s")}
-    rate = r["output_tokens"] / r["seconds"]
-    return {"output_tok_s": value(rate, "tok/s", requests=len(prompts), output_tokens=r["output_tokens"],
-                                  version=r["vllm"], note="offline LLM.generate, float32, after one warm-up run"),
-            "over_engine": value(rate / engine["output_tok_s"]["value"], "x")}
-
-
-def not_run_serving(reason: str, levels=SERVE["levels"]) -> dict:
-    """Chapter 8's NOT_RUN values under the very keys a GPU run writes, so that the manuscript's references
-    (e.g. ch08_gpu.engine.C256.output_tok_s) resolve before and after."""
-    return {"engine": {level(C): {"output_tok_s": not_run(reason, "tok/s")} for C in levels},
-            "sequential": {"output_tok_s": not_run(reason, "tok/s")},
-            "speedup": {level(C): not_run(reason, "x") for C in levels},
-            "vllm": {"output_tok_s": not_run(reason, "tok/s")}}
-
-
-def has_measurements(section: str) -> bool:
-    """True when results.json already holds real (not NOT_RUN) values in this section."""
-    sec = read().get("sections", {}).get(section)
-    if not sec:
-        return False
-    leaves, stack = [], [sec["values"]]
-    while stack:
-        node = stack.pop()
-        if "value" in node:
-            leaves.append(node["value"])
-        else:
-            stack.extend(v for v in node.values() if isinstance(v, dict))
-    return any(v != "NOT_RUN" for v in leaves)
+def ch08_values(s, m: dict, why: str) -> dict:
+    """Section ch08_gpu from a measure_ch08 result m ({} when nothing was measured), the rest NOT_RUN."""
+    why = m.get("why", why)
+    leaf = leaf_of(why)
+    levels, seq = m.get("levels", {}), m.get("sequential")
+    seq_rate = seq and seq["tokens"] / seq["time"]["median"]
+    v = {"engine": {}, "speedups": {}}
+    for C in s["serve"]["levels"]:
+        r = levels.get(C)
+        t = r and r["time"]
+        rate = r and r["tokens"] / t["median"]
+        v["engine"][f"C{C}"] = {
+            "output_tok_s": leaf(rate, "tok/s", **(r and dict(min=r["tokens"] / t["max"], max=r["tokens"] / t["min"],
+                                                              n=t["n"]) or {})),
+            "wall_s": summary_leaf(leaf, t, unit="s"),
+            "output_tokens": leaf(r and r["tokens"], "tokens"),
+            "prompt_tokens": leaf(r and r["prompt_tokens"], "tokens"),
+            "steps": leaf(r and r["steps"], "steps"),
+            "mean_batch": leaf(r and r["mean_batch"], "requests", note="sequences per step")}
+        v["speedups"][f"C{C}"] = leaf(rate and seq_rate and rate / seq_rate, "x", note="over the sequential loop")
+    v["sequential"] = {"output_tok_s": leaf(seq_rate, "tok/s", **(seq and {"requests": seq["requests"]} or {})),
+                       "wall_s": summary_leaf(leaf, seq and seq["time"], unit="s"),
+                       "output_tokens": leaf(seq and seq["tokens"], "tokens")}
+    largest = f"C{max(s['serve']['levels'])}"
+    v["output_tok_s"] = {**v["engine"][largest]["output_tok_s"], "note": f"{largest[1:]} requests at once"}
+    v["speedup"] = v["speedups"][largest]
+    v["preemptions"] = leaf(m.get("preemptions"), "preemptions")
+    v["vllm"] = serving_bench.vllm_values(m.get("vllm") or {"why": why}, v["output_tok_s"])
+    v["seconds"] = leaf(m.get("seconds"), "s")
+    return v
 
 
-def record_not_run(reason: str):
-    blanks = {SECTION: {"step_ms": not_run(reason, "ms"), "speedup": not_run(reason, "x"),
-                        "memory": {"allocated_extra_mib": not_run(reason, "MiB"),
-                                   "reserved_extra_mib": not_run(reason, "MiB")}},
-              SECTION5: {"bandwidth": not_run(reason, "GB/s"), "kernel_over_sdpa": not_run(reason, "x"),
-                         "int8_bandwidth": not_run(reason, "GB/s"), "int8_over_float": not_run(reason, "x")},
-              SECTION8: not_run_serving(reason)}
-    for section, values in blanks.items():
-        if has_measurements(section):
-            print(f"{section}: keeping the GPU measurements already in {results_path()} ({reason})")
-            continue
-        write_section(section, values, provenance())
-        print(f"{section}: NOT_RUN ({reason})")
+# ---- the run ----
+
+STARTED = time.perf_counter()   # reset by run(); vLLM gets what is left of BUDGET_S["total"]
+PARTS = {"ch03": (measure_ch03, ch03_values), "ch05": (measure_ch05, ch05_values), "ch08": (measure_ch08, ch08_values)}
+
+
+def not_run_values(s, reason: str) -> dict:
+    """{section: values} for a run that measured nothing: every key a measured run writes, NOT_RUN."""
+    return {s["sections"][part]: build(s, {}, reason) for part, (_, build) in PARTS.items()}
+
+
+def write_not_run(section: str, values: dict, reason: str):
+    """Write a NOT_RUN section, unless the file already holds measurements (values other than NOT_RUN) there:
+    a CPU-only run, or a failed one, never overwrites them."""
+    doc = read()
+    if any(lookup(doc, key)["value"] != NOT_RUN for key in leaf_keys(doc) if key.split(".")[0] == section):
+        print(f"{section}: keeping the GPU measurements already in {results_path()} ({reason})")
+        return
+    write_section(section, values, provenance())
+    print(f"{section}: NOT_RUN ({reason})")
 
 
 def run(dry_run=False):
+    """Measure every part on s's device and write each section when it is done; without CUDA, NOT_RUN.
+    Returns {section: values} of a measured run, None without a GPU."""
+    global STARTED
+    STARTED = time.perf_counter()
     s = settings(dry_run)
     if s["device"] == "cuda" and not torch.cuda.is_available():
-        record_not_run("no CUDA device on the machine that ran `make results`; run "
-                       "`LAB_FULL=1 python -m lab.experiments.gpu` on a machine with a GPU")
+        for section, values in not_run_values(s, NO_GPU).items():
+            write_not_run(section, values, NO_GPU)
         return None
-    t0 = time.perf_counter()  # the whole script's wall time, read once (every measurement times through lab.bench)
-    values = {"step_ms": {}, "speedup": {}, "memory": {}}
-    manifests = {}
-    for name in s["models"]:
-        model = load(name).to(s["device"])
-        manifests[name] = model.manifest
-        contexts = s["contexts"] + ([2048] if name == "smollm2" else [])
-        times = step_cost.step_times(model, contexts, s["reps"], s["warmup"])
-        values["step_ms"][name] = {f"T{T}": {d: value(st["median"] * 1e3, "ms", min=st["min"] * 1e3,
-                                                      max=st["max"] * 1e3, n=st["n"])
-                                             for d, st in row.items()} for T, row in times.items()}
-        values["speedup"][name] = {f"T{T}": {d: value(r["median"], "x", min=r["min"], max=r["max"], n=r["n"])
-                                             for d, r in sp.items()} for T, sp in ch03.speedups(times).items()}
-        del model
-    rows = memory.sweep(s["models"], ("concat", "static"), s["batches"], s["memory_tokens"], device=s["device"])
-    for r in rows:
-        entry = {"rss_extra_mib": value(r["peak_extra_bytes"] / 2**20, "MiB"),
-                 "cache_mib": value(r["cache_bytes"] / 2**20, "MiB")}
-        if "cuda_peak_allocated_extra" in r:
-            entry["allocated_extra_mib"] = value(r["cuda_peak_allocated_extra"] / 2**20, "MiB")
-            entry["reserved_extra_mib"] = value(r["cuda_peak_reserved_extra"] / 2**20, "MiB")
-        values["memory"].setdefault(r["model"], {}).setdefault(r["design"], {})[f"B{r['batch_size']}"] = entry
-    values["seconds"] = value(time.perf_counter() - t0, "s")
-    write_section(s["section"], values, provenance(manifest=manifests, dtype="float32"))
-    bandwidth = kernel_bandwidth(s)
-    write_section(s["section5"], {"bandwidth": bandwidth}, provenance(dtype=str(s["kernel_dtype"]),
-                                                                        heads=list(s["kernel_heads"])))
-    t8 = time.perf_counter()
-    served, extra = serving(s)
-    served["seconds"] = value(time.perf_counter() - t8, "s")
-    write_section(s["serve"]["section"], served, provenance(**extra))
-    print(f"{s['section']}, {s['section5']}, {s['serve']['section']}: measured in {time.perf_counter() - t0:.0f} s "
-          f"on {s['device']}")
-    return values
+    gpu = torch.cuda.get_device_name(0) if s["device"] == "cuda" else "the CPU, in Triton's interpreter"
+    label = dict(run="dry run: tiny sizes on the CPU, the kernels in Triton's interpreter") if dry_run else {}
+    written, failures = {}, []
+    for part, (measure, build) in PARTS.items():
+        section = s["sections"][part]
+        if s["device"] == "cuda":
+            torch.cuda.empty_cache()   # what the last part's tensors held, back to this part's processes
+        try:
+            m = measure(s, gpu)
+        except Exception as e:  # a part that fails must not lose the others' measurements: record it, go on
+            traceback.print_exc()
+            reason = f"the run on {gpu} failed: {type(e).__name__}: {e}"[:500]
+            failures.append(f"{section}: {type(e).__name__}: {e}")
+            write_not_run(section, build(s, {}, reason), reason)
+            continue
+        written[section] = build(s, m, "")
+        write_section(section, written[section], provenance(**m["extra"], **label))
+        print(f"{section}: measured in {m['seconds']:.0f} s on {gpu}", flush=True)
+    print(f"all parts in {time.perf_counter() - STARTED:.0f} s")
+    if failures:
+        raise RuntimeError("parts of the GPU run failed (NOT_RUN recorded with the error):\n  " + "\n  ".join(failures))
+    return written
 
 
 if __name__ == "__main__":
