@@ -383,6 +383,14 @@ def ratio(out: dict, a: str, b: str, c: int, note: str = "") -> dict:
                  note=note or f"{a} over {b}, {c} requests in flight")
 
 
+def ratios(out: dict, pairs: dict, levels) -> dict:
+    """{name: {"c16": {"ratio", "low", "high"}}}: for each name's (server a, server b) of `pairs` and each
+    level, `ratio` and, as values of their own, the lowest and highest of its rounds' ratios."""
+    def spread(r):
+        return {"ratio": r, "low": value(r["low"], "x"), "high": value(r["high"], "x")}
+    return {name: {f"c{c}": spread(ratio(out, a, b, c)) for c in levels} for name, (a, b) in pairs.items()}
+
+
 
 def values(r: dict) -> dict:
     """One server's `compare_servers` results as results.json values: throughput, median TTFT and ITL at

@@ -233,3 +233,5 @@ def test_ratio_pairs_each_round_of_two_servers():
     r = loadgen.ratio(out, "a", "b", 16)
     assert r["value"] == pytest.approx(1.5) and r["unit"] == "x"
     assert r["rounds"] == pytest.approx([1.4, 1.25, 2.0]) and (r["low"], r["high"]) == pytest.approx((1.25, 2.0))
+    g = loadgen.ratios(out, {"f32": ("a", "b")}, (16,))["f32"]["c16"]
+    assert (g["ratio"]["value"], g["low"]["value"], g["high"]["value"]) == pytest.approx((1.5, 1.25, 2.0))

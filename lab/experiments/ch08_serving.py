@@ -332,8 +332,8 @@ def record(m: dict, drawn: dict | None = None) -> dict:
         if isinstance(h["vllm"], dict):
             v["http"]["ratio"] = loadgen.ratio(h, "lab", "vllm", c16, f"lab server over vLLM's, {c16} requests in "
                                                "flight, same two cores, float32")
-            v["http"]["ratios"] = {dt: {f"c{c}": loadgen.ratio(h, "lab" + sx, "vllm" + sx, c) for c in compared(s)}
-                                   for dt, sx in (("float32", ""), ("bfloat16", "_bf16"))}
+            v["http"]["ratios"] = loadgen.ratios(h, {"float32": ("lab", "vllm"), "bfloat16": ("lab_bf16", "vllm_bf16")},
+                                                 compared(s))
             v["http"] |= loadgen.agreement_values(h["agreement"])
         if isinstance(h.get("lab_one_process"), dict):
             v["http"]["process_gain"] = loadgen.ratio(h, "lab", "lab_one_process", c16, "engine in its own process "
