@@ -45,6 +45,9 @@ HEADLINES = [
      ("ch03.under_load.default.busy_slowdown", "ch03.under_load.lab.busy_slowdown", "ch03.under_load.idle_cost"),
      ".1f"),
     ("Ch. 3 — the same on a GPU", "ch03_gpu.step_ms", ""),
+    ("Ch. 3 — a cached SmolLM2 decode step at 512 tokens, float32 over bfloat16 (interleaved rounds): F.linear / "
+     "oneDNN prepacked; bfloat16's KL to float32 (nats, held-out text)",
+     ("ch03.bf16.speedup", "ch03.bf16.speedup_packed", "ch03.bf16.kl_mean"), ".2g"),
     ("Ch. 4 — another prompt's cache: median / max abs Δ logit against a correct computation",
      ("ch04.hazards.other_prompt.delta_median", "ch04.hazards.other_prompt.delta_max"), ".2f"),
     ("Ch. 4 — MLP output × 1.02 (adapter swap): median abs Δ logit, trials with the same top token, trials run",
@@ -104,6 +107,9 @@ HEADLINES = [
     ("Ch. 8 — output tokens/s, SmolLM2 on the same two CPU cores, 16 requests in flight over HTTP: the lab's "
      "server / vLLM's; lab over vLLM", ("ch08.http.lab.concurrency.c16.throughput",
                                         "ch08.http.vllm.concurrency.c16.throughput", "ch08.http.ratio"), ".3g"),
+    ("Ch. 8 — the lab's server over vLLM's, output tokens/s, same two cores: float32 at 16 / 64 in flight; "
+     "bfloat16 at 16 / 64",
+     tuple(f"ch08.http.ratios.{d}.c{c}.ratio" for d in ("float32", "bfloat16") for c in (16, 64)), ".2f"),
     ("Ch. 8 — the lab's server at 16 in flight, output tokens/s: the engine in a process of its own / in the "
      "server's process", ("ch08.http.lab.concurrency.c16.throughput",
                           "ch08.http.lab_one_process.concurrency.c16.throughput"), ".3g"),

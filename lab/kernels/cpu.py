@@ -61,6 +61,13 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
     const int64_t n = std::min(P, end - first), page = table[first / P];
     const T* k = k_pool + page * P * row;             // the page where it lies: [P, Hkv, D]
     const T* v = v_pool + page * P * row;
+    if (first + P < end) {      // the next page lies anywhere, where no prefetcher would guess:
+      const int64_t next = table[first / P + 1] * P * row;    // ask for it while this one is read
+      const char* nk = (const char*)(k_pool + next);
+      const char* nv = (const char*)(v_pool + next);
+      for (int64_t byte = 0; byte < P * row * int64_t(sizeof(T)); byte += 64)
+        __builtin_prefetch(nk + byte), __builtin_prefetch(nv + byte);
+    }
     for (int64_t t = 0; t < n; ++t)                   // scores: q . k for every head and position
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const float* qh = q + hq * D;
