@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 from .bench import flush_caches, ratio_summary, time_rounds
 from .cache import cache_bytes, make_cache
 from .cache.paged import StepBatch
-from .engine import ServingEngine
+from .engine import ServingEngine, serving
 from .kernels import paged_attention_cpu, paged_attention_gather
 from .kernels.pages import paged_copy
 from .loadgen import random_prompts
-from .models import forward, forward_cached
+from .models import forward, forward_cached, llama
 from .results import not_run, value
 
 
@@ -203,16 +203,19 @@ def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0
 
 # ---- a serving engine's decode step, by part -----------------------------------------------------------------
 
-def profile(model, batch, context, steps=8, packed=True, page_size=16) -> dict:
-    """Where one decode step's time goes with `batch` sequences at `context` positions: scheduling (Python),
-    building the step's batch (block tables, slots), attention (`attend`, every layer), the rest of the forward
-    (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False runs the
-    projections through F.linear instead of the engine's prepacked weights. The engine holds pages of
-    `page_size` positions and takes 256 tokens a step; the prompts are seeded random ids."""
+def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=16) -> dict:
+    """Where one decode step's time goes with `batch` sequences at `context` positions: the check that the
+    weights are those the pages were computed with (`identity`: chapter 4's owner), scheduling (Python),
+    building the step's batch (block tables, slots), attention (`attend`, every layer), the rest of the
+    forward (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False
+    runs the projections through F.linear instead of the engine's prepacked weights, and the reference
+    layers; fused=False keeps the prepacked products with the reference layers (`llama.block`) instead of
+    the fused ones. The engine holds pages of `page_size` positions and takes 256 tokens a step; the prompts
+    are seeded random ids."""
 
     if not 0 < batch < 256:
         raise ValueError(f"profile takes 1 to 255 sequences (a step holds 256 tokens, one per decoder), got {batch}")
-    parts = {"schedule": [], "batch": [], "attention": [], "forward": []}
+    parts = {"identity": [], "schedule": [], "batch": [], "attention": [], "forward": []}
     # enough new tokens that the first prefilled still decode when the last starts: a step of 256 tokens
     # prefills what the decoders (up to `batch`) leave of it; and a page to spare per request: admission
     # keeps a free page for every running one
@@ -220,11 +223,14 @@ def profile(model, batch, context, steps=8, packed=True, page_size=16) -> dict:
     eng = ServingEngine(model, batch * (-(-(context + new) // page_size) + 1), page_size, 256, prefix_caching=False)
     if not packed:
         eng.weights = model.weights
+    elif not fused:
+        eng.weights.block = llama.block
     for p in random_prompts(batch, context, 50, model.config.vocab_size):
         eng.add_request(p, new)
     while any(r.state == "waiting" or not r.output for r in eng.requests.values()):
         eng.step()                                                      # every prompt prefilled
     orig_schedule, orig_init, orig_attend = eng._schedule, StepBatch.__init__, StepBatch.attend
+    orig_owner = serving.owner
     acc = {}
 
     def timed(name, fn):
@@ -239,6 +245,7 @@ def profile(model, batch, context, steps=8, packed=True, page_size=16) -> dict:
     eng._schedule = timed("schedule", orig_schedule)
     StepBatch.__init__ = timed("batch", orig_init)
     StepBatch.attend = timed("attention", orig_attend)
+    serving.owner = timed("identity", orig_owner)
     try:
         for _ in range(steps):
             acc.clear()
@@ -247,20 +254,22 @@ def profile(model, batch, context, steps=8, packed=True, page_size=16) -> dict:
             total = perf_counter() - t
             if eng.stats["batch_sizes"][-1] != batch:
                 raise RuntimeError(f"a profiled step ran {eng.stats['batch_sizes'][-1]} sequences, not {batch}")
-            for k in ("schedule", "batch", "attention"):
+            for k in ("identity", "schedule", "batch", "attention"):
                 parts[k].append(acc.get(k, 0.0))
             parts["forward"].append(total - sum(acc.values()))
     finally:
-        StepBatch.__init__, StepBatch.attend = orig_init, orig_attend
+        StepBatch.__init__, StepBatch.attend, serving.owner = orig_init, orig_attend, orig_owner
     med = {k: float(np.median(v)) for k, v in parts.items()}
     return dict(batch=batch, context=context, parts=med, step_s=sum(med.values()))
 
 
 def step_costs(model, batch, context) -> dict:
-    """A decode step's time (profile) three ways: as the engine runs it; with F.linear instead of prepacked
-    weights; and run from a second thread, as a server that steps its engine off the main thread would."""
+    """A decode step's time (profile) four ways: as the engine runs it; with the reference layers instead of
+    the fused ones (`unfused`); with F.linear instead of prepacked weights as well (`unpacked`); and run
+    from a second thread, as a server that steps its engine off the main thread would."""
 
-    out = {"engine": profile(model, batch, context), "unpacked": profile(model, batch, context, packed=False)}
+    out = {"engine": profile(model, batch, context), "unfused": profile(model, batch, context, fused=False),
+           "unpacked": profile(model, batch, context, packed=False)}
     worker = threading.Thread(target=lambda: out.update(thread=profile(model, batch, context)))
     worker.start()
     worker.join()
@@ -275,12 +284,14 @@ def profile_values(pr: dict) -> dict:
 
 
 def step_costs_values(sc: dict) -> dict:
-    """`step_costs` as results values: each way's step, attention and forward ms; prepacking's gain and the
-    cost of stepping from a second thread, as ratios of step times."""
+    """`step_costs` as results values: each way's step, attention and forward ms; the fused layers' gain,
+    prepacking's gain (both with the reference layers) and the cost of stepping from a second thread, as
+    ratios of step times."""
     ms = lambda t: value(t * 1e3, "ms")
     out = {k: {"step_ms": ms(r["step_s"]), "attention_ms": ms(r["parts"]["attention"]),
                "forward_ms": ms(r["parts"]["forward"])} for k, r in sc.items()}
-    return out | {"packing_gain": value(sc["unpacked"]["step_s"] / sc["engine"]["step_s"], "x"),
+    return out | {"fusing_gain": value(sc["unfused"]["step_s"] / sc["engine"]["step_s"], "x"),
+                  "packing_gain": value(sc["unpacked"]["step_s"] / sc["unfused"]["step_s"], "x"),
                   "thread_cost": value(sc["thread"]["step_s"] / sc["engine"]["step_s"], "x")}
 
 

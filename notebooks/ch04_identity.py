@@ -41,7 +41,7 @@ from lab.engine.identity_cost import key_cost, refusal_cost, weights_check_cost
 from lab.experiments import ch04_identity as ch04
 from lab.experiments.tables import show
 from lab.models import load, owner
-from lab.models.checks import FINGERPRINT_SAMPLES, weights_state
+from lab.models.checks import FINGERPRINT_RUN, FINGERPRINT_SAMPLES, weights_state
 from lab.models.load import scaled_copy
 from lab.models.updates import optimizer_step, private_copy, step_signs
 
@@ -289,9 +289,10 @@ del policy, cache
 # pushes new weights to the server: these are exactly the writes that matter.
 #
 # So the weights' state carries a second part, a **fingerprint**: the exact bytes of a strided sample of
-# every tensor, `FINGERPRINT_SAMPLES` elements evenly spaced over each, however the tensor was written.
+# every tensor, `FINGERPRINT_SAMPLES` elements in runs of `FINGERPRINT_RUN`, evenly spaced over each,
+# however the tensor was written.
 # Any write that changes every element (a new checkpoint, a scaled matrix, an optimizer step) changes the
-# sample. It costs one view and one small copy per tensor on every call; the cost is measured below.
+# sample. It reads a few runs of every tensor on every call; the cost is measured below.
 #
 # On a small model, try the usual ways of changing a weight and ask each part whether it noticed:
 
@@ -320,7 +321,7 @@ writes = {"an in-place op, w.add_(...)": lambda w: w.add_(1e-3),
           "a write through w.data": lambda w: w.data.add_(1e-3),
           "a write through a NumPy view": lambda w: w.numpy().__iadd__(1e-3),
           "one element between the samples, through w.data": lambda w: w.data.view(-1)[1].add_(1.0)}
-print(f"the fingerprint reads {FINGERPRINT_SAMPLES} elements of each tensor")
+print(f"the fingerprint reads {FINGERPRINT_SAMPLES} elements of each tensor, in runs of {FINGERPRINT_RUN}")
 seen = pd.DataFrame({what: noticed(f) for what, f in writes.items()}).T
 assert (seen["manifest"].iloc[:-1] == "noticed").all() and seen["manifest"].iloc[-1] == "MISSED"
 show(seen)

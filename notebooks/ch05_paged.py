@@ -328,8 +328,10 @@ show(pd.DataFrame(conc).T.rename(columns=lambda k: k.replace("paged_", "pages of
 # `paged_attention_gather` reads every page, writes a copy and reads the copy again: three passes over the
 # keys and values where attention over a contiguous cache makes one. `paged_attention_cpu` makes one pass:
 # a task (a sequence and a run of up to 512 of its positions) walks its block table and reads each page
-# where it lies, a contiguous block of `page_size` rows with every KV head of one position, keeping the
-# online softmax above per query head; a short second loop merges each sequence's runs by log-sum-exp.
+# where it lies, a contiguous block of `page_size` rows with every KV head of one position. It takes one
+# KV head at a time, reads its keys and values in the page once for the query heads that share them, and
+# keeps the online softmax above per query head; a short second loop merges each sequence's runs by
+# log-sum-exp.
 # This is why serving engines (vLLM's paged attention, FlashInfer) read pages in place.
 #
 # Both are timed against `scaled_dot_product_attention` over a contiguous cache with SmolLM2's heads and

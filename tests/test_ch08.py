@@ -10,10 +10,11 @@ import pytest
 
 from lab import results, step_cost
 from lab.cache.paged import StepBatch
-from lab.engine import ServingEngine
+from lab.engine import ServingEngine, serving
 from lab.experiments import ch08_serving as ch08
+from lab.kernels import cpu_kernel_available
 from lab.loadgen import random_prompts
-from lab.models import load
+from lab.models import checks, llama, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -56,10 +57,11 @@ def test_the_parts_of_the_experiment_measure_what_they_say(tiny):
 
 def test_the_profiled_parts_add_up_to_the_step(tiny):
     r = step_cost.profile(tiny, 3, 20, steps=3)
-    assert set(r["parts"]) == {"schedule", "batch", "attention", "forward"}
-    assert all(t >= 0 for t in r["parts"].values()) and r["parts"]["attention"] > 0
+    assert set(r["parts"]) == {"identity", "schedule", "batch", "attention", "forward"}
+    assert all(t >= 0 for t in r["parts"].values()) and r["parts"]["attention"] > 0 and r["parts"]["identity"] > 0
     assert r["step_s"] == pytest.approx(sum(r["parts"].values()), abs=1e-9)
     assert "timed" not in StepBatch.attend.__qualname__    # the class is restored afterwards
+    assert serving.owner is checks.owner                  # and the module
 
 
 def test_the_timeline_run_preempts_and_record_writes_the_section(tiny, tmp_path, monkeypatch):
@@ -78,8 +80,9 @@ def test_the_timeline_run_preempts_and_record_writes_the_section(tiny, tmp_path,
         assert (results.figures_dir() / f"ch08_{name}.png").stat().st_size > 0
 
 
-def test_step_costs_runs_the_same_step_three_ways(tiny):
+def test_step_costs_runs_the_same_step_four_ways(tiny):
     r = step_cost.step_costs(tiny, 3, 20)
-    assert set(r) == {"engine", "unpacked", "thread"} and all(x["step_s"] > 0 for x in r.values())
+    assert set(r) == {"engine", "unfused", "unpacked", "thread"} and all(x["step_s"] > 0 for x in r.values())
     eng = ServingEngine(tiny, 8, 16, 16)
     assert hasattr(eng.weights, "packed") and eng.weights.packed   # the engine packs float32 Llama weights
+    assert eng.weights.block is (llama.fused_block if cpu_kernel_available() else llama.block)

@@ -109,15 +109,17 @@ def test_fingerprint_blind_spot_a_write_between_samples_is_unseen():
     """What the fingerprint cannot see, stated as a test: one element between the sampled ones, written
     through `.data`, leaves the owner unchanged. The same write as an ordinary in-place operation moves the
     version counter and is seen."""
-    from lab.models.checks import FINGERPRINT_SAMPLES, fingerprint
+    from lab.models.checks import FINGERPRINT_RUN, FINGERPRINT_SAMPLES, fingerprint
 
     model = own_model()
-    w = model.weights["model.embed_tokens.weight"]         # [320, 64]: 64 samples, 320 elements apart
-    assert w.numel() // FINGERPRINT_SAMPLES > 1            # element 1 lies between two samples
+    w = model.weights["model.embed_tokens.weight"]         # [320, 64]: 8 runs of 8, 2,560 elements apart
+    runs = FINGERPRINT_SAMPLES // FINGERPRINT_RUN
+    gap = FINGERPRINT_RUN                                  # the element just after the first run
+    assert w.numel() // runs > gap + 1                     # lies between two runs
     before, printed = owner(model.weights, model.config), fingerprint(model.weights)
-    w.data.view(-1)[1] += 1.0                              # unsampled, and .data moves no counter
+    w.data.view(-1)[gap] += 1.0                            # unsampled, and .data moves no counter
     assert fingerprint(model.weights) == printed and owner(model.weights, model.config) == before
-    w.view(-1)[1:2].add_(1.0)                              # the same kind of write, counted
+    w.view(-1)[gap:gap + 1].add_(1.0)                      # the same kind of write, counted
     assert owner(model.weights, model.config) != before
     w.data.view(-1)[0] += 1.0                              # a sampled element, uncounted: the fingerprint sees it
     assert fingerprint(model.weights) != printed

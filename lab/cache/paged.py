@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import decode_attention
+from ..kernels.fused import store_rows
 from . import checks
 from .base import CacheInputError, CacheStateError, KVCache, offset_causal_mask
 from .block_manager import BlockManager
@@ -286,6 +287,7 @@ class StepBatch:
         self.decode_at = torch.tensor([a for a, _, _ in decode], device=device)  # [B_d] token index
         self.block_tables = torch.tensor(tables, **i32)                         # [B_d, max_pages]
         self.lengths = torch.tensor([n for _, _, n in decode] or [1], **i32)    # [B_d]
+        self.max_length = max((n for _, _, n in decode), default=1)             # host side, for the kernel
         # endregion
         self.pool, self.n_tokens, self.done = pool, at, False
         self.pending = [0] * pool.n_layers                  # tokens stored per layer in this step
@@ -301,14 +303,18 @@ class StepBatch:
         checks.step_kv(self, layer, k, v)
         pool, H, D = self.pool, k.shape[1], k.shape[3]
         k_pool, v_pool = pool.k_pool[layer], pool.v_pool[layer]            # [pages, page_size, H_kv, D]
-        k_pool.view(-1, H, D)[self.slot_mapping] = k[0].transpose(0, 1)     # [N, H_kv, D] into slots
-        v_pool.view(-1, H, D)[self.slot_mapping] = v[0].transpose(0, 1)
+        store_rows(k_pool.view(-1, H, D), self.slot_mapping, k[0].transpose(0, 1), check_values=False)  # [N, H_kv, D]
+        store_rows(v_pool.view(-1, H, D), self.slot_mapping, v[0].transpose(0, 1), check_values=False)  # into slots
         self.pending[layer] = k.shape[2]
+        if not self.chunks:                          # every token a decode, in order: no copies in or out
+            o = decode_attention(q[0].transpose(0, 1), k_pool, v_pool, self.block_tables, self.lengths,
+                                 check_values=False, max_length=self.max_length)   # [N, H_q, D]
+            return o.transpose(0, 1)[None]                                     # [1, H_q, N, D], a view
         out = torch.empty_like(q)                                              # [1, H_q, N, D]
         if len(self.decode_at):
             q_dec = q[0, :, self.decode_at].transpose(0, 1)                     # [B_d, H_q, D]
             o = decode_attention(q_dec, k_pool, v_pool, self.block_tables, self.lengths,
-                                 check_values=False)
+                                 check_values=False, max_length=self.max_length)
             out[0, :, self.decode_at] = o.transpose(0, 1)                       # [H_q, B_d, D]
         for at, n, pages, L in self.chunks:                                 # L = start + n positions
             keys = k_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]        # [1, H_kv, L, D]

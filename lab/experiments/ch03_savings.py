@@ -17,7 +17,7 @@ from ..cache import StaticCache, make_cache
 from ..engine import CachedBackend, RecomputeBackend, generate
 from ..metrics import kl_divergence
 from ..models import forward, forward_cached, load
-from ..models.llama import Prepacked
+from ..models.llama import Prepacked, block
 from ..peers import hf_generate
 from ..results import figures_dir, provenance, quick, value, write_section
 from ..step_cost import attention_share, predicted_shares, step_times
@@ -203,16 +203,18 @@ def bf16_step(model, context=512, rounds=11, warmup=2, seed=0) -> dict:
     """A cached decode step of `model` (a float32 Llama-family model) and of its bfloat16 copy after
     `context` seeded random ids, each through a StaticCache of its own dtype, two ways: the projections
     through F.linear (the chapter's forward) and through oneDNN's prepacked, merged weights (`Prepacked`,
-    what the serving engine runs). All four timed in interleaved rounds (cropped back to `context` before
-    every call, untimed). {"float32", "bfloat16", "float32_packed", "bfloat16_packed": summary, "ratio" and
-    "ratio_packed": float32 / bfloat16 per round, "bytes": {dtype: {"weights", "cache"}}} with the cache's
-    bytes at `context` positions."""
+    what the serving engine runs; with the chapter's layers, not the engine's fused ones). All four timed
+    in interleaved rounds (cropped back to `context` before every call, untimed). {"float32", "bfloat16",
+    "float32_packed", "bfloat16_packed": summary, "ratio" and "ratio_packed": float32 / bfloat16 per
+    round, "bytes": {dtype: {"weights", "cache"}}} with the cache's bytes at `context` positions."""
     ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(seed))
     models = {"float32": model, "bfloat16": model.to(dtype=torch.bfloat16)}
     fns, caches = {}, []
     for way in ("", "_packed"):
         for dt, m in models.items():
             w = Prepacked(m.weights, rows=1) if way else m.weights
+            if way:
+                w.block = block                          # the products alone: the chapter's layers
             cache = StaticCache(m.config, context + 1)                               # the model's dtype
             forward_cached(ids[:, :context], w, m.config, cache)                     # prefill, untimed
             fns[dt + way] = lambda m=m, w=w, c=cache: forward_cached(ids[:, -1:], w, m.config, c, last_only=True)

@@ -26,18 +26,19 @@ from .triton_paged import paged_attention
 from .triton_paged_int8 import paged_attention_int8, quantize_pages
 
 
-def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
+def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True, max_length=None):
     """The Triton kernel for CUDA tensors (when Triton is installed and compiling); the C++ kernel
     `paged_attention_cpu` for CPU tensors of its dtypes (when a C++ compiler built it); else
     `paged_attention_gather`.
 
     Under TRITON_INTERPRET=1 the Triton kernel would run in NumPy, far slower than the PyTorch versions,
     so they serve then too; call `paged_attention` directly to run the kernel in the interpreter.
+    max_length (the longest of lengths, known on the host) spares the C++ kernel a reduction.
     """
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
         return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
     if q.device.type == "cpu" and q.dtype in CPU_DTYPES and cpu_kernel_available():
-        return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
+        return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values, max_length)
     return paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
 
 

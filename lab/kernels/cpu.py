@@ -5,7 +5,11 @@ copy: that writes every byte of keys and values once more and reads it back. Thi
 over the pages instead. For each sequence it walks the block table page by page and keeps, per query
 head, an online softmax: the running maximum score m, the running sum l of exp(score - m) and the running
 weighted sum acc of the values, rescaled whenever m grows. A page holds its positions one after another,
-each position all its kv heads, so a page is one contiguous block of memory, read once.
+each position all its kv heads, so a page is one contiguous block of memory, read once. Within a page the
+kernel takes one kv head at a time: its rows are read once, as float32, for the query heads that share
+it (grouped-query attention), and each of those heads updates its softmax from that small block while it
+is in the core's nearest cache. When the head size is 64 or 128 the compiler knows it, and a head's acc
+stays in registers while the page's values are added.
 
 Work is split into tasks of one sequence and a run of up to CHUNK positions (whole pages), run on
 PyTorch's intra-op threads (`at::parallel_for`, so `torch.set_num_threads` applies); a long sequence
@@ -42,6 +46,7 @@ SOURCE = r"""
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -49,48 +54,47 @@ const float LOWEST = std::numeric_limits<float>::lowest();   // no infinities un
 
 // One task: sequence b, positions [start, end). For each query head hq: m[hq] the largest score,
 // l[hq] the sum of exp(score - m), acc[hq] the sum of exp(score - m) * value (D floats).
-template <typename T>
+// DC: the head size when the compiler knows it (64, 128), so that a head's acc stays in registers.
+template <typename T, int64_t DC>
 void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* table,
-                int64_t start, int64_t end, int64_t Hq, int64_t Hkv, int64_t D, int64_t P,
+                int64_t start, int64_t end, int64_t Hq, int64_t Hkv, int64_t head_dim, int64_t P,
                 float* m, float* l, float* acc) {
-  const int64_t G = Hq / Hkv, row = Hkv * D;         // query heads per kv head; floats per position
-  std::vector<float> s(Hq * P);                       // one page's scores, then its weights
+  const int64_t D = DC ? DC : head_dim, G = Hq / Hkv, row = Hkv * D;  // G query heads per kv head
+  std::vector<float> s(P), k(P * D), v(P * D);  // a head's scores; a kv head's keys, values, a page
   std::fill(m, m + Hq, LOWEST), std::fill(l, l + Hq, 0.f);
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t first = start; first < end; first += P) {
-    const int64_t n = std::min(P, end - first), page = table[first / P];
-    const T* k = k_pool + page * P * row;             // the page where it lies: [P, Hkv, D]
-    const T* v = v_pool + page * P * row;
-    if (first + P < end) {      // the next page lies anywhere, where no prefetcher would guess:
-      const int64_t next = table[first / P + 1] * P * row;    // ask for it while this one is read
-      const char* nk = (const char*)(k_pool + next);
-      const char* nv = (const char*)(v_pool + next);
-      for (int64_t byte = 0; byte < P * row * int64_t(sizeof(T)); byte += 64)
-        __builtin_prefetch(nk + byte), __builtin_prefetch(nv + byte);
-    }
-    for (int64_t t = 0; t < n; ++t)                   // scores: q . k for every head and position
-      for (int64_t hq = 0; hq < Hq; ++hq) {
-        const float* qh = q + hq * D;
-        const T* kh = k + t * row + hq / G * D;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * float(kh[d]);
-        s[hq * P + t] = dot;
+    const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
+    const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      // kv head h's rows, read where they lie as floats, once for its G query heads. The next page
+      // lies anywhere, where no prefetcher would guess: ask for its rows while these are read.
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t at = t * row + h * D;
+        const char *nk = (const char*)(k_pool + next + at), *nv = (const char*)(v_pool + next + at);
+        for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64)
+          __builtin_prefetch(nk + byte), __builtin_prefetch(nv + byte);
+        for (int64_t d = 0; d < D; ++d)
+          k[t * D + d] = float(k_pool[page + at + d]), v[t * D + d] = float(v_pool[page + at + d]);
       }
-    for (int64_t hq = 0; hq < Hq; ++hq) {             // online softmax: rescale what came before
-      float* sh = s.data() + hq * P;
-      const float m_new = std::max(m[hq], *std::max_element(sh, sh + n));
-      const float c = std::exp(m[hq] - m_new);
-      l[hq] *= c;
-      for (int64_t d = 0; d < D; ++d) acc[hq * D + d] *= c;
-      for (int64_t t = 0; t < n; ++t) sh[t] = std::exp(sh[t] - m_new), l[hq] += sh[t];
-      m[hq] = m_new;
-    }
-    for (int64_t t = 0; t < n; ++t)                   // values, weighted
-      for (int64_t hq = 0; hq < Hq; ++hq) {
-        const float w = s[hq * P + t];
-        const T* vh = v + t * row + hq / G * D;
-        for (int64_t d = 0; d < D; ++d) acc[hq * D + d] += w * float(vh[d]);
+      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+        for (int64_t t = 0; t < n; ++t) {     // scores: q . k
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += q[hq * D + d] * k[t * D + d];
+          s[t] = dot;
+        }
+        const float m_new = std::max(m[hq], *std::max_element(s.data(), s.data() + n));
+        const float c = std::exp(m[hq] - m_new);      // online softmax: rescale what came before
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - m_new);
+        float sum = 0.f, o[DC ? DC : 1], *a = DC ? o : acc + hq * D;
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        l[hq] = l[hq] * c + sum, m[hq] = m_new;
+        for (int64_t d = 0; d < D; ++d) a[d] = acc[hq * D + d] * c;
+        for (int64_t t = 0; t < n; ++t)       // values, weighted
+          for (int64_t d = 0; d < D; ++d) a[d] += s[t] * v[t * D + d];
+        if (DC) std::copy(o, o + D, acc + hq * D);
       }
+    }
   }
 }
 """
@@ -98,26 +102,30 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
 
 SOURCE += r"""
 template <typename T>
-void attend(const float* q, const T* k_pool, const T* v_pool, const int* tables, const int* lengths,
-            float* parts, float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t P,
-            int64_t max_pages, int64_t runs, int64_t chunk) {
+void attend(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool, const T* v_pool,
+            const int* tables, const int* lengths, float* parts, T* out, int64_t B, int64_t Hq, int64_t Hkv,
+            int64_t D, int64_t P, int64_t max_pages, int64_t runs, int64_t chunk) {
   const int64_t part = Hq * (D + 2);                  // parts [B, runs, Hq * (D + 2)]: m, l, acc
+  const auto run = D == 64 ? attend_run<T, 64> : D == 128 ? attend_run<T, 128> : attend_run<T, 0>;
   at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end_) {
+    std::vector<float> qf(Hq * D);                    // the sequence's query, as floats, scaled once
     for (int64_t task = begin; task < end_; ++task) {
       const int64_t b = task / runs, start = task % runs * chunk;
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = float(q[b * sqb + h * sqh + d]) * scale;
       float* p = parts + task * part;
-      attend_run(q + b * Hq * D, k_pool, v_pool, tables + b * max_pages, std::min(start, int64_t(lengths[b])),
-                 std::min(start + chunk, int64_t(lengths[b])), Hq, Hkv, D, P, p, p + Hq, p + 2 * Hq);
+      run(qf.data(), k_pool, v_pool, tables + b * max_pages, std::min(start, int64_t(lengths[b])),
+          std::min(start + chunk, int64_t(lengths[b])), Hq, Hkv, D, P, p, p + Hq, p + 2 * Hq);
     }
   });
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end_) {  // merge a sequence's runs
+    std::vector<float> o(D);
     for (int64_t bh = begin; bh < end_; ++bh) {
       const int64_t b = bh / Hq, hq = bh % Hq;
       const float* first = parts + b * runs * part;
       float m = LOWEST, l = 0.f;
       for (int64_t r = 0; r < runs; ++r) m = std::max(m, first[r * part + hq]);
-      float* o = out + bh * D;
-      std::fill(o, o + D, 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
       for (int64_t r = 0; r < runs; ++r) {
         const float* p = first + r * part;
         if (p[Hq + hq] == 0.f) continue;              // a run past the sequence's end: nothing in it
@@ -125,21 +133,117 @@ void attend(const float* q, const T* k_pool, const T* v_pool, const int* tables,
         l += c * p[Hq + hq];
         for (int64_t d = 0; d < D; ++d) o[d] += c * p[2 * Hq + hq * D + d];
       }
-      for (int64_t d = 0; d < D; ++d) o[d] /= l;
+      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = T(o[d] / l);
     }
   });
 }
 """
 
 SOURCE += "".join(f"""
-extern "C" void attend_{name}(const float* q, const void* k, const void* v, const int* tables,
-                              const int* lengths, float* parts, float* out, int64_t B, int64_t Hq,
-                              int64_t Hkv, int64_t D, int64_t P, int64_t max_pages, int64_t runs,
+extern "C" void attend_{name}(const void* q, int64_t sqb, int64_t sqh, float scale, const void* k, const void* v,
+                              const int* tables, const int* lengths, float* parts, void* out, int64_t B,
+                              int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t max_pages, int64_t runs,
                               int64_t chunk) {{
-  attend(q, (const {ctype}*)k, (const {ctype}*)v, tables, lengths, parts, out, B, Hq, Hkv, D, P, max_pages,
-         runs, chunk);
+  attend((const {ctype}*)q, sqb, sqh, scale, (const {ctype}*)k, (const {ctype}*)v, tables, lengths, parts,
+         ({ctype}*)out, B, Hq, Hkv, D, P, max_pages, runs, chunk);
 }}
 """ for name, ctype in ((str(t).removeprefix("torch."), c) for t, c in DTYPES.items()))
+
+
+# The fused operations of a decoder layer (lab/kernels/fused.py): one call for what the reference makes
+# in several. Each rounds to T where the reference's operations round, so that bfloat16 stays close to it.
+SOURCE += r"""
+// Row n of x [N, D] (row stride sx) plus row n of add (stride sa; none when add is null), rounded to T,
+// into sum [N, D]; out [N, D] = weight * T(sum / rms(sum)): RMSNorm, its statistics in float32.
+template <typename T>
+void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, T* sum, T* out,
+                  int64_t N, int64_t D, float eps) {
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(D);
+    for (int64_t n = begin; n < end; ++n) {
+      float ss = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const T v = add ? T(float(x[n * sx + d]) + float(add[n * sa + d])) : x[n * sx + d];
+        sum[n * D + d] = v, r[d] = float(v), ss += r[d] * r[d];
+      }
+      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+      for (int64_t d = 0; d < D; ++d) out[n * D + d] = T(float(w[d]) * float(T(r[d] * inv)));
+    }
+  });
+}
+
+// RoPE in place on the H heads of every row of x [N, H * D] (row stride sx): the pairs (j, j + D/2)
+// turned by the angles of row n, cos and sin [N, D].
+template <typename T>
+void rope(T* x, int64_t sx, const T* cos, const T* sin, int64_t N, int64_t H, int64_t D) {
+  at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* h = x + i / H * sx + i % H * D;
+      const T *c = cos + i / H * D, *s = sin + i / H * D;
+      for (int64_t j = 0; j < D / 2; ++j) {
+        const float a = float(h[j]), b = float(h[j + D / 2]);
+        h[j] = T(float(T(a * float(c[j]))) - float(T(b * float(s[j]))));
+        h[j + D / 2] = T(float(T(b * float(c[j + D / 2]))) + float(T(a * float(s[j + D / 2]))));
+      }
+    }
+  });
+}
+
+// Rows x[n] [H, D] (token stride sn, head stride sh) into rows slots[n] of pool [S, H, D]: a step's keys
+// or values into their pages.
+template <typename T>
+void store(const T* x, int64_t sn, int64_t sh, T* pool, const int64_t* slots, int64_t N, int64_t H, int64_t D) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) std::memcpy(pool + (slots[n] * H + h) * D, x + n * sn + h * sh, D * sizeof(T));
+}
+
+// out [N, F] = T(silu(gate)) * up, gate and up [N, F] with row strides sg, su.
+template <typename T>
+void silu_mul(const T* gate, int64_t sg, const T* up, int64_t su, T* out, int64_t N, int64_t F) {
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t f = 0; f < F; ++f) {
+        const float g = float(gate[n * sg + f]);
+        out[n * F + f] = T(float(T(g / (1.f + std::exp(-g)))) * float(up[n * su + f]));
+      }
+  });
+}
+"""
+
+SOURCE += "".join(f"""
+extern "C" void add_rms_norm_{name}(const void* x, int64_t sx, const void* add, int64_t sa, const void* w,
+                                    void* sum, void* out, int64_t N, int64_t D, float eps) {{
+  add_rms_norm((const {ctype}*)x, sx, (const {ctype}*)add, sa, (const {ctype}*)w, ({ctype}*)sum,
+               ({ctype}*)out, N, D, eps);
+}}
+extern "C" void rope_{name}(void* x, int64_t sx, const void* cos, const void* sin, int64_t N, int64_t H,
+                            int64_t D) {{
+  rope(({ctype}*)x, sx, (const {ctype}*)cos, (const {ctype}*)sin, N, H, D);
+}}
+extern "C" void store_{name}(const void* x, int64_t sn, int64_t sh, void* pool, const int64_t* slots, int64_t N,
+                             int64_t H, int64_t D) {{
+  store((const {ctype}*)x, sn, sh, ({ctype}*)pool, slots, N, H, D);
+}}
+extern "C" void silu_mul_{name}(const void* gate, int64_t sg, const void* up, int64_t su, void* out,
+                                int64_t N, int64_t F) {{
+  silu_mul((const {ctype}*)gate, sg, (const {ctype}*)up, su, ({ctype}*)out, N, F);
+}}
+""" for name, ctype in ((str(t).removeprefix("torch."), c) for t, c in DTYPES.items()))
+
+
+# The weights' fingerprint (lab/models/checks.py) in one call: between two serving steps the weights have
+# left the processor's caches and the sampled runs lie megabytes apart, so each run is a miss of its own.
+SOURCE += r"""
+// From tensor i at addr[i]: runs[i] runs of run[i] bytes, step[i] bytes apart, copied one after another
+// into out. Every run is asked for first, so that their misses overlap; then they are copied.
+extern "C" void sample_runs(const int64_t* addr, const int64_t* run, const int64_t* step, const int64_t* runs,
+                            int64_t count, char* out) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t r = 0; r < runs[i]; ++r) __builtin_prefetch((const char*)addr[i] + r * step[i]);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t r = 0; r < runs[i]; ++r, out += run[i]) std::memcpy(out, (const char*)addr[i] + r * step[i], run[i]);
+}
+"""
 
 
 # Compiler flags. -march=native: this processor's vector instructions (so a build is cached per
@@ -203,7 +307,15 @@ def _library():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for dtype in DTYPES:
         fn = getattr(lib, f"attend_{str(dtype).removeprefix('torch.')}")
-        fn.argtypes, fn.restype = [ptr] * 7 + [i64] * 8, None
+        fn.argtypes, fn.restype = [ptr, i64, i64, ctypes.c_float] + [ptr] * 6 + [i64] * 8, None
+        name = str(dtype).removeprefix('torch.')
+        for op, args in (("add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]),
+                         ("rope", [ptr, i64, ptr, ptr, i64, i64, i64]),
+                         ("silu_mul", [ptr, i64, ptr, i64, ptr, i64, i64]),
+                         ("store", [ptr, i64, i64, ptr, ptr, i64, i64, i64])):
+            fn = getattr(lib, f"{op}_{name}")
+            fn.argtypes, fn.restype = args, None
+    lib.sample_runs.argtypes, lib.sample_runs.restype = [ptr] * 4 + [i64, ptr], None
     return lib
 
 
@@ -217,12 +329,15 @@ def cpu_kernel_available() -> bool:
     return True
 
 
-def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
+def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
+                        max_length=None):
     """Decode attention over pages read in place, in C++ (see the module docstring). Returns [B, H_q, D].
 
-    q [B, H_q, D] and the pools [num_pages, page_size, H_kv, D] float32, bfloat16 or float16, on the
-    CPU; block_tables int32 [B, max_pages]; lengths int32 [B]. Accumulates in float32 and returns q's
-    dtype. Pools that are not contiguous are copied first (a PagedCache's never are).
+    q [B, H_q, D] (any strides, its last dimension contiguous) and the pools [num_pages, page_size, H_kv, D]
+    float32, bfloat16 or float16, on the CPU; block_tables int32 [B, max_pages]; lengths int32 [B];
+    max_length: the longest of lengths when the caller knows it on the host (else read from lengths).
+    Accumulates in float32 and returns q's dtype. Pools that are not contiguous are copied first (a
+    PagedCache's never are).
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
     if q.device.type != "cpu":
@@ -233,14 +348,36 @@ def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, ch
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     scale = D ** -0.5 if scale is None else scale
-    q32 = (q.float() * scale).contiguous()                          # [B, H_q, D], scaled once
+    q = q if q.stride(-1) == 1 else q.contiguous()                  # rows of D values; the kernel scales them
     k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()       # no-ops for a cache's pools
     block_tables, lengths = block_tables.contiguous(), lengths.contiguous()
     chunk = max(CHUNK // page_size, 1) * page_size                  # whole pages per task
-    runs = -(-int(lengths.max()) // chunk)                          # tasks per sequence
+    runs = -(-int(lengths.max() if max_length is None else max_length) // chunk)   # tasks per sequence
     parts = torch.empty(B, runs, H_q * (D + 2))                     # each task's m [H_q], l [H_q], acc [H_q, D]
-    out = torch.empty(B, H_q, D)                                    # [B, H_q, D] float32
+    out = torch.empty(B, H_q, D, dtype=q.dtype)                     # [B, H_q, D]
     fn = getattr(_library(), f"attend_{str(q.dtype).removeprefix('torch.')}")
-    fn(q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), lengths.data_ptr(),
-       parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, block_tables.shape[1], runs, chunk)
-    return out.to(q.dtype)
+    fn(q.data_ptr(), q.stride(0), q.stride(1), scale, k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+       lengths.data_ptr(), parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, block_tables.shape[1],
+       runs, chunk)
+    return out
+
+
+def sample_runs(tensors, samples: int, run: int) -> bytes | None:
+    """The raw bytes of `samples` elements of each tensor, in runs of `run` consecutive ones evenly spaced over
+    it (all of a tensor of at most `samples` elements), one tensor after another: the fingerprint's sample
+    (lab/models/checks.py) in one call. None when the kernel is not built or a tensor is not a contiguous
+    CPU tensor: the caller samples in PyTorch, to the same bytes."""
+    if not cpu_kernel_available():
+        return None
+    addr, runs, sizes, steps = [], [], [], []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        n, size = t.numel(), t.element_size()
+        k = 1 if n <= samples else samples // run                   # runs in this tensor
+        addr.append(t.data_ptr()), runs.append(k)
+        sizes.append(size * (n if k == 1 else run)), steps.append(size * (n // k))
+    table = torch.tensor([addr, sizes, steps, runs], dtype=torch.int64)     # [4, tensors]
+    out = torch.empty(int((table[1] * table[3]).sum()), dtype=torch.uint8)
+    _library().sample_runs(*(row.data_ptr() for row in table), len(addr), out.data_ptr())
+    return out.numpy().tobytes()

@@ -12,17 +12,20 @@ def forward(ids, weights, config, last_only=False):
     return family.forward(ids, weights, config, last_only=last_only)
 
 
-def forward_cached(ids, weights, config, cache, last_only=False, positions=None, logits_at=None):
+def forward_cached(ids, weights, config, cache, last_only=False, positions=None, logits_at=None,
+                   state=None):
     """Forward through `cache`: ids `[B, T]` (after the cache's length) -> logits `[B, T, V]`.
 
     Prefill, chunked prefill and decode are one call, for both families: only `embed_at`, `block`
     and `head` belong to the architecture. The cache refuses another model's state
     (CacheMismatchError). `positions` `[T]` overrides where the model is told the tokens sit
     (chapter 4's stale offset; a serving step's plan passes its own). `logits_at` `[K]` keeps
-    those tokens' logits only, `[B, K, V]`. The differences from `forward` are marked NEW.
+    those tokens' logits only, `[B, K, V]`. `state`: `owner(weights, config)` when the caller
+    has just computed it (the serving engine, once per step), not read twice. The differences
+    from `forward` are marked NEW.
     """
     family = gpt2 if config.arch == "gpt2" else llama
-    cache.check_model(config, owner(weights, config))    # NEW: the cache holds this model's state
+    cache.check_model(config, state or owner(weights, config))  # NEW: the cache holds its state
     if positions is None:                                # NEW: continue after the cache
         ids = check_ids(ids, config, offset=cache.max_length)
         positions = cache.next_positions(ids.shape[1], ids.device)
@@ -30,8 +33,9 @@ def forward_cached(ids, weights, config, cache, last_only=False, positions=None,
         ids = check_ids(ids, config)
         check_positions(positions, config)
     x, at = family.embed_at(ids, weights, config, positions)  # NEW: tokens at their positions
+    block = getattr(weights, "block", family.block)  # the engine's Prepacked brings its own (ch. 8)
     for i in range(config.n_layers):
-        x = family.block(x, weights, i, config, cache.attend, *at)  # NEW: k, v via the cache
+        x = block(x, weights, i, config, cache.attend, *at)  # NEW: k, v via the cache
     cache.advance(ids.shape[1])                          # NEW: commit the T positions
     if logits_at is not None:                            # a serving step's sampled tokens (ch. 8)
         x = x[:, logits_at]

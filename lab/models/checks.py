@@ -2,6 +2,8 @@
 
 import torch
 
+from ..kernels.cpu import sample_runs
+
 
 class InputError(ValueError):
     """Token ids that the model cannot take: wrong type, rank, dtype or values."""
@@ -50,32 +52,36 @@ def check_positions(positions, config) -> None:
 
 
 # region weights_fingerprint
-FINGERPRINT_SAMPLES = 64   # elements read per tensor: the cost is per tensor, not per element
+FINGERPRINT_SAMPLES = 64   # elements read per tensor: the cost is per tensor and per run
+FINGERPRINT_RUN = 8        # consecutive elements per run: a run lies in one or two cache lines
 
 
 def fingerprint(weights: dict) -> bytes:
-    """The exact bytes of a strided sample of every tensor: FINGERPRINT_SAMPLES elements
-    evenly spaced over each one (all of a smaller one).
+    """The exact bytes of a strided sample of every tensor: FINGERPRINT_SAMPLES elements, in runs of
+    FINGERPRINT_RUN consecutive ones evenly spaced over each tensor (all of a smaller one).
 
     A write that changes every element (a new checkpoint copied in, a matrix scaled, an
     optimizer step) changes the sample, however it was made: through `.data`, a NumPy view
     or inside `torch.inference_mode()`, none of which moves the version counter. A write
-    that changes only elements between the samples (one row of the embedding table) does
+    that changes only elements between the runs (one row of the embedding table) does
     not: the version counter sees that one when it is an ordinary in-place operation, and
-    nothing sees it otherwise. One view and one small copy per tensor, compared byte for
-    byte (NaN included); on a GPU, reading the sample back waits for the device."""
-    samples = []
+    nothing sees it otherwise. Runs, not single elements, because between two serving steps
+    the weights have left the processor's caches: each run costs one miss. Compared byte for
+    byte (NaN included); on a GPU, reading the sample back waits for the device. On the CPU
+    one C++ call reads every run (`sample_runs`); this loop is the same in PyTorch."""
+    tensors = list(weights.values())
+    fast = sample_runs(tensors, FINGERPRINT_SAMPLES, FINGERPRINT_RUN)
+    if fast is not None:
+        return fast
+    samples, runs = [], FINGERPRINT_SAMPLES // FINGERPRINT_RUN
     with torch.inference_mode():
-        for t in weights.values():
-            step = max(1, t.numel() // FINGERPRINT_SAMPLES)
-            n = min(t.numel(), FINGERPRINT_SAMPLES)
-            if t.is_contiguous():
-                samples.append(t.as_strided((n,), (step,)))        # [n], a view: reads n values
-            else:
-                samples.append(t.reshape(-1)[::step][:n])          # a copy first: rare for weights
-        if not samples:
-            return b""
-        return torch.cat(samples).cpu().view(torch.uint8).numpy().tobytes()
+        for t in tensors:
+            flat = t.reshape(-1)                           # a view, or a copy: rare for weights
+            if t.numel() > FINGERPRINT_SAMPLES:                    # [runs, RUN], a view
+                step = t.numel() // runs
+                flat = flat.as_strided((runs, FINGERPRINT_RUN), (step, 1), flat.storage_offset())
+            samples.append(flat.reshape(-1).view(torch.uint8).cpu())
+        return torch.cat(samples).numpy().tobytes() if samples else b""
 # endregion
 
 

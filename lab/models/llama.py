@@ -9,6 +9,8 @@ than query heads), and a gated SiLU MLP. Weights keep their Hugging Face names; 
 import torch
 import torch.nn.functional as F
 
+from ..kernels import fused
+from ..kernels.cpu import cpu_kernel_available
 from .checks import check_ids
 from .gpt2 import merge_heads, split_heads
 
@@ -73,6 +75,8 @@ class Prepacked(dict):
         head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         self.packed[("lm_head",)] = torch.ops.mkldnn._reorder_linear_weight(head, rows)
         self.biases[("lm_head",)], self.widths[("lm_head",)] = None, [head.shape[0]]
+        # the layer that runs them (forward_cached takes it): fused where the C++ operations build
+        self.block = fused_block if cpu_kernel_available() and not any("q_norm" in n for n in weights) else block
 
     @staticmethod
     def applies(weights: dict) -> bool:
@@ -99,6 +103,22 @@ def block(x, w, i, config, attend, rope_cs):
     h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = project(h, w, p + "mlp.gate_proj", p + "mlp.up_proj")
     return x + project(F.silu(gate) * up, w, p + "mlp.down_proj")
+
+
+def fused_block(x, w, i, config, attend, rope_cs):
+    """`block` as the serving engine runs it with `Prepacked` weights on the CPU: the same arithmetic in
+    fewer calls (lab/kernels/fused.py). RoPE turns q and k in place in the merged product, the residual add
+    and the second RMSNorm are one call, SiLU and the gate product one. rope_cs: cos, sin `[T, D]`."""
+    p, eps = f"model.layers.{i}.", config.norm_eps
+    _, h = fused.add_rms_norm(x, w[p + "input_layernorm.weight"], eps)
+    q, k, v = project(h, w, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")
+    fused.rope_(q, *rope_cs, config.n_heads), fused.rope_(k, *rope_cs, config.n_kv_heads)
+    q = split_heads(q, config.n_heads)                                         # [B, Hq, T, D]
+    k, v = split_heads(k, config.n_kv_heads), split_heads(v, config.n_kv_heads)  # [B, Hkv, T, D]
+    out = project(merge_heads(attend(i, q, k, v)), w, p + "self_attn.o_proj")
+    x, h = fused.add_rms_norm(x, w[p + "post_attention_layernorm.weight"], eps, add=out)
+    gate, up = project(h, w, p + "mlp.gate_proj", p + "mlp.up_proj")
+    return x + project(fused.silu_mul(gate, up), w, p + "mlp.down_proj")
 
 
 def embed(ids, w):  # [B, T] -> [B, T, D]
