@@ -283,8 +283,9 @@ display(show(pd.DataFrame({k: {"positions computed": prefix[k]["computed"], "fro
 # %% [markdown]
 # ### Where a step's time goes
 #
-# A decode step with a full batch, timed in parts: the scheduler (Python), building the step's batch
-# (block tables and slots), attention over the pages, and the rest of the forward (the weight matrices).
+# A decode step with a full batch, timed in parts: the check that the weights are still the pages' owner
+# (chapter 4), the scheduler (Python), building the step's batch (block tables and slots), attention over
+# the pages, and the rest of the forward (the weight matrices).
 
 # %%
 prof = step_cost.profile(smol, S["profile_batch"], S["prompt"])
@@ -299,21 +300,26 @@ print(f"scheduler and batch building {share['schedule'] + share['batch']:.1%} of
 
 # %% [markdown]
 # The scheduler costs almost nothing; the weight matrices take most of the step, and attention over
-# the pages the rest (the line above). Profiling the engine against vLLM found three more costs.
-# `F.linear` has the CPU's matrix library repack every weight on every call, which with 16 rows costs
-# about as much as the product, so the engine holds the weights prepacked once, as vLLM's CPU backend
-# does. On the machine the book was measured on, torch ran the same step slower from a second thread
-# than from the main one. And a server that steps its engine in the process that serves HTTP makes the
-# two take turns on one interpreter lock. So `python -m lab.serve` steps its engine in the main thread of
-# a process of its own. The same step three ways:
+# the pages the rest (the line above). Profiling the engine against vLLM found more costs. `F.linear`
+# has the CPU's matrix library repack every weight on every call, which with 16 rows costs about as much
+# as the product, so the engine holds the weights prepacked once, as vLLM's CPU backend does. A layer
+# makes about forty small PyTorch calls besides its products, each costing more in dispatch than in
+# arithmetic, so the prepacked weights bring a fused layer (`llama.fused_block`: RMSNorm with the
+# residual add, RoPE in place, SiLU with the gate product, one C++ call each). On the machine the book was
+# measured on, torch ran the same step slower from a second thread than from the main one. And a server
+# that steps its engine in the process that serves HTTP makes the two take turns on one interpreter lock.
+# So `python -m lab.serve` steps its engine in the main thread of a process of its own. The same step four
+# ways:
 
 # %%
 costs = step_cost.step_costs(smol, S["profile_batch"], S["prompt"])
 display(show(pd.DataFrame({k: {"step (ms)": r["step_s"] * 1e3, "attention (ms)": r["parts"]["attention"] * 1e3}
-                           for k, r in costs.items()}).T.rename(index={"engine": "prepacked, main thread",
-                           "unpacked": "F.linear", "thread": "prepacked, second thread"})))
+                           for k, r in costs.items()}).T.rename(index={"engine": "prepacked, fused, main thread",
+                           "unfused": "prepacked, reference layers", "unpacked": "F.linear, reference layers",
+                           "thread": "prepacked, fused, second thread"})))
 base = costs["engine"]["step_s"]
-print(f"F.linear: {costs['unpacked']['step_s'] / base:.2f}x the prepacked step; a second thread: "
+print(f"reference layers: {costs['unfused']['step_s'] / base:.2f}x the fused step; F.linear: "
+      f"{costs['unpacked']['step_s'] / costs['unfused']['step_s']:.2f}x the prepacked one; a second thread: "
       f"{costs['thread']['step_s'] / base:.2f}x the main thread's, on this machine in this run")
 
 # %% [markdown]
