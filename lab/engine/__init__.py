@@ -7,8 +7,18 @@ from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 from .prefix import PrefixCachingBackend
 from .serving import ServingEngine
+from .speculative import (
+                          EarlyExit,
+                          ModelDraft,
+                          PromptLookup,
+                          SelfDraft,
+                          SpecInputError,
+                          SpecResult,
+                          speculative_generate,
+)
 
 __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
            "greedy_agreement", "positions_cached", "positions_uncached", "IdentityError", "StateIdentity",
            "identity_of", "key_for", "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend",
-           "ChatSession", "common_prefix", "ServingEngine"]
+           "ChatSession", "common_prefix", "ServingEngine", "speculative_generate", "SpecResult", "SpecInputError",
+           "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft"]

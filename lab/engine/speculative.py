@@ -1,0 +1,210 @@
+"""Speculative decoding: a draft guesses k tokens, the target checks them all in one forward through its
+cache, and the cache takes back what was rejected (chapter 9).
+
+One verify step, greedy:
+
+1. The draft proposes d_1 .. d_k after the context (prompt and tokens so far; the cache holds all of it
+   but the last token, t).
+2. The target runs t, d_1 .. d_k as one chunk through its cache (chapter 2's offset causal mask) and reads
+   k + 1 greedy predictions g_0 .. g_k: g_i is what plain greedy decoding would emit after t, d_1 .. d_i.
+3. It accepts d_1 .. d_a, the longest run with d_i = g_{i-1}, and g_a as a bonus: a + 1 new tokens for one
+   forward, and exactly the tokens plain greedy decoding would have produced.
+4. The cache now holds k - a positions nobody will ever attend to: `crop` takes them back (a paged cache
+   frees their pages), so the next step starts from t' = g_a after the accepted context.
+
+Drafts (`bind(model, prompt)` once, then `propose(context, k) -> ids`) come from the context itself
+(`PromptLookup`) or from the target's own weights, cheaper: over a smaller cache (`SelfDraft`) or through
+its first layers only (`EarlyExit`). A draft that runs a model keeps its own cache and rolls it back too.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import CacheStateError, EvictingCache, make_cache
+from ..models import forward_cached
+from .generate import check_count
+from .identity import token_ids
+
+
+class SpecInputError(ValueError):
+    """A speculative setting that cannot work: k or n below 1, a draft whose tokens the target cannot read."""
+
+
+@dataclass
+class SpecResult:
+    tokens: list      # the new tokens, as plain greedy decoding would give them
+    proposed: int     # draft tokens proposed
+    accepted: int     # of them, accepted
+    steps: int        # target forwards: the prefill, then one per verify step
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted over proposed draft tokens (nan when none were proposed)."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per target forward after the prefill: 1 for plain decoding, up to k + 1."""
+        return (len(self.tokens) - 1) / (self.steps - 1) if self.steps > 1 else float("nan")
+
+
+# ---- drafts ------------------------------------------------------------------------------------------------
+
+class PromptLookup:
+    """Propose what followed the latest earlier occurrence of the context's last n tokens: no model at all.
+    Pays on copy-heavy text (editing, summarising, code), where the answer repeats the prompt. transformers
+    calls it `prompt_lookup_num_tokens`, vLLM the `ngram` method."""
+
+    def __init__(self, n: int = 3):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SpecInputError(f"PromptLookup's n must be an int of at least 1, got {n!r}")
+        self.n = n
+
+    def bind(self, model, prompt):
+        pass
+
+    def propose(self, context: list, k: int) -> list:
+        n, tail = self.n, context[-self.n:]
+        for i in range(len(context) - n - 1, -1, -1):           # latest match first, the tail itself excluded
+            if context[i:i + n] == tail:
+                return context[i + n:i + n + k]
+        return []
+
+
+class ModelDraft:
+    """A draft that decodes greedily with a model of its own cache: `model_for(target)` says which (the same
+    weights, or their first layers), `cache_factory()` the cache. Its cache holds a prefix of the context;
+    before each proposal it is cropped to the part the target accepted (its rollback), or, where it cannot go
+    back that far (an evicting cache has dropped the position), emptied and filled again."""
+
+    def __init__(self, cache_factory):
+        if not callable(cache_factory):
+            raise SpecInputError(f"cache_factory must be callable (no arguments -> a cache), got {cache_factory!r}")
+        self.cache_factory, self.model, self.cache, self.ids = cache_factory, None, None, []
+        self.rollbacks, self.positions = 0, 0       # crops of the draft's own cache; positions it ran
+
+    def model_for(self, target):
+        return target
+
+    def bind(self, model, prompt):
+        self.model = self.model_for(model)
+        if self.model.config.vocab_size != model.config.vocab_size:
+            raise SpecInputError(f"the draft reads {self.model.config.vocab_size} token ids, the target "
+                                 f"{model.config.vocab_size}: they must share a vocabulary")
+        self.cache, self.ids = self.cache_factory(), []
+
+    def _sync(self, context):
+        """Bring the cache to a prefix of context[:-1] (crop or reset), then run the rest but the last."""
+        keep = 0
+        while keep < min(len(self.ids), len(context) - 1) and self.ids[keep] == context[keep]:
+            keep += 1
+        if keep < len(self.ids):
+            try:
+                self.cache.crop(keep)
+            except CacheStateError:                # the position is gone (evicted): start over
+                self.cache.reset()
+                keep = 0
+            self.ids, self.rollbacks = self.ids[:keep], self.rollbacks + 1
+        if keep < len(context) - 1:
+            self._run(context[keep:-1])
+
+    def _run(self, ids):
+        m = self.model
+        logits = forward_cached(torch.tensor([ids], device=m.device), m.weights, m.config, self.cache,
+                                last_only=True)
+        self.ids, self.positions = self.ids + ids, self.positions + len(ids)
+        return int(logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def propose(self, context: list, k: int) -> list:
+        self._sync(context)
+        out, last = [], context[-1]
+        for _ in range(k):
+            last = self._run([last])
+            out.append(last)
+        return out
+
+
+class SelfDraft(ModelDraft):
+    """The target's own weights over a smaller cache (chapter 7's window, sinks, SnapKV or KIVI): the draft
+    reads fewer bytes per token than the target, as MagicDec, TriForce and QuantSpec do. `cache_factory()`
+    makes the draft's cache for the target's config."""
+
+
+class EarlyExit(ModelDraft):
+    """The target's first `layers` layers, then its final norm and head (LayerSkip without its training),
+    over a StaticCache of those layers."""
+
+    def __init__(self, layers: int, max_tokens: int = 4096):
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise SpecInputError(f"EarlyExit's layers must be an int of at least 1, got {layers!r}")
+        self.layers = layers
+        super().__init__(lambda: make_cache("static", self.model.config, max_tokens))
+
+    def model_for(self, target):
+        if self.layers > target.config.n_layers:
+            raise SpecInputError(f"EarlyExit({self.layers}): the target has {target.config.n_layers} layers")
+        config = dataclasses.replace(target.config, n_layers=self.layers)
+        return dataclasses.replace(target, config=config)
+
+
+# ---- the verify loop ---------------------------------------------------------------------------------------
+
+def accept_sampled(p, q, guess, generator=None) -> list:
+    """The rejection rule of speculative sampling (Leviathan et al. 2023): the tokens one verify step emits
+    when sampling, distributed exactly as sampling from the target one token at a time.
+
+    p `[k + 1, V]`: the target's probabilities after the context and after each guess; q `[k, V]`: the
+    draft's, from which `guess` (k ids) was drawn (a one-hot row for a draft that does not sample, such as
+    prompt lookup). Guess i is kept with probability min(1, p_i(x) / q_i(x)); the first one rejected is
+    replaced by a draw from the residual max(0, p_i - q_i), renormalised, and the step ends; if all k are
+    kept, a bonus token is drawn from p_k. Returns the kept guesses and the one drawn token."""
+    out = []
+    for i, x in enumerate(guess):
+        if torch.rand((), generator=generator) * q[i, x] <= p[i, x]:      # u < p/q, without dividing by 0
+            out.append(x)
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+    return out + [int(torch.multinomial(p[len(guess)], 1, generator=generator))]
+
+
+@torch.inference_mode()
+def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cache="static") -> SpecResult:
+    """Greedy decoding of max_new_tokens after `ids`, k draft tokens checked per target forward; the same
+    tokens as plain greedy decoding through the same cache design. `cache`: a design name for `make_cache`
+    ("static", "paged", "concat") or a callable returning a cache (a QuantizedCache too; an EvictingCache
+    is refused, SpecInputError: see below)."""
+    check_count("max_new_tokens", max_new_tokens)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise SpecInputError(f"k must be an int of at least 1, got {k!r}")
+    prompt, cfg = token_ids(ids).tolist(), model.config
+    room = min(len(prompt) + max_new_tokens + k, cfg.max_positions)
+    target = cache() if callable(cache) else make_cache(cache, cfg, room)
+    if isinstance(target, EvictingCache):
+        raise SpecInputError("an evicting cache cannot verify drafts: it evicts after each forward, so the k + 1 "
+                             "tokens of a verify chunk attend to positions plain decoding would have dropped, and "
+                             "a crop cannot bring back what the chunk evicted; give it to SelfDraft instead")
+    draft.bind(model, prompt)
+    run = lambda chunk: forward_cached(torch.tensor([chunk], device=model.device), model.weights, cfg, target)[0]
+    tokens, proposed, accepted = [int(run(prompt)[-1].argmax())], 0, 0    # the prefill gives the first token
+    steps = 1
+    while len(tokens) < max_new_tokens:
+        context = prompt + tokens
+        limit = min(k, max_new_tokens - len(tokens) - 1, cfg.max_positions - len(context))
+        guess = list(draft.propose(context, limit))[:limit] if limit > 0 else []
+        if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in guess):
+            raise SpecInputError(f"the draft proposed ids outside the target's vocabulary of {cfg.vocab_size}")
+        # region verify
+        start = len(context) - 1                                    # the cache holds context[:-1]
+        greedy = run([context[-1]] + guess).argmax(-1).tolist()     # [len(guess) + 1]: g_0 .. g_k
+        a = 0
+        while a < len(guess) and guess[a] == greedy[a]:
+            a += 1
+        target.crop(start + 1 + a)                                  # keep t and the accepted drafts
+        tokens += guess[:a] + [greedy[a]]                           # and the bonus token
+        # endregion
+        proposed, accepted, steps = proposed + len(guess), accepted + a, steps + 1
+    return SpecResult(tokens[:max_new_tokens], proposed, accepted, steps)
