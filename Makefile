@@ -41,8 +41,8 @@ notebooks: setup
 # kvpress's own environment; see pyproject.toml), so a fresh clone needs neither; `make test-slow` and
 # `make test-peers` run those, `make test-all` all three (CI does).
 test: lint notebooks $(LAB_READY)
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers"
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider build/notebooks
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers" -n 2 --dist loadfile
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider -n 2 --dist loadfile build/notebooks
 
 # pytest exits with 5 when no test is selected: no test marked slow is not a failure. Among them, JupyterLab
 # in headless Chromium (tests/test_jupyterlab.py; Chromium is installed from Debian when missing, as root).
