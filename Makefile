@@ -39,9 +39,11 @@ notebooks: setup
 # Quick mode, whatever the shell exports: shorter sweeps, a temporary results file, never results/results.json.
 # `make test` leaves out the tests marked slow (over ~8 s each) and those marked peers (they need vLLM's or
 # kvpress's own environment; see pyproject.toml), so a fresh clone needs neither; `make test-slow` and
-# `make test-peers` run those, `make test-all` all three (CI does).
+# `make test-peers` run those, `make test-all` all three (CI does). The notebooks run two at a time (pytest-xdist,
+# each notebook's cells in order on one worker): each waits on its kernel's start and on small steps, so two
+# overlap well on two cores. The tests run one at a time: several compare a time they measure with another.
 test: lint notebooks $(LAB_READY)
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers" -n 2 --dist loadfile
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers"
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider -n 2 --dist loadfile build/notebooks
 
 # pytest exits with 5 when no test is selected: no test marked slow is not a failure. Among them, JupyterLab
