@@ -320,7 +320,7 @@ writes = {"an in-place op, w.add_(...)": lambda w: w.add_(1e-3),
           "Adam step (fused)": lambda w: adam_step(w, fused=True),
           "a write through w.data": lambda w: w.data.add_(1e-3),
           "a write through a NumPy view": lambda w: w.numpy().__iadd__(1e-3),
-          "one element between the samples, through w.data": lambda w: w.data.view(-1)[1].add_(1.0)}
+          "one element between the runs, through w.data": lambda w: w.data.view(-1)[FINGERPRINT_RUN].add_(1.0)}
 print(f"the fingerprint reads {FINGERPRINT_SAMPLES} elements of each tensor, in runs of {FINGERPRINT_RUN}")
 seen = pd.DataFrame({what: noticed(f) for what, f in writes.items()}).T
 assert (seen["manifest"].iloc[:-1] == "noticed").all() and seen["manifest"].iloc[-1] == "MISSED"
@@ -330,7 +330,8 @@ show(seen)
 # The version counters miss the writes through `.data` and NumPy (and, with this PyTorch on the CPU, may
 # miss a fused optimizer kernel); the fingerprint sees every write that changes the whole tensor. What is
 # left is the last row, the blind spot: a write through an uncounted path that changes only elements
-# between the samples (here element 1 of a matrix of 8,192, of which the fingerprint reads every 128th).
+# between the runs (here the element just after the first run, in a matrix of 8,192 whose fingerprint reads
+# 8 runs of 8, 1,024 elements apart).
 # The same write made by an ordinary in-place operation moves the version counter. Closing the blind spot
 # means reading every value, a rehash, on every call.
 #
