@@ -135,3 +135,14 @@ def test_fingerprint_in_cpp_reads_the_same_bytes_as_pytorch(monkeypatch):
     head = w[:checks.FINGERPRINT_RUN].view(torch.uint8).numpy().tobytes()
     second = w[step:step + checks.FINGERPRINT_RUN].view(torch.uint8).numpy().tobytes()
     assert fast.startswith(head + second)                   # the first tensor's first two runs, in order
+
+
+def test_fused_block_leaves_a_batch_of_rows_to_the_reference():
+    """The fused operations take one row of tokens (a serving step's); a batch of rows goes through the
+    reference layer, so the same prepacked weights still serve it, with the same logits."""
+    model = load("tiny-llama")
+    w = Prepacked(model.weights)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = forward_cached(ids, w, model.config, StaticCache(model.config, 16, batch_size=2))
+    w.block = block
+    assert torch.equal(out, forward_cached(ids, w, model.config, StaticCache(model.config, 16, batch_size=2)))

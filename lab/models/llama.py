@@ -109,6 +109,8 @@ def fused_block(x, w, i, config, attend, rope_cs):
     """`block` as the serving engine runs it with `Prepacked` weights on the CPU: the same arithmetic in
     fewer calls (lab/kernels/fused.py). RoPE turns q and k in place in the merged product, the residual add
     and the second RMSNorm are one call, SiLU and the gate product one. rope_cs: cos, sin `[T, D]`."""
+    if x.shape[0] != 1 or rope_cs[0].dim() != 2:     # one row of tokens (a serving step); else the reference
+        return block(x, w, i, config, attend, rope_cs)
     p, eps = f"model.layers.{i}.", config.norm_eps
     _, h = fused.add_rms_norm(x, w[p + "input_layernorm.weight"], eps)
     q, k, v = project(h, w, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")

@@ -187,9 +187,15 @@ class EngineProcess(Router):
         # The pages and the prepacked weights in 2 MiB pages, where the kernel lends them (transparent huge
         # pages, "madvise"): reading them then misses the address cache (TLB) far less, which matters most
         # in a virtual machine, where each miss walks two page tables. PyTorch's allocator asks for them
-        # when THP_MEM_ALLOC_ENABLE=1 at the process's first allocation; a value already set wins.
+        # when THP_MEM_ALLOC_ENABLE=1 at the process's first allocation; a value already set wins. The
+        # child inherits the environment as it starts; this process's is put back afterwards.
+        before = os.environ.get("THP_MEM_ALLOC_ENABLE")
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-        self.process.start()
+        try:
+            self.process.start()
+        finally:
+            if before is None:
+                del os.environ["THP_MEM_ALLOC_ENABLE"]
         if not self.conn.poll(timeout_s):
             self.process.kill()
             raise RuntimeError(f"the engine's process did not start within {timeout_s} s")
