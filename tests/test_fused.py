@@ -32,14 +32,16 @@ DTYPES = [torch.float32, torch.bfloat16]
 STEP = 2.0 ** -7                        # a bfloat16 step, at most, relative to the value
 
 
-def close(got, ref, steps=2):
-    """float32: within relative 1e-5; bfloat16: within `steps` bfloat16 steps of the reference's value."""
+def close(got, ref, steps=2) -> bool:
+    """float32: within relative 1e-5; bfloat16: within `steps` bfloat16 steps of the reference's value. Raises
+    AssertionError otherwise."""
     assert got.dtype == ref.dtype and got.shape == ref.shape
     if ref.dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     else:
         gap = (got.float() - ref.float()).abs()
         assert (gap <= steps * STEP * ref.float().abs() + 1e-30).all(), f"max gap {gap.max()}"
+    return True
 
 
 def draw(*shape, dtype, scale=1.0, seed=0):
@@ -54,10 +56,10 @@ def test_add_rms_norm_matches_the_reference(dtype, scale):
     w = (torch.rand(576, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype)
     total, h = fused.add_rms_norm(x, w, 1e-5, add=a)
     assert torch.equal(total, x + a)                     # one rounding, as the reference's add
-    close(h, rms_norm(x + a, w, 1e-5))
+    assert close(h, rms_norm(x + a, w, 1e-5))
     total, h = fused.add_rms_norm(x, w, 1e-5)            # no add: the norm of x
     assert torch.equal(total, x)
-    close(h, rms_norm(x, w, 1e-5))
+    assert close(h, rms_norm(x, w, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,7 +70,7 @@ def test_rope_in_place_matches_the_reference_on_a_column_slice(dtype):
     ref = rope(split_heads(q, 9), cos, sin)               # [1, 9, 11, 64]
     rest = qkv[..., 9 * 64:].clone()
     assert fused.rope_(q, cos, sin, 9) is q
-    close(split_heads(q, 9), ref)
+    assert close(split_heads(q, 9), ref)
     assert torch.equal(qkv[..., 9 * 64:], rest)           # k and v untouched
 
 
@@ -76,7 +78,7 @@ def test_rope_in_place_matches_the_reference_on_a_column_slice(dtype):
 def test_silu_mul_matches_the_reference(dtype):
     gu = draw(3, 5, 2 * 1536, dtype=dtype, scale=4.0)
     gate, up = gu.split(1536, dim=-1)                       # views of the merged gate/up product
-    close(fused.silu_mul(gate, up), F.silu(gate) * up)
+    assert close(fused.silu_mul(gate, up), F.silu(gate) * up)
 
 
 def test_bad_inputs_are_refused():

@@ -24,6 +24,7 @@ import torch
 
 from ..cache import CacheStateError, EvictingCache, make_cache
 from ..models import forward_cached
+from .backends import common_prefix
 from .generate import check_count
 from .identity import token_ids
 
@@ -97,9 +98,7 @@ class ModelDraft:
 
     def _sync(self, context):
         """Bring the cache to a prefix of context[:-1] (crop or reset), then run the rest but the last."""
-        keep = 0
-        while keep < min(len(self.ids), len(context) - 1) and self.ids[keep] == context[keep]:
-            keep += 1
+        keep = common_prefix(self.ids, context[:-1])
         if keep < len(self.ids):
             try:
                 self.cache.crop(keep)

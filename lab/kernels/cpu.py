@@ -153,8 +153,8 @@ extern "C" void attend_{name}(const void* q, int64_t sqb, int64_t sqh, float sca
 # The fused operations of a decoder layer (lab/kernels/fused.py): one call for what the reference makes
 # in several. Each rounds to T where the reference's operations round, so that bfloat16 stays close to it.
 SOURCE += r"""
-// Row n of x [N, D] (row stride sx) plus row n of add (stride sa; none when add is null), rounded to T,
-// into sum [N, D]; out [N, D] = weight * T(sum / rms(sum)): RMSNorm, its statistics in float32.
+// Row n of x [N, D] (row stride sx) plus row n of add (stride sa), rounded to T, into sum [N, D] (with no
+// add: x itself, and sum is not written); out [N, D] = weight * T(sum / rms(sum)), statistics in float32.
 template <typename T>
 void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, T* sum, T* out,
                   int64_t N, int64_t D, float eps) {
@@ -164,7 +164,8 @@ void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, 
       float ss = 0.f;
       for (int64_t d = 0; d < D; ++d) {
         const T v = add ? T(float(x[n * sx + d]) + float(add[n * sa + d])) : x[n * sx + d];
-        sum[n * D + d] = v, r[d] = float(v), ss += r[d] * r[d];
+        if (add) sum[n * D + d] = v;
+        r[d] = float(v), ss += r[d] * r[d];
       }
       const float inv = 1.f / std::sqrt(ss / float(D) + eps);
       for (int64_t d = 0; d < D; ++d) out[n * D + d] = T(float(w[d]) * float(T(r[d] * inv)));

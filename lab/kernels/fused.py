@@ -38,8 +38,8 @@ def _fn(op, dtype):
 
 
 def add_rms_norm(x, weight, eps: float, add=None):
-    """(total, h): total = x + add (x itself when add is None), h = RMSNorm(total) * weight, both `[B, T, D]`
-    new and contiguous; the statistics in float32, as `llama.rms_norm`."""
+    """(total, h): total = x + add, new and contiguous (x itself when add is None), h = RMSNorm(total) * weight
+    `[B, T, D]`, new and contiguous; the statistics in float32, as `llama.rms_norm`."""
     N, sx = _rows(x, "x")
     sa = 0
     if add is not None:
@@ -49,9 +49,11 @@ def add_rms_norm(x, weight, eps: float, add=None):
     if weight.shape != x.shape[-1:] or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [{x.shape[-1]}] {x.dtype}, "
                          f"got {tuple(weight.shape)} {weight.dtype}")
-    total, h = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    total = x if add is None else torch.empty(x.shape, dtype=x.dtype)
+    h = torch.empty(x.shape, dtype=x.dtype)
     _fn("add_rms_norm", x.dtype)(x.data_ptr(), sx, add.data_ptr() if add is not None else None, sa,
-                                 weight.data_ptr(), total.data_ptr(), h.data_ptr(), N, x.shape[-1], eps)
+                                 weight.data_ptr(), total.data_ptr() if add is not None else None, h.data_ptr(),
+                                 N, x.shape[-1], eps)
     return total, h
 
 
