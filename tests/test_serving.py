@@ -112,15 +112,15 @@ def test_chunked_prefill_keeps_the_running_requests_decoding(tiny):
     while engine.requests[b].state != "finished":
         now, new = engine.stats["steps"], engine.step()
         decoded_at |= {now} if a in new else set()
-        for rid, token in new.items():
-            streamed[rid].append(token)
+        for rid, tokens in new.items():
+            streamed[rid] += tokens
     chunks = engine.requests[b].events["chunks"]
     assert len(chunks) >= 6 and all(n <= 7 for _, n in chunks)          # the budget of 8, less a's decode
     assert sum(n for _, n in chunks) == len(long_)
     assert {step for step, _ in chunks} <= decoded_at                 # a decoded in every step of b's prefill
     while engine.running:
-        for rid, token in engine.step().items():
-            streamed[rid].append(token)
+        for rid, tokens in engine.step().items():
+            streamed[rid] += tokens
     want = expected(tiny, [short, long_], [20, 5])
     assert [engine.output(a), engine.output(b)] == want
     assert [streamed[a], streamed[b]] == want                            # step() reports each token once
@@ -274,14 +274,14 @@ def test_random_starts_steps_and_cancels_lose_no_token(tiny, seed):
         elif op < 0.4 and asked:
             engine.cancel(rng.choice(list(asked)))
         else:
-            for rid, token in engine.step().items():
-                streamed[rid].append(token)
+            for rid, tokens in engine.step().items():
+                streamed[rid] += tokens
         engine.manager.check()
         assert all(engine.manager.length(r.seq) == r.computed for r in engine.running)  # nothing half-reserved
         assert all(r.seq is None for r in engine.waiting)
     while engine.running or engine.waiting:
-        for rid, token in engine.step().items():
-            streamed[rid].append(token)
+        for rid, tokens in engine.step().items():
+            streamed[rid] += tokens
     check_idle(engine)
     assert engine.stats["preemptions"] > 0 and any(r.state == "cancelled" for r in engine.requests.values())
     for rid, (p, n) in asked.items():

@@ -22,7 +22,7 @@ from lab.engine import (
     generate,
     speculative_generate,
 )
-from lab.models import load
+from lab.models import forward, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -177,3 +177,30 @@ def test_the_check_fails_accepting_everything_and_rejecting_everything():
     reject_all = lambda p, q, guess, g: [int(torch.multinomial(p[0], 1, generator=g))]
     assert (emitted(accept_all)[0] - P[0]).abs().max() > TOL
     assert emitted(reject_all)[2] < 2_000          # after rejecting, the second token is never a kept guess's
+
+
+def test_sampled_speculation_draws_the_target_distribution(tiny):
+    """Oracle: the target's joint probability of its first two new tokens, p(t1) p(t2 | t1), computed by
+    recomputation at the same temperature. The second token comes out of a verify step (the draft, the
+    target's own greedy token, is kept or replaced by the rule), so its frequency tests the rejection rule
+    as speculative_generate wires it; five standard errors of N runs allowed, on the six likeliest pairs."""
+    T, N = 0.1, 600          # the tiny model's logits are nearly flat: a low temperature gives pairs to count
+    prompt = repeated_prompt(tiny, seed=4)
+    logits = lambda ids: forward(torch.tensor([ids]), tiny.weights, tiny.config)[0, -1]   # [V], no cache
+    p1 = torch.softmax(logits(prompt) / T, -1)
+    joint = {}
+    for t1 in p1.topk(8).indices.tolist():
+        p2 = torch.softmax(logits(prompt + [t1]) / T, -1)
+        joint |= {(t1, t2): float(p1[t1] * p2[t2]) for t2 in p2.topk(8).indices.tolist()}
+    top = sorted(joint, key=joint.get)[-6:]
+    g, counts, proposed, accepted = torch.Generator().manual_seed(0), dict.fromkeys(top, 0), 0, 0
+    for _ in range(N):
+        draft = SelfDraft(lambda: StaticCache(tiny.config, 64))
+        r = speculative_generate(tiny, prompt, 3, draft, k=2, temperature=T, generator=g)
+        proposed, accepted = proposed + r.proposed, accepted + r.accepted
+        pair = tuple(r.tokens[:2])
+        if pair in counts:
+            counts[pair] += 1
+    assert proposed == N and N // 20 < accepted < N - N // 20            # guesses kept and guesses replaced
+    for pair in top:
+        assert abs(counts[pair] / N - joint[pair]) < 5 * (joint[pair] * (1 - joint[pair]) / N) ** 0.5, pair

@@ -21,10 +21,17 @@ at a time, under a budget of `max_batch_tokens` tokens per step:
    whose last known token was in the step, name the pages that became full, and release the requests
    that finished.
 
+Speculation (`draft=PromptLookup(3)`, or any chapter 9 draft; `k` tokens at most): after step 1, each
+decoding request's draft guesses up to k tokens, and their lookahead pages are reserved from the free
+pages only (speculation never preempts). The request then feeds its last token and the guesses as one
+chunk, the same step verifies them all, and the pages are cropped back to the accepted tokens: a page is
+named for prefix caching only once every token in it is accepted, so rejected guesses never reach a name.
+
 Time is counted in steps: a request's events (admitted, chunks, first token, preempted, finished) are step
 numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so every run is deterministic.
 """
 
+import copy
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
 from .hashing import page_keys
 from .identity import identity_of, token_ids
+from .speculative import SpecInputError, check_k
 
 
 @dataclass(eq=False)                       # compared by identity: a request is one object
@@ -54,6 +62,8 @@ class Request:
     keys: list = field(default_factory=list)    # (digest, parent, tokens) of its full pages, as far as known
     named: int = 0                         # its leading pages named in the manager (or taken from its cache)
     cached_tokens: int = 0                 # positions taken from cached pages, over every admission
+    draft: object = None                   # its own copy of the engine's draft, while it runs
+    guess: list = field(default_factory=list)   # the draft tokens scheduled in this step
     events: dict = field(default_factory=dict)  # step numbers, for a timeline (see ServingEngine.timeline)
 
     @property
@@ -76,11 +86,13 @@ class ServingEngine:
     iteration; `generate(prompts, max_new_tokens)` does both until its requests finish; `cancel(id)` frees
     a request's pages. `stats` holds running totals: steps, preemptions, cached_tokens (positions taken from
     named pages), computed_tokens (positions run through the model, recomputation included), evicted_pages,
-    and per step batch_sizes (sequences in the forward) and batch_tokens (tokens in it).
+    and per step batch_sizes (sequences in the forward) and batch_tokens (tokens in it). With a draft also
+    proposed and accepted (draft tokens), lookahead_pages (pages reserved for guesses) and rollback_pages
+    (pages freed again after verification).
     """
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, draft=None, k: int = 4):
         cfg = model.config
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -88,7 +100,11 @@ class ServingEngine:
         if max_batch_tokens > cfg.max_positions:     # a step's tokens go through the forward as one row
             raise CacheInputError(f"max_batch_tokens {max_batch_tokens} exceeds the model's "
                                   f"{cfg.max_positions} positions")
+        if draft is not None and not all(callable(getattr(draft, f, None)) for f in ("bind", "propose")):
+            raise SpecInputError(f"a draft has bind(model, prompt) and propose(context, k), got {draft!r}")
+        check_k(k)
         self.model, self.page_size, self.max_batch_tokens = model, page_size, max_batch_tokens
+        self.draft, self.k = draft, k
         self.prefix_caching = bool(prefix_caching)
         self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
@@ -104,7 +120,8 @@ class ServingEngine:
         self.running = []                            # in order of admission: the last is the youngest
         self._ids = itertools.count()
         self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
-                          batch_sizes=[], batch_tokens=[])
+                          batch_sizes=[], batch_tokens=[], proposed=0, accepted=0, lookahead_pages=0,
+                          rollback_pages=0)
 
     @property
     def num_pages(self) -> int:                      # pages in the pool
@@ -202,8 +219,9 @@ class ServingEngine:
 
     # ---- one step ----
     @torch.inference_mode()
-    def step(self) -> dict[int, int]:
-        """One scheduler iteration: schedule, one forward, sample. Returns {request id: new token}."""
+    def step(self) -> dict[int, list]:
+        """One scheduler iteration: schedule, one forward, sample. Returns {request id: [its new tokens]}: one
+        token per request, or with a draft the accepted guesses and one more."""
         if owner(self.model.weights, self.model.config) != self.owner:
             raise CacheMismatchError("the model's weights changed since this engine's pages were computed: "
                                      "its keys and values are not this model's; use a new engine")
@@ -239,6 +257,8 @@ class ServingEngine:
                     victim = self.running[-1]
                     budget += scheduled.pop(victim, 0)
                     self._preempt(victim, now)
+        if self.draft is not None:
+            budget = self._lookahead(decoding, scheduled, budget)
         while self.waiting and budget and self.stats["preemptions"] == preemptions:
             req = self.next_to_admit()
             if req not in self.waiting:
@@ -250,6 +270,30 @@ class ServingEngine:
             self.running.append(req)
             scheduled[req], budget = n, budget - n
         return list(scheduled.items())
+
+    def _lookahead(self, decoding, scheduled, budget) -> int:
+        """Each decode scheduled gets its draft's guesses, as many as the budget, its output's room and the
+        free pages allow (never a preemption); their pages are reserved. Returns the budget left."""
+        P, cfg = self.page_size, self.model.config
+        for req in decoding:
+            if req.state != "running" or scheduled.get(req) != 1:
+                continue
+            room = (len(self.manager.block_table(req.seq)) + self.manager.num_free) * P - req.computed - 1
+            limit = min(self.k, budget, room, req.max_new_tokens - len(req.output) - 1,
+                        cfg.max_positions - req.num_tokens)
+            if limit < 1:
+                continue
+            if req.draft is None:
+                req.draft = copy.copy(self.draft)
+                req.draft.bind(self.model, req.prompt)
+            guess = list(req.draft.propose(req.tokens, limit))[:limit]
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in guess):
+                raise SpecInputError(f"the draft proposed ids outside the model's vocabulary of {cfg.vocab_size}")
+            if guess:
+                self.stats["lookahead_pages"] += self.manager.pages_needed(req.seq, len(guess))
+                self.pool.reserve([(req.seq, len(guess))])
+                req.guess, scheduled[req], budget = guess, 1 + len(guess), budget - len(guess)
+        return budget
 
     def next_to_admit(self) -> Request:
         """The waiting request admission tries next: the head of the queue, first come first served (a
@@ -288,33 +332,54 @@ class ServingEngine:
 
     def _release(self, req):
         self.manager.release(req.seq)                 # named pages stay cached, free, least recent first
-        req.seq, req.computed, req.named = None, 0, 0
+        req.seq, req.computed, req.named, req.guess, req.draft = None, 0, 0, [], None   # the draft's cache too
 
-    def _run(self, batch, now) -> dict[int, int]:
-        """The step's forward over every scheduled token; greedy tokens for the sequences that completed."""
+    def _run(self, batch, now) -> dict[int, list]:
+        """The step's forward over every scheduled token; the new tokens of the sequences that completed:
+        one greedy token, or with guesses those the verification accepted and one more."""
         w, cfg, device = self.weights, self.model.config, self.model.device
         step: StepBatch = self.pool.plan_step([(req.seq, n) for req, n in batch])   # reserved by _schedule
-        ids = [t for req, n in batch for t in req.tokens[req.computed:req.computed + n]]
+        feed = [req.tokens[req.computed:req.computed + n - len(req.guess)] + req.guess for req, n in batch]
         ends = list(itertools.accumulate(n for _, n in batch))        # one past each sequence's last token
-        sample = [(req, end - 1) for (req, n), end in zip(batch, ends, strict=True)
-                  if req.computed + n == req.num_tokens]              # its last known token is in this step
-        logits = forward_cached(torch.tensor([ids], device=device), w, cfg, step, positions=step.positions,
-                                logits_at=torch.tensor([i for _, i in sample], dtype=torch.long, device=device),
-                                state=self.owner)                     # step() has just checked it
-        tokens = logits[0].max(-1).indices.tolist()   # [K] greedy (the first of equal maxima, as argmax; faster)
+        sample = [(req, end - 1 - len(req.guess)) for (req, n), end in zip(batch, ends, strict=True)
+                  if req.computed + n - len(req.guess) == req.num_tokens]   # its last known token is in this step
+        rows = [i for req, last in sample for i in range(last, last + 1 + len(req.guess))]  # and each guess's
+        logits = forward_cached(torch.tensor([[t for f in feed for t in f]], device=device), w, cfg, step,
+                                positions=step.positions, state=self.owner,     # step() has just checked it
+                                logits_at=torch.tensor(rows, dtype=torch.long, device=device))
+        greedy = logits[0].max(-1).indices.tolist()  # [rows] greedy (the first of equal maxima, as argmax)
+        self.stats["computed_tokens"] += ends[-1]
+        new, at = {}, 0
         for req, n in batch:
             if not (req.output and req.num_tokens - req.computed == 1):  # not a decode: a prefill chunk
                 req.events["chunks"].append((now, n))
-            req.computed += n
-            self._name_pages(req)
-        self.stats["computed_tokens"] += len(ids)
-        new = {}
-        for (req, _), token in zip(sample, tokens, strict=True):
-            req.output.append(token)
-            new[req.id] = token
+            if req.computed + n - len(req.guess) < req.num_tokens:    # a chunk that ends inside the prompt
+                req.computed += n
+                self._name_pages(req)
+                continue
+            # region engine_verify
+            g, guess = greedy[at:at + 1 + len(req.guess)], req.guess  # g_i: the greedy token after guess i
+            at += len(g)
+            a = 0
+            while a < len(guess) and guess[a] == g[a]:
+                a += 1
+            out = guess[:a] + g[a:a + 1]                              # the accepted guesses and one more
+            req.computed += n - len(guess) + a                        # their keys and values are right
+            if guess:                                                 # the rejected ones' are not: take
+                freed = self.manager.crop(req.seq, req.computed)      # their slots and pages back
+                self.stats["rollback_pages"] += len(freed)
+                self.stats["proposed"] += len(guess)
+                self.stats["accepted"] += a
+                req.guess = []
+            # endregion
+            if req.eos_id in out:
+                out = out[:out.index(req.eos_id) + 1]
+            req.output += out
+            self._name_pages(req)                   # pages full of accepted tokens only
+            new[req.id] = out
             if req.events["first_token"] is None:
                 req.events["first_token"] = now
-            if len(req.output) == req.max_new_tokens or token == req.eos_id:
+            if len(req.output) >= req.max_new_tokens or req.eos_id in out:
                 self.running.remove(req)
                 self._release(req)
                 req.state, req.events["finished"] = "finished", now

@@ -51,6 +51,11 @@ class SpecResult:
         return (len(self.tokens) - 1) / (self.steps - 1) if self.steps > 1 else float("nan")
 
 
+def check_k(k):
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise SpecInputError(f"k must be an int of at least 1, got {k!r}")
+
+
 # ---- drafts ------------------------------------------------------------------------------------------------
 
 class PromptLookup:
@@ -171,14 +176,21 @@ def accept_sampled(p, q, guess, generator=None) -> list:
 
 
 @torch.inference_mode()
-def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cache="static") -> SpecResult:
-    """Greedy decoding of max_new_tokens after `ids`, k draft tokens checked per target forward; the same
-    tokens as plain greedy decoding through the same cache design. `cache`: a design name for `make_cache`
-    ("static", "paged", "concat") or a callable returning a cache (a QuantizedCache too; an EvictingCache
-    is refused, SpecInputError: see below)."""
+def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cache="static",
+                         temperature: float = 0.0, generator=None) -> SpecResult:
+    """Decoding of max_new_tokens after `ids`, k draft tokens checked per target forward. `cache`: a design
+    name for `make_cache` ("static", "paged", "concat") or a callable returning a cache (a QuantizedCache
+    too; an EvictingCache is refused, SpecInputError: see below).
+
+    Greedy (temperature 0): the same tokens as plain greedy decoding through the same cache design.
+    Sampling (temperature > 0, `generator` a torch.Generator for repeatable draws): the rejection rule,
+    `accept_sampled`, with the target's probabilities at that temperature; the drafts here guess
+    deterministically, so the draft's distribution q is one-hot at its guess, and the tokens are distributed
+    as sampling from the target one token at a time."""
     check_count("max_new_tokens", max_new_tokens)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise SpecInputError(f"k must be an int of at least 1, got {k!r}")
+    check_k(k)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise SpecInputError(f"temperature must be a number of at least 0, got {temperature!r}")
     prompt, cfg = token_ids(ids).tolist(), model.config
     room = min(len(prompt) + max_new_tokens + k, cfg.max_positions)
     target = cache() if callable(cache) else make_cache(cache, cfg, room)
@@ -188,22 +200,32 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
                              "a crop cannot bring back what the chunk evicted; give it to SelfDraft instead")
     draft.bind(model, prompt)
     run = lambda chunk: forward_cached(torch.tensor([chunk], device=model.device), model.weights, cfg, target)[0]
-    tokens, proposed, accepted = [int(run(prompt)[-1].argmax())], 0, 0    # the prefill gives the first token
+    if temperature:
+        def choose(logits, guess):               # [len(guess) + 1, V] -> the kept guesses and one drawn token
+            p = torch.softmax(logits.float() / temperature, -1)
+            q = torch.nn.functional.one_hot(torch.tensor(guess, dtype=torch.long), p.shape[-1]).float()
+            return accept_sampled(p, q, guess, generator)
+    else:
+        def choose(logits, guess):               # the guesses greedy decoding agrees with, and its next token
+            greedy = logits.argmax(-1).tolist()                     # g_0 .. g_k
+            a = 0
+            while a < len(guess) and guess[a] == greedy[a]:
+                a += 1
+            return guess[:a] + [greedy[a]]
+    tokens, proposed, accepted = choose(run(prompt)[-1:], []), 0, 0    # the prefill gives the first token
     steps = 1
     while len(tokens) < max_new_tokens:
         context = prompt + tokens
         limit = min(k, max_new_tokens - len(tokens) - 1, cfg.max_positions - len(context))
         guess = list(draft.propose(context, limit))[:limit] if limit > 0 else []
-        if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in guess):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in guess):
             raise SpecInputError(f"the draft proposed ids outside the target's vocabulary of {cfg.vocab_size}")
         # region verify
-        start = len(context) - 1                                    # the cache holds context[:-1]
-        greedy = run([context[-1]] + guess).argmax(-1).tolist()     # [len(guess) + 1]: g_0 .. g_k
-        a = 0
-        while a < len(guess) and guess[a] == greedy[a]:
-            a += 1
-        target.crop(start + 1 + a)                                  # keep t and the accepted drafts
-        tokens += guess[:a] + [greedy[a]]                           # and the bonus token
+        start = len(context) - 1                        # the cache holds context[:-1]
+        new = choose(run([context[-1]] + guess), guess)  # one forward: t and the guesses
+        a = len(new) - 1                                # guesses kept
+        target.crop(start + 1 + a)                      # keep t and the accepted guesses: rejected ones vanish
+        tokens += new
         # endregion
         proposed, accepted, steps = proposed + len(guess), accepted + a, steps + 1
     return SpecResult(tokens[:max_new_tokens], proposed, accepted, steps)

@@ -82,12 +82,14 @@ class EngineLoop:
 
 
 def finished_tokens(engine: ServingEngine, new: dict) -> list:
-    """(request id, token, finish_reason) for one step's new tokens: None while a request runs, "stop" at
-    its eos token, "length" at its max_tokens."""
+    """(request id, token, finish_reason) for each of one step's new tokens: None while a request runs,
+    "stop" at its eos token, "length" at its max_tokens."""
     out = []
-    for rid, token in new.items():
+    for rid, tokens in new.items():
         req = engine.requests[rid]
-        out.append((rid, token, None if req.state != "finished" else "stop" if token == req.eos_id else "length"))
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1 and req.state == "finished"
+            out.append((rid, token, None if not last else "stop" if token == req.eos_id else "length"))
     return out
 
 
