@@ -1,4 +1,5 @@
-"""The lab's side of the vLLM comparison: send requests to `vllm_prefix.py` under `.venv-vllm`, read back.
+"""The lab's side of the vLLM comparison: send requests to `vllm_prefix.py` (prefix caching) or
+`vllm_spec.py` (ngram speculative decoding) under `.venv-vllm`, read back.
 (Not named vllm.py: the script beside it, run as a file, would import this module as vLLM.)
 
 vLLM pins transformers below 5.20 and the lab pins 5.23, so vLLM runs in its own environment (`make vllm`)
@@ -32,16 +33,32 @@ def run(model_dir, prompts: list, block_size=32, max_tokens=32, cores=None, time
     if not isinstance(block_size, int) or block_size < 1 or block_size % 32:
         raise ValueError(f"vLLM's CPU attention backend takes block sizes that are multiples of 32, "
                          f"got {block_size!r}")
+    return _call("vllm_prefix.py", dict(model=str(model_dir), block_size=block_size, max_tokens=max_tokens,
+                                        prompts=prompts), cores, timeout)
+
+
+def run_spec(model_dir, prompts: list, k, n=3, max_tokens=32, cores=None, timeout=900) -> dict:
+    """Greedy tokens, wall seconds and speculative counters (drafts, draft_tokens, accepted_tokens) per
+    request from vLLM's ngram speculative decoding (`vllm_spec.py`): k tokens drafted per step by looking up
+    the sequence's last 1 to n tokens earlier in it; k 0 decodes plainly, the baseline. Prompts are lists of
+    ids, run in order without prefix caching; `cores` as in `run`. The first request carries warm-up."""
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k is the number of tokens drafted per step, 0 or more, got {k!r}")
+    return _call("vllm_spec.py", dict(model=str(model_dir), k=k, n=n, block_size=32, max_tokens=max_tokens,
+                                      prompts=prompts), cores, timeout)
+
+
+def _call(script, request: dict, cores, timeout) -> dict:
+    """Send `request` to `script` under .venv-vllm; its JSON answer, with the cores its engine bound to."""
     if not available():
         raise FileNotFoundError(f"{VLLM_PYTHON} is missing: run `make vllm` to build vLLM's environment")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        request = dict(model=str(model_dir), block_size=block_size, max_tokens=max_tokens, prompts=prompts,
-                       out=str(out))
         env = os.environ | ({"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if cores
                             else {})
-        done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_prefix.py"))], env=env,
-                              input=json.dumps(request), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name(script))], env=env,
+                              input=json.dumps(request | {"out": str(out)}), capture_output=True, text=True,
+                              timeout=timeout)
         log = done.stdout + done.stderr
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{log[-3000:]}")
