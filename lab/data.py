@@ -63,6 +63,13 @@ def passages(tokenizer, n_tokens: int = 256, count: int = 8, split: str = "heldo
     return out
 
 
+def repeat_request(tokenizer, passage: list) -> list:
+    """A chat turn asking for `passage` (token ids) repeated word for word, the assistant's turn opened: an
+    editing task whose answer repeats the prompt (chapter 9's copy workload)."""
+    ask = "Repeat the following passage exactly, word for word:\n\n" + tokenizer.decode(passage)
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}]))
+
+
 def shuffle_words(text_: str, seed: int = 0) -> str:
     """The same words in a random order: same vocabulary, no syntax."""
     words = text_.split()

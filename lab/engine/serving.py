@@ -212,7 +212,7 @@ class ServingEngine:
     def _add(self, req: Request) -> int:
         req.id = next(self._ids)
         req.events = dict(arrived=self.stats["steps"], admitted=[], chunks=[], first_token=None, preempted=[],
-                          finished=None, cancelled=None)
+                          finished=None, cancelled=None, verify=[])
         self.requests[req.id] = req
         self.waiting.append(req)
         return req.id
@@ -370,6 +370,7 @@ class ServingEngine:
                 self.stats["rollback_pages"] += len(freed)
                 self.stats["proposed"] += len(guess)
                 self.stats["accepted"] += a
+                req.events["verify"].append((now, len(guess), a, len(freed)))
                 req.guess = []
             # endregion
             if req.eos_id in out:

@@ -18,6 +18,7 @@ its first layers only (`EarlyExit`). A draft that runs a model keeps its own cac
 """
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class SpecResult:
     proposed: int     # draft tokens proposed
     accepted: int     # of them, accepted
     steps: int        # target forwards: the prefill, then one per verify step
+    decode_seconds: float = float("nan")   # wall time after the prefill (drafting, verifying, rolling back)
 
     @property
     def acceptance(self) -> float:
@@ -57,6 +59,17 @@ def check_k(k):
 
 
 # ---- drafts ------------------------------------------------------------------------------------------------
+
+class NoDraft:
+    """Guesses nothing: speculative_generate then is plain decoding, one token per forward, through the same
+    loop and cache (the baseline a speedup is measured against)."""
+
+    def bind(self, model, prompt):
+        pass
+
+    def propose(self, context: list, k: int) -> list:
+        return []
+
 
 class PromptLookup:
     """Propose what followed the latest earlier occurrence of the context's last n tokens: no model at all.
@@ -167,7 +180,7 @@ def accept_sampled(p, q, guess, generator=None) -> list:
     kept, a bonus token is drawn from p_k. Returns the kept guesses and the one drawn token."""
     out = []
     for i, x in enumerate(guess):
-        if torch.rand((), generator=generator) * q[i, x] <= p[i, x]:      # u < p/q, without dividing by 0
+        if torch.rand((), generator=generator) * q[i, x] < p[i, x]:       # u < p/q, without dividing by 0
             out.append(x)
             continue
         residual = (p[i] - q[i]).clamp(min=0)
@@ -199,7 +212,8 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
                              "tokens of a verify chunk attend to positions plain decoding would have dropped, and "
                              "a crop cannot bring back what the chunk evicted; give it to SelfDraft instead")
     draft.bind(model, prompt)
-    run = lambda chunk: forward_cached(torch.tensor([chunk], device=model.device), model.weights, cfg, target)[0]
+    run = lambda chunk, last_only=False: forward_cached(torch.tensor([chunk], device=model.device), model.weights,
+                                                        cfg, target, last_only=last_only)[0]   # [T, V]
     if temperature:
         def choose(logits, guess):               # [len(guess) + 1, V] -> the kept guesses and one drawn token
             p = torch.softmax(logits.float() / temperature, -1)
@@ -212,8 +226,8 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
             while a < len(guess) and guess[a] == greedy[a]:
                 a += 1
             return guess[:a] + [greedy[a]]
-    tokens, proposed, accepted = choose(run(prompt)[-1:], []), 0, 0    # the prefill gives the first token
-    steps = 1
+    tokens, proposed, accepted = choose(run(prompt, last_only=True), []), 0, 0    # the prefill gives the first token
+    steps, t0 = 1, time.perf_counter()
     while len(tokens) < max_new_tokens:
         context = prompt + tokens
         limit = min(k, max_new_tokens - len(tokens) - 1, cfg.max_positions - len(context))
@@ -228,4 +242,4 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
         tokens += new
         # endregion
         proposed, accepted, steps = proposed + len(guess), accepted + a, steps + 1
-    return SpecResult(tokens[:max_new_tokens], proposed, accepted, steps)
+    return SpecResult(tokens[:max_new_tokens], proposed, accepted, steps, time.perf_counter() - t0)
