@@ -124,10 +124,19 @@ HEADLINES = [
     ("Ch. 8 — shared 512-token system prompt, 16 requests: positions computed with prefix caching / without",
      ("ch08.prefix.cached.computed", "ch08.prefix.uncached.computed"), ""),
     ("Ch. 8 — the engine on a GPU, 256 requests at once", "ch08_gpu.engine.C256.output_tok_s", ""),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 (two CPU cores)",
-     tuple(f"notebooks.seconds.{name}" for name in
-           ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix",
-            "ch07_compress", "ch08_serving")), ".0f"),
+    ("Ch. 9 — guesses accepted at k = 4 on the copy task: prompt lookup / self-draft over 2-bit KIVI / first 20 of "
+     "30 layers", tuple(f"ch09.acceptance.copy.{d}.k4.acceptance" for d in ("lookup", "kivi2", "early20")), ".0f"),
+    ("Ch. 9 — decode speedup over plain decoding, prompt lookup on a passage that starts over: 256 / 4,096 "
+     "positions; self-draft over a 64-position window at 4,096",
+     ("ch09.speed.c256.lookup.speedup", "ch09.speed.c4096.lookup.speedup", "ch09.speed.c4096.window.speedup"), ".2f"),
+    ("Ch. 9 — the engine with prompt lookup over without, copy requests: 1 / 16 in flight",
+     ("ch09.engine.c1.lookup.speedup", "ch09.engine.c16.lookup.speedup"), ".2f"),
+    ("Ch. 9 — multi-turn prefix hits (positions from named pages): without speculation / with",
+     ("ch09.prefix.plain_cached", "ch09.prefix.lookup_cached"), ""),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 (two CPU "
+     "cores)", tuple(f"notebooks.seconds.{name}" for name in
+                     ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix",
+                      "ch07_compress", "ch08_serving", "ch09_speculation")), ".0f"),
 ]
 
 

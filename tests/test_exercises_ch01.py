@@ -209,6 +209,7 @@ def test_ch01_bidirectional_check_refuses_outputs_computed_beforehand():
 
 # ---- exercise 4 -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_ch01_step_time_check(capsys):
     # T = 16 on SmolLM2 keeps the test short; the key exists in the committed results.json.
     ratio = ch01.check_step_time(sol.step_ms, T=16)
@@ -220,6 +221,7 @@ def test_ch01_step_time_check_refuses_a_typed_number():
         ch01.check_step_time(lambda model, T: 53.1, T=16)  # the book's number, not a measurement
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_ch01_step_time_check_refuses_a_typed_number_after_a_wait():
     def waits(model, T):
         time.sleep(2.0)          # long enough for any number to "fit inside" the call

@@ -35,6 +35,7 @@ def counts_looked_up_beforehand():
             for name, T in ch03.CASES + [("smollm2", 4096)]}
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_decode_flops_refuses_counts_looked_up_beforehand():
     table = counts_looked_up_beforehand()
     with pytest.raises(AssertionError, match="PyTorch counted"):
@@ -76,6 +77,7 @@ def _share_by_the_checks_counter(config, T):
     return attention / total
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_attention_share_passes_the_reference_and_fails_a_wrong_count():
     assert ch03.check_attention_share(sol3.attention_share)
     assert ch03.check_attention_share(sol3.attention_share, seed=7)

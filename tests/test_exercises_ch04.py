@@ -135,6 +135,7 @@ class KeepsThemElsewhere(sol.LRUPrefixStore):
     (NeverEvicts, "more than its capacity"),
     (KeepsThemElsewhere, "more than its capacity"),
 ])
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_ch04_prefix_store_refuses_a_store_that_does_not_store(store, message):
     with pytest.raises(AssertionError, match=message):
         ch04.check_prefix_store(store)

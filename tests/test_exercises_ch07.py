@@ -269,6 +269,7 @@ def one_below(model, ids, policy, budgets):
     (from_the_top, "does not fall steadily"),
     (one_below, "more than 1% above"),
 ], ids=["largest", "not-a-candidate", "not-an-int", "full-cache", "one-step", "from-the-top", "one-below"])
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_budget_wrong_answers_fail(wrong, message):
     with pytest.raises(AssertionError, match=message):
         ch07.check_smallest_budget(wrong, seed=0)

@@ -45,6 +45,7 @@ def dry_run(tmp_path_factory):
     return results.read(path)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_dry_run_measures_on_cpu(dry_run):
     sections = dry_run["sections"]
     assert set(sections) == set(DRY)                           # never a GPU section
@@ -65,6 +66,7 @@ def test_dry_run_measures_on_cpu(dry_run):
     check_serving_dry_run(dry_run)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_measured_run_writes_every_value_the_book_cites(dry_run):
     # Regression: a measured run wrote `ch05_gpu.bandwidth` and `ch03_gpu.step_ms` as groups of shapes, which
     # the manuscript reads as values, and never wrote `ch05_gpu.int8_bandwidth`, which chapter 7 cites.
@@ -108,6 +110,7 @@ def check_serving_dry_run(doc):
     assert prov["run"].startswith("dry run")
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_not_run_writes_the_keys_a_measured_run_writes(dry_run, results_file, monkeypatch):
     # Regression: a run without a GPU wrote a handful of NOT_RUN values (`ch05_gpu.bandwidth`, ...) where a
     # measured run writes a tree of shapes; a page that read one of them broke on the other. Here a run
@@ -149,6 +152,7 @@ def with_gpu_sections(tmp_path, sections: dict) -> Path:
     return path
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_a_measured_run_renders_the_book(dry_run, committed_problems, tmp_path):
     # Every GPU section of the committed results replaced by the dry run's measurements (labelled a dry
     # run in its provenance, written to a temporary file): the book renders with the same checks as

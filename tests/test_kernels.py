@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 CASES = Path(__file__).with_name("kernel_cases.py")
@@ -38,6 +39,7 @@ def assert_passed(done):
                                   f"{done.stdout[-12000:]}\n{done.stderr[:6000]}")
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_kernel_cases_in_a_fresh_process():
     assert_passed(run_cases())
 

@@ -62,6 +62,7 @@ def test_probe_reports_the_cache_it_built(design):
     assert r["trimmed"] is (platform.libc_ver()[0] == "glibc")
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_sweep_gives_one_probe_per_case_and_chapter_3_draws_them(tmp_path):
     """memory.sweep: a fresh probe per (model, batch, design); ch03.plot_memory: one bar per probe, at its
     peak extra RSS in MiB, and the formula's line per (model, batch)."""

@@ -204,3 +204,12 @@ def test_sampled_speculation_draws_the_target_distribution(tiny):
     assert proposed == N and N // 20 < accepted < N - N // 20            # guesses kept and guesses replaced
     for pair in top:
         assert abs(counts[pair] / N - joint[pair]) < 5 * (joint[pair] * (1 - joint[pair]) / N) ** 0.5, pair
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_a_prompt_at_the_context_limit(tiny, k):
+    """A prompt whose last new token takes the model's last position: the guesses shrink to the positions
+    left, and the tokens are still plain greedy decoding's."""
+    prompt = (repeated_prompt(tiny, seed=2, length=40) * 60)[:tiny.config.max_positions - 9]
+    r = speculative_generate(tiny, prompt, 10, EarlyExit(1, max_tokens=2048), k=k, cache="paged")
+    assert r.proposed and r.tokens == plain(tiny, prompt, 10, "concat")

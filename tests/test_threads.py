@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lab import contention, threads
 from lab.results import REPO_ROOT
 
@@ -54,6 +56,7 @@ def test_hogs_are_stopped():
     assert all(p.poll() is not None for p in hogs.procs)
 
 
+@pytest.mark.slow  # over 8 s: `make test-slow`
 def test_compare_runs_every_setting_under_every_load_in_rounds():
     r = contention.compare({"one_thread": {"OMP_NUM_THREADS": "1"}}, loads=(0, 1), rounds=2, context=4, reps=1,
                            warmup=0, progress=False)

@@ -152,13 +152,13 @@ class SelfDraft(ModelDraft):
 
 class EarlyExit(ModelDraft):
     """The target's first `layers` layers, then its final norm and head (LayerSkip without its training),
-    over a StaticCache of those layers."""
+    over a StaticCache of those layers (`max_tokens` positions, by default as many as the model has)."""
 
-    def __init__(self, layers: int, max_tokens: int = 4096):
+    def __init__(self, layers: int, max_tokens: int | None = None):
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise SpecInputError(f"EarlyExit's layers must be an int of at least 1, got {layers!r}")
-        self.layers = layers
-        super().__init__(lambda: make_cache("static", self.model.config, max_tokens))
+        self.layers = layers                    # max_tokens: the cache's room, by default the model's positions
+        super().__init__(lambda: make_cache("static", self.model.config, max_tokens or self.model.config.max_positions))
 
     def model_for(self, target):
         if self.layers > target.config.n_layers:

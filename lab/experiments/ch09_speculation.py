@@ -17,6 +17,7 @@ tokens are compared with plain greedy decoding's.
 
 import time
 
+import matplotlib.ticker
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -38,14 +39,15 @@ PAGE = 16
 
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
-        return dict(passages=1, prompt=200, new=24, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
-                    budget_prompt=256, budgets=(64,), bits=(2,), contexts=(256, 1024), context_new=16, reps=1,
+        return dict(passages=1, prompt=200, new=16, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
+                    budget_prompt=256, budgets=(64,), bits=(2,), contexts=(256, 1024), context_new=12, reps=1,
                     rollback_context=256, rollback_reps=5, engine_levels=(1, 4), engine_prompt=96, engine_new=24,
-                    turns=2, hf=True, vllm=False)
+                    turns=2, hf=True, vllm=False, speed_drafts=("lookup", "window"))
     return dict(passages=2, prompt=200, new=48, ks=(1, 2, 4, 8), drafts=("lookup", "window", "kivi2", "early20"),
                 budget_prompt=768, budgets=(64, 128, 256, 512), bits=(2, 4), contexts=(256, 512, 1024, 2048, 4096),
                 context_new=32, reps=2, rollback_context=1024, rollback_reps=30, engine_levels=(1, 16),
-                engine_prompt=160, engine_new=48, turns=3, hf=True, vllm=compare_vllm.available())
+                engine_prompt=160, engine_new=48, turns=3, hf=True, vllm=compare_vllm.available(),
+                speed_drafts=("lookup", "window", "kivi2", "early20"))
 
 
 # ---- prompts and drafts -----------------------------------------------------------------------------------
@@ -128,12 +130,10 @@ def budgets(model, s) -> dict:
 # ---- speed ------------------------------------------------------------------------------------------------
 
 def speed(model, s) -> dict:
-    """Decode tokens per second (after the prefill) of plain decoding, prompt lookup (k = 4) and SelfDraft
-    over a 64-position window (k = 4) at each context, on a passage that starts over (long_copy). The three
-    run in turn, `reps` times; medians."""
+    """Decode tokens per second (after the prefill) of plain decoding and of each of `speed_drafts` (k = 4) at
+    each context, on a passage that starts over (long_copy). They run in turn, `reps` times; medians."""
     out = {}
-    cases = {"plain": NoDraft, "lookup": lambda: PromptLookup(3),
-             "window": lambda: make_draft(model, "window", 64)}
+    cases = {"plain": NoDraft} | {d: (lambda d=d: make_draft(model, d)) for d in s["speed_drafts"]}
     for ctx in tqdm(s["contexts"], desc="contexts", leave=False):
         ids, times, res = long_copy(model, ctx), {c: [] for c in cases}, {}
         speculative_generate(model, ids[:64], 4, PromptLookup(3))                      # warm-up
@@ -351,11 +351,16 @@ def values(m: dict) -> dict:
         "identical": value(r["identical"], None, note="tokens equal plain greedy decoding's"),
         "speedup": value(a["plain_seconds"][w] / r["seconds"], "x", note="decode time, plain / speculative")}
         for k, r in ks.items()} for d, ks in ds.items()} for w, ds in a["runs"].items()}
+    v["acceptance"]["identical"] = value(all(r["identical"] for ds in a["runs"].values() for ks in ds.values()
+                                             for r in ks.values()), None, note="every draft, k and workload")
     v["budgets"] = {n: _acceptance_values(r) for n, r in m["budgets"].items()}
+    v["budgets"]["prompt"] = value(s["budget_prompt"], "tokens", note="held-out passages, k = 4")
     v["speed"] = {f"c{c}": {d: {"tok_s": value(r["tok_s"], "tokens/s", seconds=r["seconds"]),
                                 "per_step": value(r["per_step"], "tokens"),
                                 "identical": value(r["identical"], None)} | (
-        {"speedup": value(r["tok_s"] / x["plain"]["tok_s"], "x")} if d != "plain" else {})
+        {"speedup": value(r["tok_s"] / x["plain"]["tok_s"], "x"),
+         "acceptance": value(100 * float(np.nan_to_num(r["acceptance"])), "%", note="0 where nothing was proposed")}
+        if d != "plain" else {})
         for d, r in x.items()} | {"attention_share": value(100 * m["attention_share"][c], "%",
                                                            note="the cache's share of a decode step's bytes")}
         for c, x in m["speed"].items()}
@@ -404,7 +409,8 @@ def plot_acceptance(runs: dict, path=None):
             ax.plot(xs, [100 * ks[k]["accepted"] / max(ks[k]["proposed"], 1) for k in xs], marker="o", label=d)
         ax.set(xscale="log", xlabel="k (guesses per step)", title=w)
         ax.set_xticks(xs, [str(k) for k in xs])
-    axes[0].set_ylabel("guesses accepted (%)")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[0].set(ylabel="guesses accepted (%)", ylim=(0, 105))
     axes[0].legend()
     return finish(fig, path)
 
@@ -416,7 +422,8 @@ def plot_speed(speed: dict, path=None):
     for d in speed[cs[0]]:
         ax.plot(cs, [speed[c][d]["tok_s"] for c in cs], marker="o", label=d)
     ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens / s", title="Speculative and plain")
-    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xticks(cs, [f"{c:,}" for c in cs])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend()
     return finish(fig, path)
 
