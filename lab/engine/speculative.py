@@ -169,6 +169,18 @@ class EarlyExit(ModelDraft):
 
 # ---- the verify loop ---------------------------------------------------------------------------------------
 
+# region accept_greedy
+def accept_greedy(logits, guess: list) -> list:
+    """The guesses greedy decoding agrees with, and its own next token. logits `[len(guess) + 1, V]`
+    are the target's, after its last token and after each guess."""
+    greedy = logits.argmax(-1).tolist()                 # g_0 .. g_k
+    a = 0
+    while a < len(guess) and guess[a] == greedy[a]:
+        a += 1
+    return guess[:a] + [greedy[a]]
+# endregion
+
+
 def accept_sampled(p, q, guess, generator=None) -> list:
     """The rejection rule of speculative sampling (Leviathan et al. 2023): the tokens one verify step emits
     when sampling, distributed exactly as sampling from the target one token at a time.
@@ -220,12 +232,7 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
             q = torch.nn.functional.one_hot(torch.tensor(guess, dtype=torch.long), p.shape[-1]).float()
             return accept_sampled(p, q, guess, generator)
     else:
-        def choose(logits, guess):               # the guesses greedy decoding agrees with, and its next token
-            greedy = logits.argmax(-1).tolist()                     # g_0 .. g_k
-            a = 0
-            while a < len(guess) and guess[a] == greedy[a]:
-                a += 1
-            return guess[:a] + [greedy[a]]
+        choose = accept_greedy
     tokens, proposed, accepted = choose(run(prompt, last_only=True), []), 0, 0    # the prefill gives the first token
     steps, t0 = 1, time.perf_counter()
     while len(tokens) < max_new_tokens:
@@ -238,7 +245,7 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
         start = len(context) - 1                        # the cache holds context[:-1]
         new = choose(run([context[-1]] + guess), guess)  # one forward: t and the guesses
         a = len(new) - 1                                # guesses kept
-        target.crop(start + 1 + a)                      # keep t and the accepted guesses: rejected ones vanish
+        target.crop(start + 1 + a)                      # keep t and the kept guesses: the rest vanish
         tokens += new
         # endregion
         proposed, accepted, steps = proposed + len(guess), accepted + a, steps + 1

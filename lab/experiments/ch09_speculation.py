@@ -89,6 +89,24 @@ def plain_tokens(model, ids, n) -> list:
     return speculative_generate(model, ids, n, NoDraft()).tokens
 
 
+# ---- the verify chunk ------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def chunk_cost(model, context: int = 256, sizes=(1, 2, 5, 9), reps: int = 5) -> dict:
+    """{n: median seconds} of one forward of n tokens through a StaticCache holding `context` positions: a
+    decode step (n = 1) and verify chunks of k = n - 1 guesses. The sizes run in turn, `reps` rounds."""
+    ids = torch.tensor([data.passages(model.tokenizer, context + max(sizes), count=1, seed=6)[0]])
+    times = {n: [] for n in sizes}
+    for _ in range(reps + 1):                                   # the first round warms up, untimed
+        for n in sizes:
+            cache = make_cache("static", model.config, context + n)
+            forward_cached(ids[:, :context], model.weights, model.config, cache, last_only=True)
+            t0 = time.perf_counter()
+            forward_cached(ids[:, context:context + n], model.weights, model.config, cache)
+            times[n].append(time.perf_counter() - t0)
+    return {n: float(np.median(t[1:])) for n, t in times.items()}
+
+
 # ---- acceptance -------------------------------------------------------------------------------------------
 
 def acceptance(model, s) -> dict:
@@ -325,6 +343,7 @@ def measure(quick_mode=None) -> dict:
     s = settings(quick() if quick_mode is None else quick_mode)
     smol = load("smollm2")
     m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads())
+    m["chunk"] = chunk_cost(smol)
     m["acceptance"] = acceptance(smol, s)
     m["budgets"] = budgets(smol, s)
     m["speed"] = speed(smol, s)
@@ -347,10 +366,12 @@ def values(m: dict) -> dict:
     s, a = m["settings"], m["acceptance"]
     v = {"settings": value(s["passages"], "prompts", prompt_tokens=s["prompt"], new_tokens=s["new"],
                            threads=m["threads"], note="SmolLM2, float32, greedy, per workload")}
+    one = m["chunk"][1]
+    v["chunk"] = {f"n{n}": {"ms": value(t * 1e3, "ms"), "over_one": value(t / one, "x")} for n, t in m["chunk"].items()}
+    v["chunk"]["context"] = value(256, "tokens", note="a StaticCache holding this many positions")
     v["acceptance"] = {w: {d: {f"k{k}": _acceptance_values(r) | {
-        "identical": value(r["identical"], None, note="tokens equal plain greedy decoding's"),
-        "speedup": value(a["plain_seconds"][w] / r["seconds"], "x", note="decode time, plain / speculative")}
-        for k, r in ks.items()} for d, ks in ds.items()} for w, ds in a["runs"].items()}
+        "identical": value(r["identical"], None, note="tokens equal plain greedy decoding's")}
+        for k, r in ks.items()} for d, ks in ds.items()} for w, ds in a["runs"].items()}   # speed: see "speed"
     v["acceptance"]["identical"] = value(all(r["identical"] for ds in a["runs"].values() for ks in ds.values()
                                              for r in ks.values()), None, note="every draft, k and workload")
     v["budgets"] = {n: _acceptance_values(r) for n, r in m["budgets"].items()}
@@ -394,9 +415,16 @@ def values(m: dict) -> dict:
         "acceptance": value(100 * r["k4"]["accepted_tokens"] / max(r["k4"]["draft_tokens"], 1), "%",
                             draft_tokens=r["k4"]["draft_tokens"], vllm=r["k4"]["vllm"]),
         "speedup": value(r["k0"]["seconds"] / r["k4"]["seconds"], "x", note="whole requests, plain / ngram"),
-        "lab_acceptance": value(100 * r["lab_accepted"] / max(r["lab_proposed"], 1), "%"),
+        "lab_acceptance": value(100 * r["lab_accepted"] / max(r["lab_proposed"], 1), "%",
+                                proposed=r["lab_proposed"]),
+        "draft_tokens": value(r["k4"]["draft_tokens"], "tokens", note="guesses vLLM made on these prompts"),
+        "lab_draft_tokens": value(r["lab_proposed"], "tokens", note="the lab's prompt lookup's, the same prompts"),
         "agreement": value(100 * r["agreement"], "%", note="tokens equal to the lab's, position by position")}
     return v
+
+
+COLORS = {"plain": "tab:gray", "lookup": "tab:blue", "window": "tab:orange", "kivi2": "tab:green",
+          "early20": "tab:red"}                                  # one color per draft in every figure
 
 
 def plot_acceptance(runs: dict, path=None):
@@ -406,7 +434,8 @@ def plot_acceptance(runs: dict, path=None):
     for ax, (w, ds) in zip(axes, runs.items(), strict=True):
         for d, ks in ds.items():
             xs = sorted(ks)
-            ax.plot(xs, [100 * ks[k]["accepted"] / max(ks[k]["proposed"], 1) for k in xs], marker="o", label=d)
+            ax.plot(xs, [100 * ks[k]["accepted"] / max(ks[k]["proposed"], 1) for k in xs], marker="o", label=d,
+                    color=COLORS.get(d))
         ax.set(xscale="log", xlabel="k (guesses per step)", title=w)
         ax.set_xticks(xs, [str(k) for k in xs])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -420,7 +449,7 @@ def plot_speed(speed: dict, path=None):
     fig, ax = plots.figure()
     cs = sorted(speed)
     for d in speed[cs[0]]:
-        ax.plot(cs, [speed[c][d]["tok_s"] for c in cs], marker="o", label=d)
+        ax.plot(cs, [speed[c][d]["tok_s"] for c in cs], marker="o", label=d, color=COLORS.get(d))
     ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens / s", title="Speculative and plain")
     ax.set_xticks(cs, [f"{c:,}" for c in cs])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
