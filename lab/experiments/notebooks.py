@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..results import COMMITTED, REPO_ROOT, not_run, provenance, quick, read, results_path, value, write_section
+from ..results import REPO_ROOT, not_run, provenance, quick, read, results_path, value, write_section
 
 LIMIT_S = 300  # a chapter notebook must run in quick mode in under five minutes on two cores
 CELL_TIMEOUT_S = 1800  # a cell stuck this long is stopped; the limit itself is only recorded, not enforced
@@ -51,15 +51,6 @@ def quick_env(results_file: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LAB_FULL", "LAB_QUICK", "LAB_RESULTS")}
     return {**env, "LAB_QUICK": "1", "LAB_RESULTS": str(results_file),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))}
-
-
-def longest_first(paths, path=None) -> list:
-    """`paths` (notebooks, .py or .ipynb) ordered by the time each took in the committed results, longest
-    first, an unmeasured one first of all: `make test` hands them to two workers in this order, so that a
-    long notebook never starts last while the other worker idles."""
-    seconds = read(path or COMMITTED).get("sections", {}).get(SECTION, {}).get("values", {}).get("seconds", {})
-    took = lambda p: seconds.get(Path(p).stem, {}).get("value")                       # noqa: E731
-    return sorted(paths, key=lambda p: -took(p) if isinstance(took(p), int | float) else -float("inf"))
 
 
 def time_notebooks(sources, path=None, limit=LIMIT_S) -> dict:
@@ -99,12 +90,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lab.experiments.notebooks", description=__doc__.split("\n\n")[0])
     parser.add_argument("chapters", nargs="*", help="e.g. ch01 ch03 (default: every notebook)")
     parser.add_argument("--notebooks", type=Path, default=REPO_ROOT / "notebooks", help="notebooks folder")
-    parser.add_argument("--longest-first", type=Path, metavar="FOLDER",
-                        help="print FOLDER's ch*.ipynb, longest first by the committed times, and exit")
     args = parser.parse_args(argv)
-    if args.longest_first:
-        print(" ".join(map(str, longest_first(sorted(args.longest_first.glob("ch*.ipynb"))))))
-        return 0
     sources = sorted(args.notebooks.glob("ch*.py"))
     if args.chapters:
         sources = [s for s in sources if s.stem.split("_")[0] in args.chapters]
