@@ -39,9 +39,9 @@ PAGE = 16
 
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
-        return dict(passages=1, prompt=200, new=16, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
-                    budget_prompt=256, budgets=(64,), bits=(2,), contexts=(256, 1024), context_new=12, reps=1,
-                    rollback_context=256, rollback_reps=5, engine_levels=(1, 4), engine_prompt=96, engine_new=24,
+        return dict(passages=1, prompt=200, new=12, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
+                    budget_prompt=192, budgets=(64,), bits=(2,), contexts=(256, 1024), context_new=8, reps=1,
+                    rollback_context=256, rollback_reps=3, engine_levels=(1, 4), engine_prompt=96, engine_new=16,
                     turns=2, hf=True, vllm=False, speed_drafts=("lookup", "window"))
     return dict(passages=2, prompt=200, new=48, ks=(1, 2, 4, 8), drafts=("lookup", "window", "kivi2", "early20"),
                 budget_prompt=768, budgets=(64, 128, 256, 512), bits=(2, 4), contexts=(256, 512, 1024, 2048, 4096),
