@@ -44,7 +44,7 @@ from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
 from .hashing import page_keys
 from .identity import identity_of, token_ids
-from .speculative import SpecInputError, check_k
+from .speculative import SpecInputError, check_guess, check_k
 
 
 @dataclass(eq=False)                       # compared by identity: a request is one object
@@ -287,8 +287,7 @@ class ServingEngine:
                 req.draft = copy.copy(self.draft)
                 req.draft.bind(self.model, req.prompt)
             guess = list(req.draft.propose(req.tokens, limit))[:limit]
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in guess):
-                raise SpecInputError(f"the draft proposed ids outside the model's vocabulary of {cfg.vocab_size}")
+            check_guess(guess, cfg.vocab_size)
             if guess:
                 self.stats["lookahead_pages"] += self.manager.pages_needed(req.seq, len(guess))
                 self.pool.reserve([(req.seq, len(guess))])

@@ -58,6 +58,12 @@ def check_k(k):
         raise SpecInputError(f"k must be an int of at least 1, got {k!r}")
 
 
+def check_guess(guess: list, vocab_size: int):
+    """A draft's guesses are token ids the target reads."""
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in guess):
+        raise SpecInputError(f"the draft proposed ids outside the target's vocabulary of {vocab_size}: {guess}")
+
+
 # ---- drafts ------------------------------------------------------------------------------------------------
 
 class NoDraft:
@@ -239,8 +245,7 @@ def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cac
         context = prompt + tokens
         limit = min(k, max_new_tokens - len(tokens) - 1, cfg.max_positions - len(context))
         guess = list(draft.propose(context, limit))[:limit] if limit > 0 else []
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in guess):
-            raise SpecInputError(f"the draft proposed ids outside the target's vocabulary of {cfg.vocab_size}")
+        check_guess(guess, cfg.vocab_size)
         # region verify
         start = len(context) - 1                        # the cache holds context[:-1]
         new = choose(run([context[-1]] + guess), guess)  # one forward: t and the guesses

@@ -115,19 +115,16 @@ def acceptance(model, s) -> dict:
     runs = [(w, d, k) for w in work for d in s["drafts"] for k in s["ks"]]
     want = {(w, i): plain_tokens(model, p, s["new"]) for w, ps in work.items() for i, p in enumerate(ps)}
     for w, d, k in tqdm(runs, desc="acceptance", leave=False):
-        tot = dict(proposed=0, accepted=0, steps=0, tokens=0, identical=True, seconds=0.0)
+        tot = dict(proposed=0, accepted=0, steps=0, tokens=0, identical=True)
         for i, p in enumerate(work[w]):
             r = speculative_generate(model, p, s["new"], make_draft(model, d), k=k)
             tot["proposed"] += r.proposed
             tot["accepted"] += r.accepted
             tot["steps"] += r.steps - 1
             tot["tokens"] += len(r.tokens) - 1
-            tot["seconds"] += r.decode_seconds
             tot["identical"] &= r.tokens == want[w, i]
         out.setdefault(w, {}).setdefault(d, {})[k] = tot
-    plain_s = {w: sum(speculative_generate(model, p, s["new"], NoDraft()).decode_seconds for p in ps)
-               for w, ps in work.items()}
-    return dict(runs=out, plain_seconds=plain_s, prompt_tokens={w: [len(p) for p in ps] for w, ps in work.items()})
+    return dict(runs=out, prompt_tokens={w: [len(p) for p in ps] for w, ps in work.items()})
 
 
 def budgets(model, s) -> dict:
