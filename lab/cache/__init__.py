@@ -12,6 +12,7 @@ from .base import (
 from .block_manager import BlockManager, OutOfPagesError
 from .concat import ConcatCache
 from .evicting import EvictingCache
+from .latent import LatentCache
 from .paged import PagedCache
 from .quantized import QuantizedCache
 from .sizing import bytes_per_position, cache_bytes
@@ -34,6 +35,6 @@ def make_cache(design: str, config, max_tokens: int, batch_size: int = 1, dtype=
     raise ValueError(f"design must be one of {', '.join(map(repr, DESIGNS))}, got {design!r}")
 
 
-__all__ = ["KVCache", "ConcatCache", "StaticCache", "PagedCache", "QuantizedCache", "EvictingCache",
+__all__ = ["KVCache", "ConcatCache", "StaticCache", "PagedCache", "QuantizedCache", "EvictingCache", "LatentCache",
            "BlockManager", "OutOfPagesError", "CacheError", "CacheFullError", "CacheInputError", "CacheStateError",
            "CacheMismatchError", "bytes_per_position", "cache_bytes", "make_cache", "DESIGNS", "offset_causal_mask"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import checks
 from .errors import CacheError, CacheFullError, CacheInputError, CacheMismatchError, CacheStateError
 
-__all__ = ["KVCache", "offset_causal_mask", "CacheError", "CacheFullError", "CacheInputError",
+__all__ = ["KVCache", "offset_causal_mask", "visible", "attention", "CacheError", "CacheFullError", "CacheInputError",
            "CacheMismatchError", "CacheStateError"]
 
 
@@ -38,6 +38,28 @@ def offset_causal_mask(start: int, T: int, device=None) -> torch.Tensor:
     return k_pos <= q_pos
 
 
+def visible(start: int, T: int, window: int = 0, sinks: int = 0, device=None) -> torch.Tensor:
+    """`offset_causal_mask` for a local layer (chapter 10): query start + i also sees only the keys of the
+    last `window` positions, its own included, and the first `sinks` positions. window = 0: every key."""
+    mask = offset_causal_mask(start, T, device)                         # [T, start + T]
+    if window:
+        q_pos = torch.arange(start, start + T, device=device)[:, None]
+        k_pos = torch.arange(start + T, device=device)[None, :]
+        mask &= (q_pos - k_pos < window) | (k_pos < sinks)
+    return mask
+
+
+def attention(config, layer, q, keys, values):
+    """Attention of q `[B, H_q, T, D]`, the newest T positions, over a layer's keys and values `[B, H_kv, L,
+    D]`, under the rules the model's architecture sets for cache layer `layer` (chapter 10): a local layer
+    sees its window and sinks only. (A latent model's queries arrive already in latent space: to the cache
+    its latents are keys and values of one head.)"""
+    T, L = q.shape[2], keys.shape[2]
+    window, sinks = config.window_of(layer)
+    mask = None if T == 1 and not 0 < window < L else visible(L - T, T, window, sinks, q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
 class KVCache:
     """What every design shares: the committed length, the positions pending in this step, the owner."""
 
@@ -46,10 +68,9 @@ class KVCache:
         dtype = config.torch_dtype if dtype is None else dtype  # the model's, unless told otherwise
         self.config, self.batch_size, self.dtype = config, batch_size, dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors say it
-        self.n_layers, self.n_kv_heads = config.n_layers, config.n_kv_heads
-        self.head_dim = config.head_dim
+        self.n_layers, self.n_kv_heads, self.head_dim = config.kv_layout   # as trained: the model's
         self._length = 0                         # committed positions (contiguous designs)
-        self.pending = [0] * config.n_layers     # positions stored per layer since the last advance
+        self.pending = [0] * self.n_layers       # positions stored per layer since the last advance
         self.owner = None                        # identity of the model whose positions these are
         self.version = 0                         # counts every change: a holder can tell if it was touched
 
@@ -93,8 +114,20 @@ class KVCache:
         self.pending[layer], self.version = k.shape[2], self.version + 1
 
     def attend(self, layer: int, q, k, v):
-        """Store k, v and attend: q `[B, H_q, T, D]` over every position -> `[B, H_q, T, D]`."""
-        keys, values = self.update(layer, k, v)               # [B, H_kv, length + T, D]
+        """Store k, v and attend: q `[B, H_q, T, D]` over every position -> `[B, H_q, T, D]`. k = v = None:
+        a layer that reads the cache of an earlier one (share_kv, chapter 10) stores nothing. q = None: store
+        and return every key and value (`update`), for a layer that attends by itself (a latent model's
+        reconstructing form)."""
+        if k is None and v is None:
+            checks.equal_rows(self, "attend")
+            checks.shared_read(self, layer, q)
+            keys, values = self._read(layer)
+        else:
+            keys, values = self.update(layer, k, v)           # [B, H_kv, length + T, D]
+        if q is None:
+            return keys, values
+        if not self.config.as_trained:
+            return attention(self.config, layer, q, keys, values)
         T = q.shape[2]                                        # one query (decode) sees every key
         mask = None if T == 1 else offset_causal_mask(keys.shape[2] - T, T, q.device)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

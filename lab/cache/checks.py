@@ -103,6 +103,24 @@ def between_steps(cache, what):
                               "call advance() first")
 
 
+def same_rules(a, b) -> bool:
+    """Two configs hold and read their caches alike: the same latent, the same window in every layer."""
+    return a is b or a.kv_rank == b.kv_rank and all(a.window_of(i) == b.window_of(i)
+                                                    for i in range(a.kv_layout[0]))
+
+
+def shared_read(cache, layer, q):
+    """attend(layer, q, None, None), a layer reading an earlier layer's cache (share_kv): that layer has
+    stored this step's positions, which the reading layer's T queries are."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cache.n_layers:
+        raise CacheInputError(f"layer index {layer!r} out of range: the cache has layers 0..{cache.n_layers - 1}")
+    if not cache.pending[layer] or q is not None and (not isinstance(q, torch.Tensor) or q.dim() != 4
+                                                       or cache.pending[layer] != q.shape[2]):
+        raise CacheStateError(f"a shared read of layer {layer} must follow its store in the same step: it holds "
+                              f"{cache.pending[layer]} new positions, the queries are "
+                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else q!r}")
+
+
 def dtype(held, config, what):
     """A cache stores keys and values in the dtype its model computes them in (`config.dtype`, the weights')."""
     if held != config.torch_dtype:
@@ -113,10 +131,10 @@ def dtype(held, config, what):
 def model(cache, config, owner):
     """The cache was built for a model of this shape (layers, kv_heads, head_dim), and the positions it
     holds were computed by `owner`."""
-    mine = (cache.n_layers, cache.n_kv_heads, cache.head_dim)
-    theirs = (config.n_layers, config.n_kv_heads, config.head_dim)
-    if mine != theirs:
-        raise CacheMismatchError(f"cache built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
+    mine, theirs = (cache.n_layers, cache.n_kv_heads, cache.head_dim), config.kv_layout
+    if mine != theirs or not same_rules(cache.config, config):
+        raise CacheMismatchError(f"cache built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}"
+                                 + ("" if mine != theirs else ", with another latent or other windows"))
     dtype(cache.dtype, config, "cache")
     held = cache.max_length or any(cache.pending)
     if held and cache.owner is not None and owner != cache.owner:
@@ -180,9 +198,8 @@ def step_part(manager, seq, n) -> int:
 def step_model(step, config, owner):
     """A planned step: the pool was built for this model's shape, and its pages hold `owner`'s keys."""
     pool = step.pool
-    mine = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
-    theirs = (config.n_layers, config.n_kv_heads, config.head_dim)
-    if mine != theirs:
+    mine, theirs = (pool.n_layers, pool.n_kv_heads, pool.head_dim), config.kv_layout
+    if mine != theirs or not same_rules(pool.config, config):
         raise CacheMismatchError(f"pool built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
     dtype(pool.dtype, config, "pool")
     if pool.owner is not None and owner != pool.owner:

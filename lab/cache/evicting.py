@@ -98,6 +98,11 @@ def check_arguments(config, budget, policy, sinks, window, rerotate, observation
     if rerotate and policy not in ("window", "sinks"):
         raise CacheInputError(f"rerotate=True renumbers the positions every head keeps; policy {policy!r} keeps "
                               "different positions in different heads: use 'window' or 'sinks'")
+    if not config.as_trained and (policy in ("h2o", "snapkv") or rerotate
+                                  or any(config.window_of(i)[0] for i in range(config.kv_layout[0]))):
+        raise CacheInputError(f"a retrofitted model (chapter 10) evicts with policy 'window' or 'sinks', without "
+                              f"rerotate, and has no local layers (their window is counted in positions an "
+                              f"evicting cache no longer has); got policy {policy!r}, rerotate={rerotate}")
     if rerotate and config.arch != "llama":
         raise CacheInputError(f"rerotate=True turns RoPE keys back; {config.arch} has learned absolute positions, "
                               "which a stored key cannot be moved out of")

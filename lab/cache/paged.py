@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..kernels import decode_attention
 from ..kernels.fused import store_rows
 from . import checks
-from .base import CacheInputError, CacheStateError, KVCache, offset_causal_mask
+from .base import CacheInputError, CacheStateError, KVCache, attention, offset_causal_mask
 from .block_manager import BlockManager
 from .sizing import cache_bytes
 
@@ -183,12 +183,30 @@ class PagedCache(KVCache):
 
     def attend(self, layer, q, k, v):
         """Store k, v and attend: a decode step over pages, or a prefill chunk (gather and mask)."""
-        if k.shape[2] > 1:                                   # prefill chunk: gather and mask
-            return super().attend(layer, q, k, v)
+        if not self.config.as_trained and len(set(self.seq_lengths())) > 1:
+            return self._attend_rows(layer, q, k, v)     # a retrofit's rows of different lengths (ch. 10)
+        if k is None or k.shape[2] > 1 or not self.config.as_trained:   # prefill chunk, or a retrofit's
+            return super().attend(layer, q, k, v)                        # layer (ch. 10): gather and mask
         self._put(layer, k, v)                               # decode: one query per sequence
         out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer],
                                self.block_tables, self.lengths, check_values=False)  # [B, H_q, D]
         return out[:, :, None]                               # [B, H_q, 1, D]
+
+    def _attend_rows(self, layer, q, k, v):
+        """Decode rows of different lengths under a retrofit's rules: each row's pages gathered, one row at
+        a time (the in-place decode kernel knows no windows)."""
+        if k is None and v is None:
+            checks.shared_read(self, layer, q)
+        else:
+            self._put(layer, k, v)
+        out = []
+        for row, s in enumerate(self.seqs):
+            L = self.manager.length(s)
+            pages = self.block_tables[row, : math.ceil(L / self.page_size)].long()
+            keys, values = (pool[layer][pages].flatten(0, 1)[:L].transpose(0, 1)[None]     # [1, H_kv, L, D]
+                            for pool in (self.k_pool, self.v_pool))
+            out.append(attention(self.config, layer, q[row:row + 1], keys, values))
+        return torch.cat(out)
 
     def _commit(self, t):
         self.slot_mapping, self._step_T = None, 0    # the manager already holds the positions
@@ -273,7 +291,7 @@ class StepBatch:
             table = manager.block_table(seq)
             slots += manager.slots(seq, start, n)
             positions += range(start, start + n)
-            if n == 1:                                    # a decode: the paged decode kernel
+            if n == 1 and pool.config.as_trained:         # a decode: the paged decode kernel
                 decode.append((at, table, start + 1))
             else:                                         # a chunk: its pages, gathered and masked
                 pages = torch.tensor(table[:-(-(start + n) // P)], device=device)
@@ -291,6 +309,7 @@ class StepBatch:
         # endregion
         self.pool, self.n_tokens, self.done = pool, at, False
         self.pending = [0] * pool.n_layers                  # tokens stored per layer in this step
+        self.n_layers = pool.n_layers
 
     def check_model(self, config, owner):
         """The pool was built for this model's shape and its pages hold `owner`'s keys and values."""
@@ -300,12 +319,16 @@ class StepBatch:
     def attend(self, layer: int, q, k, v):
         """Store k, v `[1, H_kv, N, D]` in their slots; q `[1, H_q, N, D]` attends per sequence ->
         `[1, H_q, N, D]`."""
-        checks.step_kv(self, layer, k, v)
-        pool, H, D = self.pool, k.shape[1], k.shape[3]
+        pool = self.pool
         k_pool, v_pool = pool.k_pool[layer], pool.v_pool[layer]            # [pages, page_size, H_kv, D]
-        store_rows(k_pool.view(-1, H, D), self.slot_mapping, k[0].transpose(0, 1), check_values=False)  # [N, H_kv, D]
-        store_rows(v_pool.view(-1, H, D), self.slot_mapping, v[0].transpose(0, 1), check_values=False)  # into slots
-        self.pending[layer] = k.shape[2]
+        if k is None and v is None:                  # a layer reading an earlier one's cache (share_kv)
+            checks.shared_read(self, layer, q)
+        else:
+            checks.step_kv(self, layer, k, v)
+            H, D = k.shape[1], k.shape[3]
+            store_rows(k_pool.view(-1, H, D), self.slot_mapping, k[0].transpose(0, 1), check_values=False)
+            store_rows(v_pool.view(-1, H, D), self.slot_mapping, v[0].transpose(0, 1), check_values=False)
+            self.pending[layer] = k.shape[2]                                   # [N, H_kv, D] into slots
         if not self.chunks:                          # every token a decode, in order: no copies in or out
             o = decode_attention(q[0].transpose(0, 1), k_pool, v_pool, self.block_tables, self.lengths,
                                  check_values=False, max_length=self.max_length)   # [N, H_q, D]
@@ -319,6 +342,9 @@ class StepBatch:
         for at, n, pages, L in self.chunks:                                 # L = start + n positions
             keys = k_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]        # [1, H_kv, L, D]
             values = v_pool[pages].flatten(0, 1)[:L].transpose(0, 1)[None]
+            if not pool.config.as_trained:                                  # a retrofit's rules (ch. 10)
+                out[:, :, at:at + n] = attention(pool.config, layer, q[:, :, at:at + n], keys, values)
+                continue
             mask = offset_causal_mask(L - n, n, q.device)                       # [n, L]
             out[:, :, at:at + n] = F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values,
                                                                   attn_mask=mask, enable_gqa=True)

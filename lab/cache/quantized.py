@@ -89,7 +89,7 @@ class QuantizedCache(KVCache):
         scale_dtype = dtype if scale_dtype is None else scale_dtype   # 16-bit caches keep 16-bit scales
         residual = (KIVI_RESIDUAL if scheme == "kivi" else 0) if residual is None else residual
         zero_point = (scheme == "kivi") if zero_point is None else zero_point   # KIVI's grids have zero points
-        check_settings(config.head_dim, bits, scheme, smooth, group_size, residual, value_group_size,
+        check_settings(self.head_dim, bits, scheme, smooth, group_size, residual, value_group_size,
                        zero_point, scale_dtype)
         self.settings = dict(bits=bits, scheme=scheme, batch_size=batch_size, dtype=dtype, device=device,
                              smooth=smooth, group_size=group_size, residual=residual,
@@ -202,6 +202,8 @@ class QuantizedCache(KVCache):
     def attend(self, layer: int, q, k, v):
         """Store k, v and attend: q `[B, H_q, T, D]` over every position -> `[B, H_q, T, D]`, the quantized
         prefix read through its codes with the scales folded in (module docstring)."""
+        if not self.config.as_trained:            # a retrofit's layer (ch. 10): the prefix dequantized
+            return super().attend(layer, q, k, v)
         checks.equal_rows(self, "attend")
         checks.kv(self, layer, k, v)
         check_query(self, q, k)

@@ -1,6 +1,6 @@
 """Models: `load(name)`, and functional forwards for the GPT-2 and Llama families."""
 
-from . import gpt2, llama
+from . import gpt2, llama, retrofit
 from .checks import InputError, PositionLimitError, check_ids, check_positions, owner
 from .config import ModelConfig
 from .load import KNOWN, DtypeError, Model, load, random_model
@@ -8,7 +8,7 @@ from .load import KNOWN, DtypeError, Model, load, random_model
 
 def forward(ids, weights, config, last_only=False):
     """Uncached forward, the oracle every cache is checked against: ids `[B, T]` -> logits `[B, T, V]`."""
-    family = gpt2 if config.arch == "gpt2" else llama
+    family = gpt2 if config.arch == "gpt2" else llama if config.as_trained else retrofit   # retrofit: ch. 10
     return family.forward(ids, weights, config, last_only=last_only)
 
 
@@ -34,6 +34,8 @@ def forward_cached(ids, weights, config, cache, last_only=False, positions=None,
         check_positions(positions, config)
     x, at = family.embed_at(ids, weights, config, positions)  # NEW: tokens at their positions
     block = getattr(weights, "block", family.block)  # the engine's Prepacked brings its own (ch. 8)
+    if not config.as_trained:                        # a cache shaped by the architecture (ch. 10)
+        block = retrofit.block
     for i in range(config.n_layers):
         x = block(x, weights, i, config, cache.attend, *at)  # NEW: k, v via the cache
     cache.advance(ids.shape[1])                          # NEW: commit the T positions

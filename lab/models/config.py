@@ -23,6 +23,13 @@ class ModelConfig:
     tie_embeddings: bool = True  # the output head reuses the token embedding
     name: str = ""
     dtype: str = "float32"       # of the weights `load` gave; every cache stores this unless told otherwise
+    # a cache shaped by the architecture (chapter 10, lab/models/retrofit.py); the defaults are the model as trained
+    kv_rank: int = 0             # latent_kv: values cached per position per layer instead of keys and values
+    kv_absorbed: bool = True     # ... attended in latent space (False: keys and values rebuilt every step)
+    kv_share: int = 1            # share_kv: consecutive layers that read one cache, the lowest one's
+    window: int = 0              # local_layers: positions a local layer sees (0: every layer is global)
+    global_every: int = 1        # ... every global_every-th layer stays global (layers g-1, 2g-1, ...)
+    sinks: int = 0               # ... first positions a local layer always sees (StreamingLLM's sinks)
 
     def __post_init__(self):
         if self.arch not in ("gpt2", "llama"):
@@ -31,6 +38,15 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if not 0 <= self.kv_rank <= 2 * self.n_kv_heads * self.head_dim or self.kv_rank % 2:
+            raise ValueError(f"kv_rank must be 0 or an even number up to 2 x kv_heads x head_dim = "
+                             f"{2 * self.n_kv_heads * self.head_dim}, got {self.kv_rank}")
+        if not 1 <= self.kv_share <= self.n_layers or not 1 <= self.global_every <= self.n_layers:
+            raise ValueError(f"kv_share ({self.kv_share}) and global_every ({self.global_every}) must lie in "
+                             f"1 .. n_layers ({self.n_layers})")
+        if self.window < 0 or self.sinks < 0 or self.sinks and not self.window:
+            raise ValueError(f"window and sinks must be at least 0, sinks only with a window; got window "
+                             f"{self.window}, sinks {self.sinks}")
 
     @property
     def group_size(self) -> int:
@@ -41,11 +57,48 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def as_trained(self) -> bool:
+        """No retrofit changes what the cache holds or what a layer attends to (chapter 10)."""
+        return not self.kv_rank and self.kv_share == 1 and not (self.window and self.global_every > 1)
+
+    @property
+    def kv_layout(self) -> tuple:
+        """What a cache holds per position: (layers, heads, dim) of the key tensor, the value tensor alike.
+        As trained: (n_layers, n_kv_heads, head_dim). share_kv(every): one cache layer per `every` layers.
+        latent_kv(rank): the keys' latent (rank / 2 values) in the key slot and the values' in the value
+        slot, as one head: every cache design holds a latent model's cache as it holds any other."""
+        layers = -(-self.n_layers // self.kv_share)
+        return (layers, 1, self.kv_rank // 2) if self.kv_rank else (layers, self.n_kv_heads, self.head_dim)
+
+    def kv_layer(self, i: int) -> int:
+        """The cache layer model layer i reads (it writes it too when i % kv_share == 0)."""
+        return i // self.kv_share
+
+    def window_of(self, layer: int) -> tuple:
+        """(window, sinks) of cache layer `layer`: (0, 0) when it is global. A layer is global when its
+        index i has (i + 1) % global_every == 0; a layer that shares a cache follows the layer it reads."""
+        i = layer * self.kv_share
+        if not self.window or (i + 1) % self.global_every == 0:
+            return 0, 0
+        return self.window, self.sinks
+
     def kv_bytes_per_position(self, dtype=None) -> int:
         """Bytes one position occupies in a cache of `dtype` (the model's by default): 2 (K and V) x layers
-        x kv_heads x head_dim x bytes per element. SmolLM2 in bfloat16: 2 x 30 x 3 x 64 x 2 = 23,040."""
+        x kv_heads x head_dim x bytes per element, as `kv_layout` counts them. SmolLM2 in bfloat16:
+        2 x 30 x 3 x 64 x 2 = 23,040. A local layer's cache holds every position here as well; a cache that
+        frees what left the window holds less (`kv_bytes`)."""
         size = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * size
+        layers, heads, dim = self.kv_layout
+        return 2 * layers * heads * dim * size
+
+    def kv_bytes(self, positions: int, dtype=None) -> int:
+        """Bytes of one sequence of `positions` in a cache that keeps, for a local layer, only its window and
+        sinks: global layers every position, local ones at most window + sinks."""
+        layers, heads, dim = self.kv_layout
+        per_layer = self.kv_bytes_per_position(dtype) // layers
+        return sum(per_layer * (min(positions, w + s) if w else positions)
+                   for w, s in map(self.window_of, range(layers)))
 
     def to_dict(self) -> dict:
         return asdict(self)
