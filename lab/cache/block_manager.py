@@ -22,6 +22,10 @@ functions at the end of this file): an exhausted pool raises OutOfPagesError and
 may preempt a sequence and try again. Sequence ids are any hashable value the caller picks, except a bool
 (True would name sequence 1); a released id is never reused, so a stale handle fails loudly ("use after
 release").
+
+A block-table entry may be NULL: the page was given back while the sequence lives on (`drop_pages`, which
+lab.cache.hybrid calls for a sliding window's past). Only drop_pages and adopt make such entries; every
+method here skips them, and the partially filled last page, still being written, is never NULL.
 """
 
 from collections import OrderedDict
@@ -30,7 +34,9 @@ from .checks import int_arg
 from .errors import CacheInputError, CacheStateError, OutOfPagesError
 from .hashing import page_digest
 
-__all__ = ["BlockManager", "OutOfPagesError", "pages_for"]
+__all__ = ["BlockManager", "NULL", "OutOfPagesError", "pages_for"]
+
+NULL = -1  # a block-table entry whose page was given back (drop_pages): no page, no slots
 
 
 def pages_for(length, page_size):  # ceil(length / page_size)
@@ -60,6 +66,9 @@ class BlockManager:
         """The slot mapping: pool slots (page * page_size + offset) of positions start..start+n-1"""
         _slot_range(self, self._live(seq), start, n)
         table, P = self._tables[seq], self.page_size
+        if any(table[p // P] == NULL for p in range(start, start + n)):
+            raise CacheStateError(f"slots({seq!r}, {start}, {n}): a page of these positions was given back "
+                                  f"(block table {table})")
         return [table[p // P] * P + p % P for p in range(start, start + n)]
     # endregion
 
@@ -82,6 +91,11 @@ class BlockManager:
         """The live sequences whose block table holds `page` (for debugging and teaching)."""
         _page_id(self, page)
         return [seq for seq, table in self._tables.items() if page in table]
+
+    def refs(self, page: int) -> int:
+        """How many block tables hold `page` (0: it is free)."""
+        _page_id(self, page)
+        return self._refs[page]
 
     def pages_needed(self, seq, n: int) -> int:
         """How many free pages `reserve(seq, n)` would take, a copy-on-write page included."""
@@ -141,6 +155,9 @@ class BlockManager:
         _sequence_crop(seq, n, self._lengths[self._live(seq)])
         table = self._tables[seq]
         keep = pages_for(n, self.page_size)
+        if n % self.page_size and table[keep - 1] == NULL:
+            raise CacheStateError(f"crop({seq!r}, {n}): page {keep - 1}, which position {n} would be written "
+                                  "into, was given back (drop_pages)")
         freed = self._drop(table[keep:])
         del table[keep:]
         self._lengths[seq] = n
@@ -160,16 +177,36 @@ class BlockManager:
             raise CacheStateError(f"fork({src!r}, {dst!r}): {dst!r} already exists; "
                                   "fork needs a new id")
         for page in self._tables[src]:
-            self._refs[page] += 1
+            if page != NULL:
+                self._refs[page] += 1
         self._tables[dst] = list(self._tables[src])
         self._lengths[dst] = self._lengths[src]
 
     def _forget(self, page):
         del self._cached[self._keys.pop(page)[0]]
 
+    def drop_pages(self, seq, indices) -> list[int]:
+        """Give back the pages at block-table `indices` of `seq`, which keeps its length: the entries become
+        NULL (a sliding window's past, lab.cache.hybrid). Returns the pages freed (those no other sequence
+        holds); a freed named page stays cached, as after release. The partially filled last page stays."""
+        table, indices = self._tables[self._live(seq)], list(indices)
+        for i in indices:
+            int_arg("index", i)
+            if i >= len(table):
+                raise CacheInputError(f"drop_pages({seq!r}): index {i}, but the block table has {len(table)} pages")
+        indices = sorted(set(indices))
+        if self._lengths[seq] % self.page_size and len(table) - 1 in indices:
+            raise CacheStateError(f"drop_pages({seq!r}): page {len(table) - 1} is partially filled, still written")
+        pages = [table[i] for i in indices]
+        for i in indices:
+            table[i] = NULL
+        return self._drop(pages)
+
     def _drop(self, pages) -> list[int]:  # one reference less each; free those nobody holds
         freed = []
         for page in reversed(pages):
+            if page == NULL:
+                continue
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 self._free[page] = None       # at the back: the most recently freed
@@ -181,11 +218,11 @@ class BlockManager:
     def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> bool:
         """Name the full page `index` of `seq` by `digest` (of `parent` and the page's `tokens`),
         so that later sequences starting with the same tokens take it instead of computing it.
-        False when the digest already names another page or this page has a name (the first
-        page keeps it)."""
+        False when the digest already names another page, this page has a name (the first
+        page keeps it) or the entry is NULL."""
         page = _registrable(self, self._live(seq), index, digest, parent, tokens)
-        if digest in self._cached or page in self._keys:
-            return False
+        if page == NULL or digest in self._cached or page in self._keys:
+            return False                      # NULL: given back (drop_pages), nothing to name
         self._cached[digest], self._keys[page] = page, (digest, parent, tuple(tokens))
         return True
 
@@ -198,9 +235,9 @@ class BlockManager:
             raise CacheStateError(f"reserve_prefix({seq!r}): the sequence exists; "
                                   "a prefix starts a new one")
         pages = []
-        for digest, parent, tokens in keys:
-            page = self._cached.get(digest)
-            if page is None or self._keys[page][1:] != (parent, tuple(tokens)):
+        for key in keys:
+            page = self.cached(key)
+            if page is None:
                 break
             pages.append(page)
         for page in pages:
@@ -209,6 +246,33 @@ class BlockManager:
             self._refs[page] += 1
         self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
         return len(pages)
+
+    def cached(self, key) -> int | None:
+        """The page named by `key`, (digest, parent, tokens), owned or free; None for a miss or a collision."""
+        digest, parent, tokens = key
+        page = self._cached.get(digest)
+        if page is None or self._keys[page][1:] != (parent, tuple(tokens)):
+            return None
+        return page
+
+    def adopt(self, seq, pages):
+        """Start the new sequence `seq` with `pages`, each a named page (`cached`) or NULL, one per page_size
+        positions: a prefix hit whose pages the caller chose (lab.cache.hybrid takes only a window's)."""
+        if self._new_or_live(seq):
+            raise CacheStateError(f"adopt({seq!r}): the sequence exists; a prefix starts a new one")
+        pages = list(pages)
+        held = [page for page in pages if page != NULL]
+        for page in held:
+            _page_id(self, page)
+            if page not in self._keys:
+                raise CacheStateError(f"adopt({seq!r}): page {page} holds no named prefix")
+        if len(set(held)) != len(held):
+            raise CacheInputError(f"adopt({seq!r}): a page is listed twice in {pages}")
+        for page in held:
+            if self._refs[page] == 0:
+                del self._free[page]
+            self._refs[page] += 1
+        self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
 
     def cached_pages(self) -> int:
         """How many pages hold a registered prefix (owned, or free and evictable)."""
@@ -231,8 +295,11 @@ class BlockManager:
             assert len(table) == pages_for(length, self.page_size), (
                 f"sequence {seq!r} holds {length} positions in {len(table)} pages, expected "
                 f"{pages_for(length, self.page_size)} pages of {self.page_size}")
-            assert len(set(table)) == len(table), f"sequence {seq!r} lists a page twice: {table}"
-            for page in table:
+            held = [page for page in table if page != NULL]
+            assert len(set(held)) == len(held), f"sequence {seq!r} lists a page twice: {table}"
+            assert not (length % self.page_size and table[-1] == NULL), (
+                f"sequence {seq!r}'s partially filled last page is NULL: {table}")
+            for page in held:
                 counted[page] += 1
         for page in range(self.num_pages):
             assert self._refs[page] == counted[page], (

@@ -4,8 +4,9 @@ Chapter 10 shapes the cache from inside the model, without training: fewer key/v
 (`pool_kv_heads`), a latent per token instead of keys and values (`latent_kv`), layers that see only a
 window (`local_layers`) and layers that read a lower layer's cache (`share_kv`). Each sets fields of the
 config (`kv_rank`, `window`, `global_every`, `sinks`, `kv_share`) that the caches read through
-`config.kv_layout` and `lab.cache.attention`, so the same caches hold and read them. `block` is the layer
-every cached forward runs for a retrofitted model; `forward` is its uncached oracle, written apart.
+`config.kv_layout` and apply in their attention (lab/cache/base.py), so the same caches hold and read
+them. `block` is the layer every cached forward runs for a retrofitted model; `forward` is its uncached
+oracle, written apart.
 
 `with_outlier_channels` computes the same function with keys whose range is uneven (chapter 7's
 quantizers meet outlier channels this way).
@@ -16,7 +17,6 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..cache.base import visible
 from .checks import check_ids
 from .gpt2 import merge_heads, split_heads
 from .llama import embed, head, project, rms_norm, rope, rope_tables
@@ -116,19 +116,29 @@ def reconstructing(latents, q, U_k, U_v, layer, config):
     the absorbed form multiplies the queries and the output only."""
     k, v = (from_latent(c, U, config.n_kv_heads) for c, U in zip(latents, (U_k, U_v), strict=True))
     T, L = q.shape[2], k.shape[2]
-    mask = visible(L - T, T, *config.window_of(layer), device=q.device)
+    mask = sees(L - T, T, *config.window_of(layer), device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def forward(ids, w, config, last_only=False):
+def sees(start, T, window=0, sinks=0, device=None):
+    """`[T, start + T]` bool: query start + i sees key j when j <= start + i and, in a local layer, j is one of
+    the last `window` positions or the first `sinks`. (The caches build the same mask in lab/cache/base.py;
+    the models keep their own, so that the oracle shares no code with what it checks.)"""
+    i = torch.arange(start, start + T, device=device)[:, None]
+    j = torch.arange(start + T, device=device)[None, :]
+    return (j <= i) & ((window == 0) | (i - j < window) | (j < sinks))
+
+
+def forward(ids, w, config, last_only=False, held=None):
     """The uncached oracle of a retrofitted model: logits `[B, T, V]` for ids `[B, T]`. Written apart from
     `block`: a latent is turned back into keys and values (the reconstructing form), each sharing layer
-    reads the keys and values its source layer computed in this same call, a local layer masks its window."""
+    reads the keys and values its source layer computed in this same call, a local layer masks its window.
+    `held`, a dict, receives each cache layer's keys (after RoPE) and values `[B, H_kv, T, D]`."""
     ids = check_ids(ids, config)
     T = ids.shape[1]
     x = embed(ids, w)
     rope_cs = rope_tables(torch.arange(T, device=ids.device), config.head_dim, config.rope_theta, x.dtype)
-    held = {}                                               # cache layer -> (k, v) of this call
+    held = {} if held is None else held                     # cache layer -> (k, v) of this call
     for i in range(config.n_layers):
         p, eps = f"model.layers.{i}.", config.norm_eps
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
@@ -139,7 +149,7 @@ def forward(ids, w, config, last_only=False):
                 U_k, U_v = bases(w, i)
                 k, v = (from_latent(to_latent(x, U), U, config.n_kv_heads) for x, U in ((k, U_k), (v, U_v)))
             held[j] = k, v
-        mask = visible(0, T, *config.window_of(j), device=ids.device)        # [T, T]
+        mask = sees(0, T, *config.window_of(j), device=ids.device)           # [T, T]
         o = F.scaled_dot_product_attention(q, *held[j], attn_mask=mask, enable_gqa=True)
         x = x + project(merge_heads(o), w, p + "self_attn.o_proj")
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -161,6 +171,13 @@ def retrofitted(model, name: str, weights: dict | None = None, **fields) -> Mode
                             "leave no global layer: a layer that shares a cache follows the layer it reads")
     return Model(f"{model.name}-{name}", config, dict(model.weights) if weights is None else weights,
                  model.tokenizer)
+
+
+def llama_config(model):
+    """The config of a Llama-family model (RoPE, grouped KV heads), which every retrofit takes."""
+    if model.config.arch != "llama":
+        raise RetrofitError(f"retrofits take a Llama-family model (RoPE, grouped KV heads), got {model.config.arch}")
+    return model.config
 
 
 def count(what, n, low, high):
@@ -200,7 +217,7 @@ def latent_kv(model, rank: int, calibration_ids) -> Model:
     queries, not the keys: q . k = (U_k^T q) . c_k at every position, so attention runs in latent space
     (`block`); the price is that rotation spreads each channel over its pair, so keys need more directions
     than before RoPE. rank = 2 x kv_heads x head_dim reproduces the model."""
-    cfg = model.config
+    cfg = llama_config(model)
     count("rank", rank, 1, 2 * cfg.n_kv_heads * cfg.head_dim)
     if rank % 2:
         raise RetrofitError(f"rank must be even: half of it for the keys, half for the values; got {rank}")
@@ -219,8 +236,6 @@ def latent_kv(model, rank: int, calibration_ids) -> Model:
 def calibration_moments(model, calibration_ids) -> dict:
     """{cache layer: (K^T K, V^T V)} over every position of `calibration_ids`, keys after RoPE, every KV
     head side by side `[H_kv D, H_kv D]`, in float64."""
-    from ..cache import ConcatCache
-    from . import forward_cached
     if isinstance(calibration_ids, torch.Tensor):
         calibration_ids = calibration_ids.tolist() if calibration_ids.dim() == 2 else [calibration_ids.tolist()]
     seqs = list(calibration_ids) if isinstance(calibration_ids, (list, tuple)) else []
@@ -228,10 +243,10 @@ def calibration_moments(model, calibration_ids) -> dict:
         raise RetrofitError("calibration_ids must be a non-empty list of non-empty id sequences (lists of ints)")
     moments = {}
     for s in seqs:
-        cache = ConcatCache(model.config)
-        forward_cached(torch.tensor([list(s)]), model.weights, model.config, cache, last_only=True)
-        for j in range(cache.n_layers):
-            x = [t[0].transpose(0, 1).flatten(1).double() for t in (cache.keys[j], cache.values[j])]  # [T, H D]
+        held = {}
+        forward(torch.tensor([list(s)]), model.weights, model.config, last_only=True, held=held)
+        for j, kv in held.items():
+            x = [t[0].transpose(0, 1).flatten(1).double() for t in kv]          # [T, H_kv D] each
             old = moments.get(j, (0, 0))
             moments[j] = tuple(o + a.T @ a for o, a in zip(old, x, strict=True))
     return moments

@@ -1,0 +1,245 @@
+"""HybridBlockManager: page bookkeeping for a model whose layers keep different positions (host-side only).
+
+A hybrid model mixes global layers, whose queries read every earlier position, with local ones that read
+only the last `window` positions (Gemma 3, gpt-oss, Mistral), plus the first `sinks` (StreamingLLM's
+attention sinks). A global layer must keep every page; a local layer can give a page back once no query to
+come reads it. So the layers are grouped by their rule, as in vLLM's hybrid KV cache manager, and each group
+has its own pool of pages and its own BlockManager: page 3 of group "full" and page 3 of group "local" are
+different pages, in different tensors.
+
+The window rule. The query at position p reads keys p - window + 1 .. p and the sinks 0 .. sinks - 1. A
+sequence of length L writes position L next, so a page whose every position is below L + 1 - window, and
+that holds no sink, is read by no query to come. Before a sequence grows, a local group gives such pages
+back (a page shared since a fork stays with the other sequence) and their block-table entries become NULL.
+A local group thus holds about window / page_size + 1 pages per sequence, plus the sink pages and what
+one step's chunk writes, however long the sequence grows.
+
+What the window gave back is gone. crop may go back only to a length whose next query finds its window
+still held, and a prefix hit takes, in a full group, every page of the prefix, and in a local group only
+the pages the first query after the prefix reads (vLLM's rule): the local group may have evicted the
+earlier ones, and the hit is shorter only when it evicted the last window's.
+
+Every operation applies to every group or to none: the groups hold the same sequences at the same lengths,
+so an id or a count that one group would refuse the first group refuses, and the page counts of every
+group are checked before any group changes.
+"""
+
+from .block_manager import NULL, BlockManager, pages_for
+from .checks import int_arg
+from .errors import CacheInputError, CacheStateError, OutOfPagesError
+
+__all__ = ["HybridBlockManager", "NULL"]
+
+
+class HybridBlockManager:
+    def __init__(self, page_size: int, groups: dict, layers: dict | None = None):
+        """groups: name -> (num_pages, window, sinks), window 0 for a full-attention group; layers: name ->
+        the cache layers that keep their keys in that group's pool (for_model fills it in)."""
+        int_arg("page_size", page_size, low=1)
+        if not isinstance(groups, dict) or not groups:
+            raise CacheInputError(f"groups must be a non-empty dict name -> (num_pages, window, sinks), got {groups!r}")
+        self.page_size = page_size
+        self._rules = {name: _rule(name, spec) for name, spec in groups.items()}   # name -> (window, sinks)
+        self._bms = {name: BlockManager(groups[name][0], page_size) for name in groups}
+        unknown = set(layers or {}) - set(groups)
+        if unknown:
+            raise CacheInputError(f"layers names unknown groups {sorted(map(repr, unknown))}")
+        self._layers = {name: list((layers or {}).get(name, ())) for name in groups}
+
+    @classmethod
+    def for_model(cls, config, num_pages: int, page_size: int, local_pages: int | None = None):
+        """A "full" group for the model's global cache layers (num_pages pages) and a "local" group for its
+        sliding-window ones (local_pages, num_pages by default), each only if the model has such layers."""
+        layers = {}
+        for i in range(config.kv_layout[0]):
+            layers.setdefault("local" if config.window_of(i)[0] else "full", []).append(i)
+        rules = {config.window_of(i) for i in layers.get("local", ())}
+        if len(rules) > 1:
+            raise CacheInputError(f"the local layers have different (window, sinks): {sorted(rules)}")
+        groups = {"full": (num_pages, 0, 0)} if "full" in layers else {}
+        if rules:
+            groups["local"] = (num_pages if local_pages is None else local_pages, *rules.pop())
+        return cls(page_size, groups, layers)
+
+    # ---- looking ----
+    @property
+    def groups(self) -> list[str]:
+        return list(self._bms)
+
+    def rule(self, group) -> tuple[int, int]:
+        """(window, sinks) of `group`; (0, 0) for a full group."""
+        return self._rules[self._name(group)]
+
+    def layers(self, group) -> list[int]:
+        """The cache layers whose keys and values live in `group`'s pool."""
+        return list(self._layers[self._name(group)])
+
+    def manager(self, group) -> BlockManager:
+        """The group's BlockManager, to read (slots, owners, named_tokens); change it only through this class."""
+        return self._bms[self._name(group)]
+
+    def block_table(self, seq, group) -> list[int]:
+        """A copy of the sequence's page ids in `group`, NULL where the window gave a page back."""
+        return self.manager(group).block_table(seq)
+
+    def num_free(self, group) -> int:
+        return self.manager(group).num_free
+
+    def held_pages(self, group, seq=None) -> int:
+        """Pages of `group` that some sequence holds, or that `seq` holds (its non-NULL entries)."""
+        bm = self.manager(group)
+        if seq is None:
+            return bm.num_pages - bm.num_free
+        return sum(page != NULL for page in bm.block_table(seq))
+
+    def __contains__(self, seq) -> bool:
+        return seq in self._first
+
+    def sequences(self) -> list:
+        return self._first.sequences()
+
+    def length(self, seq) -> int:
+        return self._first.length(seq)
+
+    def outside_window(self, group, length: int) -> range:
+        """Block-table indices that no query at position `length` or later reads in `group`: every position
+        of the page is below length + 1 - window, and it is no sink page. Empty for a full group."""
+        window, sinks = self.rule(group)
+        if not window:
+            return range(0)
+        return range(pages_for(sinks, self.page_size), (length + 1 - window) // self.page_size)
+
+    def pages_needed(self, seq, n: int) -> dict:
+        """group -> free pages reserve(seq, n) takes from it, less those the window gives back first
+        (negative when the window gives back more than the step takes)."""
+        need = {}
+        for group, bm in self._bms.items():
+            take = bm.pages_needed(seq, n)              # validates seq and n
+            table = bm.block_table(seq) if seq in bm else []
+            need[group] = take - sum(bm.refs(table[i]) == 1 for i in self._past(group, seq))
+        return need
+
+    # ---- changing: every group or none ----
+    def reserve(self, seq, n: int) -> dict:
+        """Make room for n more positions of `seq` (a new id starts empty) in every group, once the window
+        has given back what no query to come reads (reserve(seq, 0) does only that). Returns group -> the
+        copy-on-write pairs (src, dst) to copy in that group's pools before writing. An OutOfPagesError
+        changes nothing in any group."""
+        need = self.pages_needed(seq, n)
+        for group, k in need.items():
+            bm = self._bms[group]
+            if k > bm.num_free:
+                raise OutOfPagesError(f"reserve({seq!r}, {n}) needs {k} free pages of group {group!r}, which has "
+                                      f"{bm.num_free} of {bm.num_pages} free ({self.page_size} positions per page)")
+        copies = {}
+        for group, bm in self._bms.items():
+            if seq in bm:
+                bm.drop_pages(seq, self._past(group, seq))
+            copies[group] = bm.reserve(seq, n)
+        return copies
+
+    def crop(self, seq, n: int) -> dict:
+        """Keep the first n positions of `seq`; group -> the pages freed. Refused (CacheStateError, nothing
+        changed) when a local group already gave back a page that the query at position n reads."""
+        length = self.length(seq)
+        int_arg("n", n, low=None)
+        if not 0 <= n <= length:
+            raise CacheStateError(f"crop({seq!r}, {n}): the sequence holds {length} positions; "
+                                  f"n must be in 0..{length}")
+        for group, bm in self._bms.items():
+            table, past = bm.block_table(seq), self.outside_window(group, n)
+            lost = [i for i in range(pages_for(n, self.page_size)) if table[i] == NULL and i not in past]
+            if lost:
+                P = self.page_size
+                raise CacheStateError(f"crop({seq!r}, {n}): the window of group {group!r} (window, sinks) = "
+                                      f"{self.rule(group)} already freed page {lost[0]} (positions "
+                                      f"{lost[0] * P}..{lost[0] * P + P - 1}), which the query at position {n} reads")
+        return {group: bm.crop(seq, n) for group, bm in self._bms.items()}
+
+    def release(self, seq) -> dict:
+        """Give back every page of `seq` in every group and retire its id; group -> the pages freed."""
+        return {group: bm.release(seq) for group, bm in self._bms.items()}
+
+    def fork(self, src, dst):
+        """Make `dst` a new sequence that shares all of `src`'s pages (and NULL entries) in every group."""
+        for bm in self._bms.values():
+            bm.fork(src, dst)
+
+    # ---- prefix caching ----
+    def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> dict:
+        """Name page `index` of `seq` by `digest` in every group that still holds it; group -> whether it
+        was named (False where the window gave it back, or as BlockManager.register says)."""
+        return {group: bm.register(seq, index, digest, parent, tokens) for group, bm in self._bms.items()}
+
+    def reserve_prefix(self, seq, keys) -> int:
+        """Start the new sequence `seq` with the longest cached prefix of `keys` ((digest, parent, tokens)
+        per full page, as BlockManager.reserve_prefix takes): h pages such that every group holds what the
+        query at position h * page_size reads, a full group pages 0..h-1, a local group the pages of its
+        window and its sinks (NULL entries before the window). Returns h, in pages."""
+        keys = list(keys)
+        found = {group: [bm.cached(key) for key in keys] for group, bm in self._bms.items()}  # page or None
+        local = [group for group in found if self.rule(group)[0]]
+        h = min([(found[group] + [None]).index(None) for group in found if group not in local], default=len(keys))
+        while any(found[group][i] is None for group in local for i in self._reads(group, h)):
+            h -= 1                                  # a local group evicted part of that window: try shorter
+        for group, bm in self._bms.items():         # the first adopt refuses a bad id, changing nothing
+            reads = set(self._reads(group, h))
+            bm.adopt(seq, [found[group][i] if i in reads else NULL for i in range(h)])
+        return h
+
+    # ---- checking ----
+    def check(self):
+        """Raise AssertionError naming the first broken invariant: a group's own (BlockManager.check:
+        reference counts equal block-table entries, free + held = num_pages, names), the same sequences at
+        the same lengths in every group, and NULL entries only where the window allows."""
+        for group, bm in self._bms.items():
+            bm.check()
+            assert bm.sequences() == self.sequences(), f"group {group!r} holds other sequences"
+            for seq in bm.sequences():
+                length, table = bm.length(seq), bm.block_table(seq)
+                assert length == self.length(seq), f"{seq!r} has other lengths in group {group!r}"
+                past = self.outside_window(group, length)
+                bad = [i for i, page in enumerate(table) if page == NULL and i not in past]
+                assert not bad, (f"{seq!r} at length {length} lacks page {bad[0]} in group {group!r}, which the "
+                                 f"next query reads (window, sinks) = {self.rule(group)}: {table}")
+
+    def __repr__(self):
+        groups = ", ".join(f"{g}: {bm.num_free}/{bm.num_pages} free, (window, sinks) = {self._rules[g]}"
+                           for g, bm in self._bms.items())
+        return f"HybridBlockManager(page_size={self.page_size}, {groups}; {len(self.sequences())} sequences)"
+
+    @property
+    def _first(self) -> BlockManager:
+        return next(iter(self._bms.values()))
+
+    def _name(self, group):
+        if group not in self._bms:
+            raise CacheInputError(f"unknown group {group!r}: the groups are {', '.join(map(repr, self._bms))}")
+        return group
+
+    def _past(self, group, seq) -> list[int]:
+        """Indices of the pages `seq` still holds in `group` that no query to come reads."""
+        bm = self._bms[group]
+        if seq not in bm:
+            return []
+        table = bm.block_table(seq)
+        return [i for i in self.outside_window(group, bm.length(seq)) if table[i] != NULL]
+
+    def _reads(self, group, h) -> list[int]:
+        """The pages among 0..h-1 that the query at position h * page_size reads in `group`: the sink
+        pages, then those from its window's first position on."""
+        past = self.outside_window(group, h * self.page_size)
+        return [*range(min(h, past.start)), *range(max(past.start, past.stop), h)]
+
+
+def _rule(name, spec) -> tuple[int, int]:
+    """(window, sinks) of a group spec (num_pages, window, sinks), checked."""
+    if not isinstance(name, str):
+        raise CacheInputError(f"a group name must be a str, got {name!r}")
+    if not isinstance(spec, tuple) or len(spec) != 3:
+        raise CacheInputError(f"group {name!r}: expected (num_pages, window, sinks), got {spec!r}")
+    for what, value, low in zip(("num_pages", "window", "sinks"), spec, (1, 0, 0), strict=True):
+        int_arg(f"group {name!r}: {what}", value, low=low)
+    if spec[2] and not spec[1]:
+        raise CacheInputError(f"group {name!r}: sinks ({spec[2]}) need a window; a full group keeps every position")
+    return spec[1], spec[2]
