@@ -133,10 +133,22 @@ HEADLINES = [
      ("ch09.engine.c1.lookup.speedup", "ch09.engine.c16.lookup.speedup"), ".2f"),
     ("Ch. 9 — multi-turn prefix hits (positions from named pages): without speculation / with",
      ("ch09.prefix.plain_cached", "ch09.prefix.lookup_cached"), ""),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 (two CPU "
-     "cores)", tuple(f"notebooks.seconds.{name}" for name in
-                     ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged", "ch06_prefix",
-                      "ch07_compress", "ch08_serving", "ch09_speculation")), ".0f"),
+    ("Ch. 10 — KL (nats) to SmolLM2 without training: a latent of rank 192 / 96; one pooled KV head; layers "
+     "shared by 2; local layers (window 512, 1 global in 6, 4 sinks)",
+     ("ch10.quality.latent.rank_192.kl", "ch10.quality.latent.rank_96.kl", "ch10.quality.heads.1_kv_head.kl",
+      "ch10.quality.shared.every_2.kl", "ch10.quality.local.w512_g6_s4.kl"), ".3g|number"),
+    ("Ch. 10 — best KL (nats) at most a quarter / a tenth of the bf16 cache's bytes, chapters 7 and 10 together",
+     ("ch10.best.quarter.kl", "ch10.best.tenth.kl"), ".3g|number"),
+    ("Ch. 10 — one sequence of 8,193 positions, SmolLM2 with every sixth layer global (windows of 1,024), bf16: "
+     "hybrid pool / every layer keeping every page", ("ch10.hybrid.hybrid_mib", "ch10.hybrid.full_mib"), ".1f"),
+    ("Ch. 10 — a latent decode step (rank 96) over the original model's at 4,096 positions: absorbed / "
+     "reconstructing", ("ch10.steps.T4096.absorbed_r96.over_original",
+                        "ch10.steps.T4096.reconstructing_r96.over_original"), ".2f"),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 (two "
+     "CPU cores)", tuple(f"notebooks.seconds.{name}" for name in
+                         ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
+                          "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation",
+                          "ch10_architecture")), ".0f"),
 ]
 
 

@@ -24,7 +24,8 @@ NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("ch*.py"))
 # The chapters whose manuscript and notebook hold formulas (all of them, after the pass that wrote every
 # formula as TeX); each must render at least one <math> element.
 FORMULA_CHAPTERS = ["ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
-                    "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation"]
+                    "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation",
+                    "ch10_architecture"]
 
 # -----------------------------------------------------------------------------
 # the detectors

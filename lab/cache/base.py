@@ -114,23 +114,26 @@ class KVCache:
         self.pending[layer], self.version = k.shape[2], self.version + 1
 
     def attend(self, layer: int, q, k, v):
-        """Store k, v and attend: q `[B, H_q, T, D]` over every position -> `[B, H_q, T, D]`. k = v = None:
-        a layer that reads the cache of an earlier one (share_kv, chapter 10) stores nothing. q = None: store
-        and return every key and value (`update`), for a layer that attends by itself (a latent model's
-        reconstructing form)."""
+        """Store k, v and attend: q `[B, H_q, T, D]` over every position -> `[B, H_q, T, D]`."""
+        if not self.config.as_trained:                        # a cache shaped by the model (ch. 10)
+            return self._attend_shaped(layer, q, k, v)
+        keys, values = self.update(layer, k, v)               # [B, H_kv, length + T, D]
+        T = q.shape[2]                                        # one query (decode) sees every key
+        mask = None if T == 1 else offset_causal_mask(keys.shape[2] - T, T, q.device)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def _attend_shaped(self, layer, q, k, v):
+        """attend() for a retrofitted model (chapter 10), under its rules (`attention`).
+        k = v = None: a layer that reads the cache of an earlier one (share_kv) stores nothing.
+        q = None: store and return every key and value (`update`), for a layer that attends by
+        itself (a latent's reconstructing form)."""
         if k is None and v is None:
             checks.equal_rows(self, "attend")
             checks.shared_read(self, layer, q)
             keys, values = self._read(layer)
         else:
             keys, values = self.update(layer, k, v)           # [B, H_kv, length + T, D]
-        if q is None:
-            return keys, values
-        if not self.config.as_trained:
-            return attention(self.config, layer, q, keys, values)
-        T = q.shape[2]                                        # one query (decode) sees every key
-        mask = None if T == 1 else offset_causal_mask(keys.shape[2] - T, T, q.device)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return (keys, values) if q is None else attention(self.config, layer, q, keys, values)
 
     def advance(self, t: int):
         """Commit the t positions every layer has just stored."""

@@ -67,8 +67,8 @@ class BlockManager:
         _slot_range(self, self._live(seq), start, n)
         table, P = self._tables[seq], self.page_size
         if any(table[p // P] == NULL for p in range(start, start + n)):
-            raise CacheStateError(f"slots({seq!r}, {start}, {n}): a page of these positions was given back "
-                                  f"(block table {table})")
+            raise CacheStateError(f"slots({seq!r}, {start}, {n}): a page of these positions was "
+                                  f"given back (block table {table})")
         return [table[p // P] * P + p % P for p in range(start, start + n)]
     # endregion
 
@@ -156,8 +156,8 @@ class BlockManager:
         table = self._tables[seq]
         keep = pages_for(n, self.page_size)
         if n % self.page_size and table[keep - 1] == NULL:
-            raise CacheStateError(f"crop({seq!r}, {n}): page {keep - 1}, which position {n} would be written "
-                                  "into, was given back (drop_pages)")
+            raise CacheStateError(f"crop({seq!r}, {n}): page {keep - 1}, which position {n} would "
+                                  "be written into, was given back (drop_pages)")
         freed = self._drop(table[keep:])
         del table[keep:]
         self._lengths[seq] = n
@@ -185,6 +185,18 @@ class BlockManager:
     def _forget(self, page):
         del self._cached[self._keys.pop(page)[0]]
 
+    def _drop(self, pages) -> list[int]:  # one reference less each; free those nobody holds
+        freed = []
+        for page in reversed(pages):
+            if page == NULL:
+                continue
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free[page] = None       # at the back: the most recently freed
+                freed.append(page)
+        return freed
+    # endregion
+
     def drop_pages(self, seq, indices) -> list[int]:
         """Give back the pages at block-table `indices` of `seq`, which keeps its length: the entries become
         NULL (a sliding window's past, lab.cache.hybrid). Returns the pages freed (those no other sequence
@@ -202,17 +214,6 @@ class BlockManager:
             table[i] = NULL
         return self._drop(pages)
 
-    def _drop(self, pages) -> list[int]:  # one reference less each; free those nobody holds
-        freed = []
-        for page in reversed(pages):
-            if page == NULL:
-                continue
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                self._free[page] = None       # at the back: the most recently freed
-                freed.append(page)
-        return freed
-    # endregion
 
     # region block_manager_prefix
     def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> bool:
@@ -248,16 +249,27 @@ class BlockManager:
         return len(pages)
 
     def cached(self, key) -> int | None:
-        """The page named by `key`, (digest, parent, tokens), owned or free; None for a miss or a collision."""
+        """The page named by `key`, (digest, parent, tokens), owned or free; None for a miss or a
+        collision."""
         digest, parent, tokens = key
         page = self._cached.get(digest)
         if page is None or self._keys[page][1:] != (parent, tuple(tokens)):
             return None
         return page
 
+    def cached_pages(self) -> int:
+        """How many pages hold a registered prefix (owned, or free and evictable)."""
+        return len(self._keys)
+
+    def named_tokens(self) -> dict:
+        """page -> the tokens it was registered for, for every named page (to check and teach)."""
+        return {page: list(tokens) for page, (_, _, tokens) in self._keys.items()}
+    # endregion
+
     def adopt(self, seq, pages):
-        """Start the new sequence `seq` with `pages`, each a named page (`cached`) or NULL, one per page_size
-        positions: a prefix hit whose pages the caller chose (lab.cache.hybrid takes only a window's)."""
+        """Start the new sequence `seq` with `pages`, each a named page (`cached`) or NULL, one per
+        page_size positions: a prefix hit whose pages the caller chose (lab.cache.hybrid takes only a
+        window's)."""
         if self._new_or_live(seq):
             raise CacheStateError(f"adopt({seq!r}): the sequence exists; a prefix starts a new one")
         pages = list(pages)
@@ -274,14 +286,6 @@ class BlockManager:
             self._refs[page] += 1
         self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
 
-    def cached_pages(self) -> int:
-        """How many pages hold a registered prefix (owned, or free and evictable)."""
-        return len(self._keys)
-
-    def named_tokens(self) -> dict:
-        """page -> the tokens it was registered for, for every named page (to check and teach)."""
-        return {page: list(tokens) for page, (_, _, tokens) in self._keys.items()}
-    # endregion
 
 
     # ---- checking ----

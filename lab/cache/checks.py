@@ -226,4 +226,38 @@ def step_kv(step, layer, k, v):
             raise CacheInputError(f"{name} is {x.dtype} on {x.device}, the pool holds {pool.dtype} on {pool.device}")
 
 
+def hybrid_pages(manager):
+    """HybridPool: every local group holds the window of one sequence (and what a one-token step adds), so
+    that a request running alone always makes progress."""
+    for group in manager.groups:
+        least, have = manager.most_pages(group, 1), manager.manager(group).num_pages
+        if least is not None and have < least:
+            window, sinks = manager.rule(group)
+            raise CacheInputError(f"group {group!r} has {have} pages; one sequence's window ({window} positions, "
+                                  f"{sinks} sinks, pages of {manager.page_size}) needs {least}")
+
+
+def hybrid_room(pool, parts):
+    """HybridPool.reserve(parts): every sequence named once, and free pages in every group for all of them
+    (what a window gives back counted for its own sequence only), so that a refused call changes nothing."""
+    seqs = [seq for seq, _ in parts]
+    if len(set(seqs)) != len(seqs):
+        raise CacheInputError(f"reserve() names a sequence twice: {seqs}")
+    manager, need = pool.manager, dict.fromkeys(pool.manager.groups, 0)
+    for seq, n in parts:                               # validates every id and count
+        for group, k in pool.pages_needed(seq, n).items():
+            need[group] += max(k, 0)
+    for group, k in need.items():
+        if k > manager.num_free(group):
+            raise OutOfPagesError(f"reserving {[n for _, n in parts]} positions for sequences {seqs} needs {k} "
+                                  f"free pages of group {group!r}, which has {manager.num_free(group)} free")
+
+
+def step_query(q):
+    """A hybrid step's attend: queries to attend with (a layer that attends by itself is not served)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise CacheInputError(f"q must be a tensor [1, H_q, N, D]: a hybrid pool's step attends for the layer, "
+                              f"got {q if q is None else type(q).__name__}")
+
+
 # ---- end of pages

@@ -11,8 +11,12 @@ The window rule. The query at position p reads keys p - window + 1 .. p and the 
 sequence of length L writes position L next, so a page whose every position is below L + 1 - window, and
 that holds no sink, is read by no query to come. Before a sequence grows, a local group gives such pages
 back (a page shared since a fork stays with the other sequence) and their block-table entries become NULL.
-A local group thus holds about window / page_size + 1 pages per sequence, plus the sink pages and what
-one step's chunk writes, however long the sequence grows.
+A local group thus holds at most ceil((window - 1 + n) / page_size) + 1 pages per sequence, plus the
+sink pages, right after a step of n positions was reserved, however long the sequence grows (`most_pages`).
+
+A sequence's positions reserved but not yet computed hold no query that has run: when one step reserves
+twice (a serving engine's decode, then its draft's lookahead), the second reservation passes `first_query`,
+the position of the first query still to run, so that the window is judged from there, not from the length.
 
 What the window gave back is gone. crop may go back only to a length whose next query finds its window
 still held, and a prefix hit takes, in a full group, every page of the prefix, and in a local group only
@@ -102,30 +106,54 @@ class HybridBlockManager:
         return self._first.length(seq)
 
     def outside_window(self, group, length: int) -> range:
-        """Block-table indices that no query at position `length` or later reads in `group`: every position
-        of the page is below length + 1 - window, and it is no sink page. Empty for a full group."""
+        """Block-table indices that no query at position `length` or later reads in `group`:
+        every position of the page is below length + 1 - window, and it is no sink page. Empty
+        for a full group."""
         window, sinks = self.rule(group)
         if not window:
             return range(0)
         return range(pages_for(sinks, self.page_size), (length + 1 - window) // self.page_size)
 
-    def pages_needed(self, seq, n: int) -> dict:
+    def pages_needed(self, seq, n: int, first_query: int | None = None) -> dict:
         """group -> free pages reserve(seq, n) takes from it, less those the window gives back first
         (negative when the window gives back more than the step takes)."""
         need = {}
         for group, bm in self._bms.items():
             take = bm.pages_needed(seq, n)              # validates seq and n
             table = bm.block_table(seq) if seq in bm else []
-            need[group] = take - sum(bm.refs(table[i]) == 1 for i in self._past(group, seq))
+            need[group] = take - sum(bm.refs(table[i]) == 1 for i in self._past(group, seq, first_query))
         return need
 
+    def room(self, seq, first_query: int | None = None, spare: int = 0) -> int:
+        """The length `seq` (live, or new: 0) can grow to now, every group's free pages less `spare` each: the
+        most L such that reserve(seq, L - length) finds its pages in every group (a copy-on-write page aside)."""
+        int_arg("spare", spare)
+        need = self.pages_needed(seq, 0, first_query)           # minus the pages the window gives back
+        return min(((len(bm.block_table(seq)) if seq in bm else 0) + bm.num_free - spare - need[group])
+                   * self.page_size for group, bm in self._bms.items())
+
+    def most_pages(self, group, n: int = 1) -> int | None:
+        """The most pages of a local `group` one sequence holds right after reserve(seq, n), however long
+        it is: ceil((window - 1 + n) / page_size) + 1 + the sink pages. None for a full group (every page)."""
+        int_arg("n", n)
+        window, sinks = self.rule(group)
+        if not window:
+            return None
+        return pages_for(window - 1 + n, self.page_size) + 1 + pages_for(sinks, self.page_size)
+
+    @property
+    def evicted(self) -> int:
+        """Named pages reused for other positions, every group's (BlockManager.evicted)."""
+        return sum(bm.evicted for bm in self._bms.values())
+
     # ---- changing: every group or none ----
-    def reserve(self, seq, n: int) -> dict:
+    def reserve(self, seq, n: int, first_query: int | None = None) -> dict:
         """Make room for n more positions of `seq` (a new id starts empty) in every group, once the window
-        has given back what no query to come reads (reserve(seq, 0) does only that). Returns group -> the
+        has given back what no query to come reads (reserve(seq, 0) does only that). The queries to come
+        start at `first_query`, the length by default (see the module docstring). Returns group -> the
         copy-on-write pairs (src, dst) to copy in that group's pools before writing. An OutOfPagesError
         changes nothing in any group."""
-        need = self.pages_needed(seq, n)
+        need = self.pages_needed(seq, n, first_query)
         for group, k in need.items():
             bm = self._bms[group]
             if k > bm.num_free:
@@ -134,7 +162,7 @@ class HybridBlockManager:
         copies = {}
         for group, bm in self._bms.items():
             if seq in bm:
-                bm.drop_pages(seq, self._past(group, seq))
+                bm.drop_pages(seq, self._past(group, seq, first_query))
             copies[group] = bm.reserve(seq, n)
         return copies
 
@@ -217,13 +245,20 @@ class HybridBlockManager:
             raise CacheInputError(f"unknown group {group!r}: the groups are {', '.join(map(repr, self._bms))}")
         return group
 
-    def _past(self, group, seq) -> list[int]:
-        """Indices of the pages `seq` still holds in `group` that no query to come reads."""
+    def _past(self, group, seq, first_query=None) -> list[int]:
+        """Indices of the pages `seq` still holds in `group` that no query to come, from `first_query` (the
+        length by default) on, reads."""
         bm = self._bms[group]
+        length = bm.length(seq) if seq in bm else 0
+        if first_query is not None:
+            int_arg("first_query", first_query)
+            if first_query > length:
+                raise CacheStateError(f"first_query {first_query} for {seq!r}, which holds {length} positions")
         if seq not in bm:
             return []
         table = bm.block_table(seq)
-        return [i for i in self.outside_window(group, bm.length(seq)) if table[i] != NULL]
+        return [i for i in self.outside_window(group, length if first_query is None else first_query)
+                if table[i] != NULL]
 
     def _reads(self, group, h) -> list[int]:
         """The pages among 0..h-1 that the query at position h * page_size reads in `group`: the sink

@@ -19,6 +19,10 @@ A serving engine runs several sequences of one pool in one forward, each with it
 tokens: `plan_step` lays them end to end as one row and works out, once per step, what every layer's
 attention needs (the slot of every token, its position, the decode rows' block tables and lengths, the
 pages of every prefill chunk). The forward sees only the cache protocol.
+
+A model with local layers (chapter 10) gets a HybridPool instead: a pool per group of layers of a
+HybridBlockManager, whose local group gives back the pages behind the window, and a HybridStep that reads
+only the positions each group still holds.
 """
 
 import itertools
@@ -30,8 +34,9 @@ import torch.nn.functional as F
 from ..kernels import decode_attention
 from ..kernels.fused import store_rows
 from . import checks
-from .base import CacheInputError, CacheStateError, KVCache, attention, offset_causal_mask
+from .base import CacheInputError, CacheStateError, KVCache, attention, offset_causal_mask, visible
 from .block_manager import BlockManager
+from .hybrid import HybridBlockManager
 from .sizing import cache_bytes
 
 
@@ -183,14 +188,18 @@ class PagedCache(KVCache):
 
     def attend(self, layer, q, k, v):
         """Store k, v and attend: a decode step over pages, or a prefill chunk (gather and mask)."""
-        if not self.config.as_trained and len(set(self.seq_lengths())) > 1:
-            return self._attend_rows(layer, q, k, v)     # a retrofit's rows of different lengths (ch. 10)
-        if k is None or k.shape[2] > 1 or not self.config.as_trained:   # prefill chunk, or a retrofit's
-            return super().attend(layer, q, k, v)                        # layer (ch. 10): gather and mask
+        if not self.config.as_trained or k.shape[2] > 1:   # a prefill chunk (or a retrofit's layer,
+            return super().attend(layer, q, k, v)          # ch. 10): gather and mask
         self._put(layer, k, v)                               # decode: one query per sequence
         out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer],
                                self.block_tables, self.lengths, check_values=False)  # [B, H_q, D]
         return out[:, :, None]                               # [B, H_q, 1, D]
+
+    def _attend_shaped(self, layer, q, k, v):
+        """A retrofit's layer (chapter 10): gathered and masked, one row at a time when rows differ."""
+        if len(set(self.seq_lengths())) > 1:
+            return self._attend_rows(layer, q, k, v)
+        return super()._attend_shaped(layer, q, k, v)
 
     def _attend_rows(self, layer, q, k, v):
         """Decode rows of different lengths under a retrofit's rules: each row's pages gathered, one row at
@@ -355,3 +364,154 @@ class StepBatch:
         runs once."""
         checks.advance(self, t)
         self.done, self.pool.version = True, self.pool.version + 1
+
+
+class HybridPool:
+    """The pages of a model with local and global layers (chapter 10), for a serving engine: a
+    HybridBlockManager (`HybridBlockManager.for_model`: a "full" group for the global cache layers, a
+    "local" group of `local_pages` pages for the windowed ones) and one pool pair per group that holds only
+    that group's cache layers, `[layers in the group, pages, page_size, H_kv, D]`. A local group gives back
+    the pages that left the window, so its pool can be smaller than the full one.
+
+    It plays PagedCache's part in the engine: `reserve`, `new_id`, `plan_step`. It remembers, per sequence,
+    the first position reserved since the last step: no query has run there yet, so every reservation
+    before the step judges the window from it (HybridBlockManager's `first_query`). A draft's lookahead,
+    reserved after the decode's own position, thus never gives back a page that the decode's query reads,
+    and a verify's crop, which keeps at least that position, is never refused.
+    """
+
+    def __init__(self, config, num_pages: int, page_size: int = 16, local_pages: int | None = None,
+                 dtype=None, device="cpu"):
+        self.manager = HybridBlockManager.for_model(config, num_pages, page_size, local_pages)
+        checks.hybrid_pages(self.manager)                # a sequence alone always finds its window's pages
+        self.config, self.page_size, self.num_pages = config, page_size, num_pages
+        self.dtype = config.torch_dtype if dtype is None else dtype
+        self.device = torch.empty(0, device=device).device
+        self.n_layers, self.n_kv_heads, self.head_dim = config.kv_layout
+        self.k_pools, self.v_pools, self.where = {}, {}, {}   # group -> its pools; cache layer -> (group, index)
+        for group in self.manager.groups:
+            layers = self.manager.layers(group)
+            shape = (len(layers), self.manager.manager(group).num_pages, page_size, self.n_kv_heads, self.head_dim)
+            self.k_pools[group] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_pools[group] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.where |= {layer: (group, i) for i, layer in enumerate(layers)}
+        self.owner, self.version, self.seqs = None, 0, []   # no rows of its own: the engine's requests hold pages
+        self._ids = itertools.count()
+        self._first_query = {}                  # seq -> its first position reserved since the last step
+
+    def new_id(self):
+        """A sequence id never used in this pool."""
+        return next(self._ids)
+
+    def pages_needed(self, seq, n) -> dict:
+        """group -> free pages reserve([(seq, n)]) takes from it (negative: the window gives back more)."""
+        return self.manager.pages_needed(seq, n, self._first_query.get(seq))
+
+    def room(self, seq, spare: int = 0) -> int:
+        """The length `seq` can grow to with every group's free pages, `spare` of each kept back."""
+        return self.manager.room(seq, self._first_query.get(seq), spare)
+
+    def reserve(self, parts):
+        """Room for n more positions of every (seq, n) in `parts` (a new id starts empty) in every group, all
+        or none: OutOfPagesError changes nothing. A shared, partly filled last page is copied in the pools
+        of its group first (copy on write)."""
+        checks.hybrid_room(self, parts)                  # checked first: a failure changes nothing
+        for seq, n in parts:
+            first = self._first_query.get(seq, self.manager.length(seq) if seq in self.manager else 0)
+            for group, copies in self.manager.reserve(seq, n, first_query=first).items():
+                for src, dst in copies:
+                    self.k_pools[group][:, dst] = self.k_pools[group][:, src]
+                    self.v_pools[group][:, dst] = self.v_pools[group][:, src]
+            self._first_query[seq] = first
+
+    def _computed(self):
+        """A step ran: every position reserved holds its keys and values."""
+        self._first_query.clear()
+
+    def plan_step(self, parts) -> "HybridStep":
+        """One step over sequences of this pool, as PagedCache.plan_step: (seq, n) per sequence."""
+        return HybridStep(self, parts)
+
+    def nbytes(self) -> int:
+        return sum(pool.nbytes for pools in (self.k_pools, self.v_pools) for pool in pools.values())
+
+    def __repr__(self):
+        groups = ", ".join(f"{g}: layers {self.manager.layers(g)}, {self.manager.num_free(g)}/"
+                           f"{self.manager.manager(g).num_pages} pages free" for g in self.manager.groups)
+        return f"HybridPool({groups}, page_size={self.page_size}, {self.dtype}, {self.nbytes():,} bytes)"
+
+
+class HybridStep:
+    """StepBatch for a HybridPool: the new tokens of several sequences as one row `[1, N]`. Each layer
+    stores its keys and values in its group's pool, at the group's slots, and each sequence's queries attend
+    to the positions its group still holds that they may read: every position in a global layer, the sinks
+    and the last window in a local one, gathered slot by slot (a page the window gave back, NULL in the
+    block table, is never read), under the `visible` mask at their absolute positions.
+
+    What a group's attention reads is the same in each of its layers, so it is planned once per step:
+    per sequence, the slots of the positions read and the mask `[n, positions read]` (None for a single
+    query, which reads exactly them).
+    """
+
+    def __init__(self, pool: HybridPool, parts):
+        # region hybrid_step_plan
+        manager, device = pool.manager, pool.device
+        slots, positions, at = {g: [] for g in manager.groups}, [], 0
+        self.reads = {g: [] for g in manager.groups}  # group -> per part (at, n, slots [K], mask [n, K])
+        for seq, n in parts:
+            start = checks.step_part(manager, seq, n)    # its n newest reserved positions
+            end = start + n
+            positions += range(start, end)
+            for group in manager.groups:
+                bm, (window, sinks) = manager.manager(group), manager.rule(group)
+                slots[group] += bm.slots(seq, start, n)
+                lo = max(0, start + 1 - window) if window else 0   # the first query's window
+                keys = [*range(min(sinks, lo)), *range(lo, end)]  # what some query reads
+                read = bm.slots(seq, 0, min(sinks, lo)) + bm.slots(seq, lo, end - lo)  # never NULL
+                mask = None if n == 1 else visible(start, n, window, sinks, device)   # [n, end]
+                if mask is not None and len(keys) < end:
+                    mask = mask[:, torch.tensor(keys, device=device)]                  # [n, K]
+                self.reads[group].append((at, n, torch.tensor(read, device=device), mask))
+            at += n
+        self.slot_mapping = {g: torch.tensor(s, dtype=torch.long, device=device) for g, s in slots.items()}
+        self.positions = torch.tensor(positions, device=device)                     # [N]
+        # endregion
+        self.pool, self.n_tokens, self.done = pool, at, False
+        self.n_layers = pool.n_layers
+        self.pending = [0] * pool.n_layers                  # tokens stored per layer in this step
+
+    def check_model(self, config, owner):
+        """The pool was built for this model's shape and its pages hold `owner`'s keys and values."""
+        checks.step_model(self, config, owner)
+        self.pool.owner = owner
+
+    def attend(self, layer: int, q, k, v):
+        """Store k, v `[1, H_kv, N, D]` in their group's slots; q `[1, H_q, N, D]` attends per
+        sequence to what its group holds -> `[1, H_q, N, D]`."""
+        pool = self.pool
+        checks.step_query(q)
+        if k is None and v is None:                  # a layer reading an earlier one's cache (share_kv)
+            checks.shared_read(self, layer, q)
+        else:
+            checks.step_kv(self, layer, k, v)
+        group, i = pool.where[layer]
+        H, D = pool.n_kv_heads, pool.head_dim
+        k_slots, v_slots = pool.k_pools[group][i].view(-1, H, D), pool.v_pools[group][i].view(-1, H, D)
+        if k is not None:
+            store_rows(k_slots, self.slot_mapping[group], k[0].transpose(0, 1), check_values=False)
+            store_rows(v_slots, self.slot_mapping[group], v[0].transpose(0, 1), check_values=False)
+            self.pending[layer] = k.shape[2]
+        out = torch.empty_like(q)                                               # [1, H_q, N, D]
+        for at, n, read, mask in self.reads[group]:
+            keys = k_slots[read].transpose(0, 1)[None]                          # [1, H_kv, K, D]
+            values = v_slots[read].transpose(0, 1)[None]
+            out[:, :, at:at + n] = F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values,
+                                                                  attn_mask=mask, enable_gqa=True)
+        return out
+
+    def advance(self, t: int):
+        """Commit the step: every layer stored its t = N tokens. The reserved positions now hold keys and
+        values: the next reservation judges the window from the length again."""
+        checks.advance(self, t)
+        self.done, self.pool.version = True, self.pool.version + 1
+        self.pool._computed()

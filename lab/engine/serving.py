@@ -27,6 +27,12 @@ pages only (speculation never preempts). The request then feeds its last token a
 chunk, the same step verifies them all, and the pages are cropped back to the accepted tokens: a page is
 named for prefix caching only once every token in it is accepted, so rejected guesses never reach a name.
 
+Local layers (chapter 10: a model with `config.window_of(layer)` windows, from `local_layers`): the pool is a
+`HybridPool`, one group of pages for the global layers and one, of `local_pages` pages, for the local ones,
+whose pages go back once they leave the window (lab/cache/hybrid.py). Scheduling, preemption, prefix
+caching and speculation work as above, every group at once: a chunk takes what every group's free pages
+hold, and a prefix hit needs, in the local group, only the pages of the last window and the sinks.
+
 Time is counted in steps: a request's events (admitted, chunks, first token, preempted, finished) are step
 numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so every run is deterministic.
 """
@@ -39,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedCache
-from ..cache.paged import StepBatch
+from ..cache.paged import HybridPool, StepBatch
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
 from .hashing import page_keys
@@ -86,15 +92,27 @@ class ServingEngine:
     iteration; `generate(prompts, max_new_tokens)` does both until its requests finish; `cancel(id)` frees
     a request's pages. `stats` holds running totals: steps, preemptions, cached_tokens (positions taken from
     named pages), computed_tokens (positions run through the model, recomputation included), evicted_pages,
-    and per step batch_sizes (sequences in the forward) and batch_tokens (tokens in it). With a draft also
-    proposed and accepted (draft tokens), lookahead_pages (pages reserved for guesses) and rollback_pages
-    (pages freed again after verification).
+    held_pages and peak_held_pages (pages running requests hold after the step, and the most over the steps,
+    per group: {"full": n}, and {"full": n, "local": m} for a model with local layers), and per step
+    batch_sizes (sequences in the forward) and batch_tokens (tokens in it). With a draft also proposed and
+    accepted (draft tokens), lookahead_pages (pages reserved for guesses) and rollback_pages (pages freed
+    again after verification).
+
+    A model with local layers gets a HybridPool: `num_pages` pages for its global layers and `local_pages`
+    for its local ones, num_pages by default. A sequence's local block table is its full one with the pages
+    behind the window given back, so it never holds more local pages than full ones: the default gives the
+    local group the full group's room, and saves no memory yet. What the window gives back shows in
+    `stats["held_pages"]` and `stats["peak_held_pages"]`; a smaller local_pages turns it into memory. Each
+    sequence in flight needs at most `manager.most_pages("local", n)` local pages, n the tokens of its step
+    (ceil((window - 1 + n) / page_size) + 1 + the sink pages); local_pages must hold that of one sequence
+    and one token, and a chunk shrinks to what the local group holds.
     """
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
-                 prefix_caching: bool = True, draft=None, k: int = 4):
+                 prefix_caching: bool = True, draft=None, k: int = 4, local_pages: int | None = None):
         cfg = model.config
-        for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
+        for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens),
+                        ("local_pages", 1 if local_pages is None else local_pages)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise CacheInputError(f"{name} must be an int of at least 1, got {n!r}")
         if max_batch_tokens > cfg.max_positions:     # a step's tokens go through the forward as one row
@@ -106,7 +124,13 @@ class ServingEngine:
         self.model, self.page_size, self.max_batch_tokens = model, page_size, max_batch_tokens
         self.draft, self.k = draft, k
         self.prefix_caching = bool(prefix_caching)
-        self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
+        self.hybrid = any(cfg.window_of(j)[0] for j in range(cfg.kv_layout[0]))   # local layers (ch. 10)
+        if self.hybrid:                              # a group of pages per rule, the local one windowed
+            self.pool = HybridPool(cfg, num_pages, page_size, local_pages, dtype=model.dtype, device=model.device)
+        elif local_pages is not None:
+            raise CacheInputError(f"local_pages sizes the pages of local layers; {cfg.name or cfg.arch} has none")
+        else:
+            self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
         self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
         # Llama weights on a CPU (float32, or bfloat16 where oneDNN runs it natively): the projections also
@@ -121,11 +145,11 @@ class ServingEngine:
         self._ids = itertools.count()
         self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
                           batch_sizes=[], batch_tokens=[], proposed=0, accepted=0, lookahead_pages=0,
-                          rollback_pages=0)
+                          rollback_pages=0, held_pages=self._held_pages(), peak_held_pages=self._held_pages())
 
     @property
-    def num_pages(self) -> int:                      # pages in the pool
-        return self.manager.num_pages
+    def num_pages(self) -> int:                      # pages in the pool (a hybrid pool's: the global layers')
+        return self.pool.num_pages if self.hybrid else self.manager.num_pages
 
     # ---- requests in and out ----
     def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None) -> int:
@@ -204,9 +228,10 @@ class ServingEngine:
             raise PositionLimitError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {positions} "
                                      f"positions; the model has {cfg.max_positions}")
         pages = -(-positions // self.page_size)
-        if pages > self.manager.num_pages:                        # could never run, even alone
+        full = not self.hybrid or "full" in self.manager.groups  # a local group holds a window at most
+        if full and pages > self.num_pages:                       # could never run, even alone
             raise OutOfPagesError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {pages} pages of "
-                                  f"{self.page_size}; the pool has {self.manager.num_pages}")
+                                  f"{self.page_size}; the pool has {self.num_pages}")
         return Request(-1, prompt, max_new_tokens, eos_id)
 
     def _add(self, req: Request) -> int:
@@ -233,7 +258,15 @@ class ServingEngine:
         s["batch_sizes"].append(len(batch))
         s["batch_tokens"].append(sum(n for _, n in batch))
         s["evicted_pages"] = self.manager.evicted
+        s["held_pages"] = self._held_pages()
+        s["peak_held_pages"] = {g: max(n, s["peak_held_pages"][g]) for g, n in s["held_pages"].items()}
         return new
+
+    def _held_pages(self) -> dict:
+        """group -> pages the running requests hold now ("full" only, without local layers)."""
+        if self.hybrid:
+            return {g: self.manager.held_pages(g) for g in self.manager.groups}
+        return {"full": self.manager.num_pages - self.manager.num_free}
 
     def _schedule(self, now) -> list:
         """Decodes first, then prefill chunks, then new requests, within the token budget; pages
@@ -244,7 +277,7 @@ class ServingEngine:
         for req in decoding + prefilling:
             n = min(req.num_tokens - req.computed, budget)
             if n > 1 and req.state == "running":                  # a chunk takes what free pages hold
-                room = (len(self.manager.block_table(req.seq)) + self.manager.num_free) * self.page_size
+                room = self._room(req.seq)                        # the length its pages can reach
                 if room == req.computed and scheduled:
                     continue                                      # no room: it waits while others run
                 n = min(n, room - req.computed) or n
@@ -271,14 +304,22 @@ class ServingEngine:
             scheduled[req], budget = n, budget - n
         return list(scheduled.items())
 
+    def _room(self, seq, spare: int = 0) -> int:
+        """The length `seq` can grow to with the free pages (`spare` kept back), a copy on write aside: its
+        pages and the free ones, or with local layers the least over the groups, the pages the window gives
+        back counted as free (HybridPool.room)."""
+        if self.hybrid:
+            return self.pool.room(seq, spare)
+        return (len(self.manager.block_table(seq)) + self.manager.num_free - spare) * self.page_size
+
     def _lookahead(self, decoding, scheduled, budget) -> int:
         """Each decode scheduled gets its draft's guesses, as many as the budget, its output's room and the
         free pages allow (never a preemption); their pages are reserved. Returns the budget left."""
-        P, cfg = self.page_size, self.model.config
+        cfg = self.model.config
         for req in decoding:
             if req.state != "running" or scheduled.get(req) != 1:
                 continue
-            room = (len(self.manager.block_table(req.seq)) + self.manager.num_free) * P - req.computed - 1
+            room = self._room(req.seq) - req.computed - 1
             limit = min(self.k, budget, room, req.max_new_tokens - len(req.output) - 1,
                         cfg.max_positions - req.num_tokens)
             if limit < 1:
@@ -289,10 +330,16 @@ class ServingEngine:
             guess = list(req.draft.propose(req.tokens, limit))[:limit]
             check_guess(guess, cfg.vocab_size)
             if guess:
-                self.stats["lookahead_pages"] += self.manager.pages_needed(req.seq, len(guess))
-                self.pool.reserve([(req.seq, len(guess))])
+                self.stats["lookahead_pages"] += self._pages_needed(req.seq, len(guess))
+                self.pool.reserve([(req.seq, len(guess))])    # a HybridPool judges the window from the decode
                 req.guess, scheduled[req], budget = guess, 1 + len(guess), budget - len(guess)
         return budget
+
+    def _pages_needed(self, seq, n) -> int:
+        """Free pages reserving n more positions of `seq` takes, every group's."""
+        if self.hybrid:
+            return sum(max(k, 0) for k in self.pool.pages_needed(seq, n).values())
+        return self.manager.pages_needed(seq, n)
 
     def next_to_admit(self) -> Request:
         """The waiting request admission tries next: the head of the queue, first come first served (a
@@ -309,7 +356,12 @@ class ServingEngine:
         n = min(req.num_tokens - taken * P, budget)
         # headroom: after admission, a free page for every running request, so that the decodes of the next
         # step never preempt the request just admitted (which would throw its first chunk away)
-        if self.manager.pages_needed(seq, n) + len(self.running) > self.manager.num_free:
+        if self.hybrid:     # every group; a local group may hold less than a chunk: the chunk shrinks to fit
+            n = min(n, self._room(seq, spare=len(self.running)) - taken * P)
+            short = n < 1
+        else:
+            short = self.manager.pages_needed(seq, n) + len(self.running) > self.manager.num_free
+        if short:
             if seq in self.manager:
                 self.manager.release(seq)             # the cached pages taken go back, still named
             return 0
@@ -365,7 +417,7 @@ class ServingEngine:
             out = guess[:a] + g[a:a + 1]                              # the accepted guesses and one more
             req.computed += n - len(guess) + a                        # their keys and values are right
             if guess:                                                 # the rejected ones' are not: take
-                freed = self.manager.crop(req.seq, req.computed)      # their slots and pages back
+                freed = pages_in(self.manager.crop(req.seq, req.computed))   # their slots and pages back
                 self.stats["rollback_pages"] += len(freed)
                 self.stats["proposed"] += len(guess)
                 self.stats["accepted"] += a
@@ -401,7 +453,15 @@ class ServingEngine:
         return req.keys[:count]
 
     def __repr__(self):
+        free = (", ".join(f"{self.manager.num_free(g)}/{self.manager.manager(g).num_pages} {g}"
+                          for g in self.manager.groups) if self.hybrid
+                else f"{self.manager.num_free}/{self.manager.num_pages}")
         return (f"ServingEngine({len(self.running)} running, {len(self.waiting)} waiting, "
-                f"{self.manager.num_free}/{self.manager.num_pages} pages free, page_size={self.page_size}, "
+                f"{free} pages free, page_size={self.page_size}, "
                 f"max_batch_tokens={self.max_batch_tokens}, prefix_caching={self.prefix_caching})")
+
+
+def pages_in(freed) -> list:
+    """The pages a crop gave back: a BlockManager's list, or every group's of a HybridBlockManager's dict."""
+    return [page for pages in freed.values() for page in pages] if isinstance(freed, dict) else freed
 

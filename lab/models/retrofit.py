@@ -49,17 +49,17 @@ def from_latent(c, U, H):
 
 
 def absorb_query(q, U_k, config):
-    """The query in latent space (the absorbed form): q_h . k = q_h . U_k,g c = (U_k,g^T q_h) . c, for query
-    head h of KV group g. q `[B, H_q, T, D]` -> `[B, H_q, T, r/2]`, scaled so that attention's 1/sqrt(r/2)
-    becomes the model's 1/sqrt(D)."""
+    """The query in latent space (the absorbed form): q_h . k = q_h . U_k,g c = (U_k,g^T q_h) . c,
+    for query head h of KV group g. q `[B, H_q, T, D]` -> `[B, H_q, T, r/2]`, scaled so that
+    attention's 1/sqrt(r/2) becomes the model's 1/sqrt(D)."""
     H, D, r = config.n_kv_heads, config.head_dim, U_k.shape[1]
     per_head = U_k.view(H, D, r).repeat_interleave(config.group_size, dim=0)      # [H_q, D, r/2]
     return (q @ per_head) * (r / D) ** 0.5
 
 
 def expand_output(o, U_v, config):
-    """An output in latent space back to each head's values: sum_t p_t U_v,g c_t = U_v,g (sum_t p_t c_t).
-    o `[B, H_q, T, r/2]` -> `[B, H_q, T, D]`."""
+    """An output in latent space back to each head's values:
+    sum_t p_t U_v,g c_t = U_v,g (sum_t p_t c_t). o `[B, H_q, T, r/2]` -> `[B, H_q, T, D]`."""
     H, D, r = config.n_kv_heads, config.head_dim, U_v.shape[1]
     per_head = U_v.view(H, D, r).repeat_interleave(config.group_size, dim=0)      # [H_q, D, r/2]
     return o @ per_head.transpose(1, 2)

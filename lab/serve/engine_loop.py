@@ -70,7 +70,9 @@ class EngineLoop:
             self.engine.cancel(args[0])                  # False if it had finished: fine
         elif kind == "snapshot":
             engine = self.engine
-            self.transport.send(("snapshot", dict(engine.stats, free_pages=engine.manager.num_free,
+            free = engine.manager.num_free            # a hybrid pool's (chapter 10) counts per group
+            free = {g: free(g) for g in engine.manager.groups} if callable(free) else free
+            self.transport.send(("snapshot", dict(engine.stats, free_pages=free,
                                                   in_flight=len(engine.running) + len(engine.waiting))))
         else:
             raise ValueError(f"unknown message {kind!r} for the engine's loop")
