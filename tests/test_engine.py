@@ -40,7 +40,7 @@ def test_naive_loop_counts_1040_positions(tiny_llama):
     assert positions_cached(17, 32) == 48  # 17 prompt positions once, then 31 single-token steps
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(prompt_len=st.integers(1, 40), new_tokens=st.integers(1, 20))
 def test_counted_positions_equal_positions_uncached(tiny_mqa, prompt_len, new_tokens):
     backend = RecomputeBackend(tiny_mqa)

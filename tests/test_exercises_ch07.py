@@ -169,6 +169,7 @@ def test_parts_in_float64_pass():
 
 # ---- exercise 2: the smallest budget -----------------------------------------------------------------------
 
+@pytest.mark.slow   # 9 s; test_budget_reference_passes_on_fresh_cases runs the same check in make test
 def test_budget_reference_passes():
     assert ch07.check_smallest_budget(sol7.smallest_budget, seed=0)
 

@@ -146,6 +146,7 @@ def kl(runs, ref, ids, name):
     return compare(runs[name][0], ref, ids[:, PREFILL:])["kl"]
 
 
+@pytest.mark.slow   # the three SmolLM2 runs share a 13 s fixture
 def test_dynamic_cache_matches_the_plain_forward_smollm2(smollm2_runs):
     runs, ref, _ = smollm2_runs
     # Same bound and reason as the lab's SmolLM2 parity test (test_models.py): 30 layers of float32 dot
@@ -154,6 +155,7 @@ def test_dynamic_cache_matches_the_plain_forward_smollm2(smollm2_runs):
     assert (runs["float"][0] - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
 
 
+@pytest.mark.slow   # the three SmolLM2 runs share a 13 s fixture
 def test_quantized_kl_is_small_at_4_bits_and_much_larger_at_2_smollm2(smollm2_runs):
     runs, ref, ids = smollm2_runs
     kl4, kl2, kl8 = (kl(runs, ref, ids, name) for name in ("quanto_4", "quanto_2", "fp8"))
@@ -165,6 +167,7 @@ def test_quantized_kl_is_small_at_4_bits_and_much_larger_at_2_smollm2(smollm2_ru
     assert kl(runs, ref, ids, "float") < 1e-9                                    # rounding only: 1.6e-11
 
 
+@pytest.mark.slow   # the three SmolLM2 runs share a 13 s fixture
 def test_stored_bytes_below_the_float_cache_and_counted_by_hand_smollm2(smollm2_runs):
     runs, _, _ = smollm2_runs
     L, H, T, D = 30, 3, 80, 64                                   # SmolLM2: 30 layers, 3 KV heads of 64

@@ -1,0 +1,235 @@
+"""Beyond one pool (chapter 11): a router over several engines, and a simulation of it on a trace.
+
+One engine caches the prefixes it has seen; several engines each cache only what was sent to them. A
+request whose system prompt sits in worker 2's pages is served almost free by worker 2 and computed in full
+by any other, so *where* a request goes decides the fleet's hit rate as much as each pool's size does.
+
+    router = Router([PrefixCachingBackend(model, 256) for _ in range(4)], "kv_aware")
+    router.next_logits(ids)                                  # routed, then scored by that worker: [V]
+    simulate(trace, workers=8, policy="kv_aware", pages_per_worker=256)["hit_rate"]
+
+Three policies:
+
+- "round_robin": the next worker in turn, whatever it holds.
+- "least_loaded": the worker with the smallest load (below), ties to the fewest tokens computed so far, then
+  the lowest index.
+- "kv_aware": NVIDIA Dynamo's KV router cost (below): prefill work left on that worker against its load.
+
+Load, for a synchronous router. Each call here finishes before the next one starts, so nothing is ever in
+flight. To give load a meaning, the router counts as in flight the last `window` requests it routed
+(default: as many as there are workers, one per worker on average): a fleet where each request lives while
+`window` others arrive. A worker's load is the pages its in-flight requests hold, ceil(T / page_size) for a
+request of T tokens: the KV blocks it keeps active, what Dynamo calls its active (decode) blocks.
+
+The kv_aware cost, per worker w, for a request of T tokens with `cached_w` of them in w's named pages:
+
+    prefill_blocks_w = ceil((T - cached_w) / page_size)       # pages w would compute
+    decode_blocks_w  = load_w + ceil(T / page_size)           # active pages, the new request's included
+    cost_w           = overlap_weight * prefill_blocks_w + decode_blocks_w
+
+the lowest cost wins, ties to the least loaded, then the lowest index. This is the cost NVIDIA Dynamo's KV
+router documents ("cost = overlap_score_weight * prefill_blocks + decode_blocks", lower is better, the
+weight defaulting to 1.0: higher favours cache reuse, lower even load), docs.nvidia.com/dynamo, "Router >
+Routing Concepts > Cost Calculation" and the frontend's `--router-kv-overlap-score-weight`. Dynamo counts
+prefill blocks still running on the worker as well; here prefill ends within the call, so there are none.
+`cached_w` is what the worker would really take: the leading full pages of the request, at most
+(T - 1) // page_size of them (one token is always run), named in its BlockManager under the page keys the
+worker itself computes (`PrefixCachingBackend.page_keys`: its model's state identity and the salt).
+"""
+
+import math
+from collections import deque
+
+from .engine import PrefixCachingBackend
+from .engine.backends import as_ids
+from .models import load
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware")
+
+
+class FleetError(ValueError):
+    """A router or simulation asked for something it cannot do: an unknown policy, no engines or fewer than
+    one worker, a bad window or weight, a trace that is not a list of requests of valid token ids."""
+
+
+class Router:
+    """Requests in, each to one of `engines` by `policy`; `next_logits` (and `dry_run`) route, then call.
+
+    engines: backends with `next_logits(ids, salt=None)`; "kv_aware" also reads their named pages, so it
+    needs PrefixCachingBackends (`page_keys`, `page_size`, `pool.manager`). route(ids) decides and changes
+    nothing; next_logits / dry_run route, call the chosen worker, then record the request: per-worker
+    `calls`, `tokens` (prompt tokens routed), `computed` (tokens it ran: its stats' computed_tokens grew by
+    that much) and `load` (pages of its in-flight requests, see the module's docstring).
+    """
+
+    def __init__(self, engines, policy: str, overlap_weight: float = 1.0, window: int | None = None):
+        engines = list(engines) if isinstance(engines, (list, tuple)) else engines
+        if not isinstance(engines, list) or not engines:
+            raise FleetError(f"a router needs a non-empty list of engines, got {engines!r}")
+        if policy not in POLICIES:
+            raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+        if policy == "kv_aware":
+            for i, e in enumerate(engines):
+                if not isinstance(e, PrefixCachingBackend):
+                    raise FleetError(f"kv_aware reads each worker's named pages: engine {i} is a "
+                                     f"{type(e).__name__}, not a PrefixCachingBackend")
+        if not isinstance(overlap_weight, (int, float)) or isinstance(overlap_weight, bool) \
+                or not math.isfinite(overlap_weight) or overlap_weight < 0:
+            raise FleetError(f"overlap_weight must be a finite number >= 0, got {overlap_weight!r}")
+        window = len(engines) if window is None else window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise FleetError(f"window must be an int >= 0 (requests counted in flight), got {window!r}")
+        self.engines, self.policy, self.overlap_weight, self.window = engines, policy, overlap_weight, window
+        n = len(engines)
+        self.turn = 0                                   # round_robin: the next worker
+        self.calls, self.tokens, self.computed, self.load = [0] * n, [0] * n, [0] * n, [0] * n
+        self.in_flight = deque()                        # (worker, pages) of the last `window` requests
+
+    def __len__(self):
+        return len(self.engines)
+
+    def cached_tokens(self, ids, salt=None) -> list[int]:
+        """Per worker, the tokens of `ids` it would take from its named pages (what dry_run would count).
+
+        Workers that share one model object, pool class, pool dtype and page size name pages alike (the
+        state identity reads nothing else, `lab.engine.identity.identity_of`), so their keys are computed
+        once per call, by the first of them (`PrefixCachingBackend.page_keys`)."""
+        return self._cached_tokens(self._ids(ids), salt)
+
+    def _cached_tokens(self, ids: list, salt) -> list[int]:
+        keys_of, out = {}, []
+        for e in self.engines:
+            P = e.page_size
+            group = (id(e.model), type(e.pool), str(e.pool.dtype), P)
+            if group not in keys_of:
+                keys_of[group] = e.page_keys(ids[: P * ((len(ids) - 1) // P)], salt)  # pages it may take
+            manager, n = e.pool.manager, 0
+            for key in keys_of[group]:
+                if manager.cached(key) is None:
+                    break
+                n += 1
+            out.append(n * P)
+        return out
+
+    def costs(self, ids, salt=None) -> list[float]:
+        """kv_aware's cost of each worker for `ids` (module docstring): weight * prefill pages + decode pages."""
+        return self._costs(self._ids(ids), salt)
+
+    def _costs(self, ids: list, salt) -> list[float]:
+        T = len(ids)
+        return [self.overlap_weight * -(-(T - c) // e.page_size) + self.load[w] + -(-T // e.page_size)
+                for w, (e, c) in enumerate(zip(self.engines, self._cached_tokens(ids, salt), strict=True))]
+
+    def route(self, ids, salt=None) -> int:
+        """The index of the worker `policy` sends `ids` to now. Changes nothing."""
+        return self._route(self._ids(ids), salt)
+
+    def _route(self, ids: list, salt) -> int:
+        n = len(self.engines)
+        if self.policy == "round_robin":
+            return self.turn % n
+        if self.policy == "least_loaded":
+            return min(range(n), key=lambda w: (self.load[w], self.computed[w], w))
+        cost = self._costs(ids, salt)
+        return min(range(n), key=lambda w: (cost[w], self.load[w], self.computed[w], w))
+
+    def next_logits(self, ids, salt=None):
+        """Route `ids`, score them on that worker: `[V]`, as `engines[route(ids)].next_logits(ids, salt)`."""
+        return self._dispatch(ids, salt, "next_logits")
+
+    def dry_run(self, ids, salt=None) -> int:
+        """Route `ids`, run that worker's page bookkeeping without the model; the tokens it found cached."""
+        return self._dispatch(ids, salt, "dry_run")
+
+    def _dispatch(self, ids, salt, method):
+        ids = self._ids(ids)
+        w = self._route(ids, salt)
+        engine = self.engines[w]
+        before = _computed(engine)
+        out = getattr(engine, method)(ids, salt=salt)       # the engine's own checks run before any change
+        after = _computed(engine)
+        pages = -(-len(ids) // getattr(engine, "page_size", 16))
+        self.turn = w + 1 if self.policy == "round_robin" else self.turn
+        self.calls[w] += 1
+        self.tokens[w] += len(ids)
+        self.computed[w] += len(ids) if before is None else after - before
+        if self.window:
+            self.in_flight.append((w, pages))
+            self.load[w] += pages
+            if len(self.in_flight) > self.window:
+                done, freed = self.in_flight.popleft()
+                self.load[done] -= freed
+        return out
+
+    def _ids(self, ids) -> list:
+        """`ids` as a list of ints, checked against the first engine's vocabulary (InputError if bad)."""
+        if isinstance(ids, list) and ids and all(type(i) is int for i in ids):
+            return ids                                              # the fast path of simulate's traces
+        model = getattr(self.engines[0], "model", None)
+        vocab = model.config.vocab_size if model is not None else None
+        return as_ids(ids, vocab)[0].tolist()
+
+    def __repr__(self):
+        return f"Router({len(self.engines)} engines, {self.policy!r}, calls per worker {self.calls})"
+
+
+def _computed(engine):
+    stats = getattr(engine, "stats", None)
+    return stats["computed_tokens"] if isinstance(stats, dict) and "computed_tokens" in stats else None
+
+
+def check_trace(trace, vocab_size: int, max_tokens: int) -> None:
+    """FleetError unless `trace` is a list (or tuple) of non-empty lists of int ids in [0, vocab_size), each
+    at most `max_tokens` long; checked before anything runs, so a bad request never leaves half a run."""
+    if not isinstance(trace, (list, tuple)):
+        raise FleetError(f"a trace is a list of requests (lists of token ids), got {type(trace).__name__}")
+    for r, ids in enumerate(trace):
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise FleetError(f"request {r} of the trace is not a non-empty list of token ids: {ids!r:.60}")
+        if not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+            bad = next(i for i in ids if not (type(i) is int and 0 <= i < vocab_size))
+            raise FleetError(f"request {r} holds {bad!r}, not an int id in [0, {vocab_size}) "
+                             f"(map ids into the model's vocabulary first, e.g. i % {vocab_size})")
+        if len(ids) > max_tokens:
+            raise FleetError(f"request {r} has {len(ids)} tokens; a worker takes at most {max_tokens} "
+                             "(its pool's pages, the model's positions)")
+
+
+def simulate(trace, workers: int, policy: str, pages_per_worker: int, page_size: int = 16, model=None,
+             overlap_weight: float = 1.0, window: int | None = None) -> dict:
+    """Replay `trace` (a list of id lists, in arrival order) through `workers` PrefixCachingBackends of
+    `pages_per_worker` pages each, run dry (`dry_run`: the page bookkeeping, no forward), behind a Router of
+    `policy`. Returns the fleet's totals, the sums of the workers' stats:
+
+        calls, cached_tokens, computed_tokens, evicted_pages, hit_rate = cached / (cached + computed)
+        (0.0 for an empty trace), workers, policy, pages_per_worker, page_size,
+        per_worker: [{calls, tokens, cached_tokens, computed_tokens, evicted_pages}] per worker,
+        imbalance: max / mean of the workers' computed tokens (1.0 when all equal or none computed).
+
+    model: whose state identity names the pages; `load("tiny-llama")` by default, never run. Ids must lie in
+    its vocabulary (320 for tiny-llama: generate workloads with vocab=320, or map ids, i % 320) and a
+    request must fit its positions (2048) and one worker's pool; FleetError otherwise, before anything runs.
+    """
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise FleetError(f"workers must be an int of at least 1, got {workers!r}")
+    if policy not in POLICIES:
+        raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    for name, n in (("pages_per_worker", pages_per_worker), ("page_size", page_size)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise FleetError(f"{name} must be an int of at least 1, got {n!r}")
+    model = load("tiny-llama") if model is None else model
+    check_trace(trace, model.config.vocab_size, min(pages_per_worker * page_size, model.config.max_positions))
+    engines = [PrefixCachingBackend(model, pages_per_worker, page_size) for _ in range(workers)]
+    router = Router(engines, policy, overlap_weight=overlap_weight, window=window)
+    for ids in trace:
+        router.dry_run(list(ids))
+    keys = ("calls", "cached_tokens", "computed_tokens", "evicted_pages")
+    per_worker = [dict(calls=e.stats["calls"], tokens=router.tokens[w],
+                       **{k: e.stats[k] for k in keys if k != "calls"}) for w, e in enumerate(engines)]
+    out = {k: sum(p[k] for p in per_worker) for k in keys}
+    seen = out["cached_tokens"] + out["computed_tokens"]
+    computed = [p["computed_tokens"] for p in per_worker]
+    mean = sum(computed) / workers
+    return dict(out, hit_rate=out["cached_tokens"] / seen if seen else 0.0, workers=workers, policy=policy,
+                pages_per_worker=pages_per_worker, page_size=page_size, per_worker=per_worker,
+                imbalance=max(computed) / mean if mean else 1.0)
