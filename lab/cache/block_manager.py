@@ -57,6 +57,7 @@ class BlockManager:
         self._cached = {}                     # prefix caching: digest -> page holding those tokens
         self._keys = {}                       # page -> its (digest, parent digest, tokens)
         self.evicted = 0                      # cached pages reused for other positions
+        self.on_evict = None                  # on_evict(page, key): a named page about to be reused
 
     def block_table(self, seq) -> list[int]:
         """A copy of the sequence's page ids, in position order."""
@@ -143,6 +144,8 @@ class BlockManager:
     def _allocate(self) -> int:
         page, _ = self._free.popitem(last=False)  # the least recently freed page
         if page in self._keys:                # a cached page nobody holds: evict it, forget its digest
+            if self.on_evict is not None:     # a lower tier keeps it first (lab/engine/tiers.py)
+                self.on_evict(page, self._keys[page])
             del self._cached[self._keys.pop(page)[0]]
             self.evicted += 1
         self._refs[page] = 1

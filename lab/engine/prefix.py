@@ -13,13 +13,18 @@ from ..models import check_ids, forward_cached
 from .backends import as_ids
 from .hashing import page_keys
 from .identity import check_salt, identity_of, model_identity
+from .tiers import Tiers
 
 
 class PrefixCachingBackend:
     """Ids in, scores out, like CachedBackend; the state lives in named pages shared by every request.
 
-    stats: running totals of calls, cached_tokens (positions taken from cached pages), computed_tokens
-    (positions run through the model) and evicted_pages (cached pages reused for other positions).
+    stats: running totals of calls, cached_tokens (positions taken from cached pages, restored ones
+    included), computed_tokens (positions run through the model), evicted_pages (cached pages reused for
+    other positions), host_hits and disk_hits (pages restored from the tiers).
+
+    Tiers (chapter 11): with host_pages > 0 or a disk_dir, an evicted page moves to a host tier of
+    host_pages pages, then to one file per page in disk_dir, and a later hit restores it (lab/engine/tiers.py).
 
     Which model: pages are named under the state identity, whose manifest is a hash of the weights'
     content. An identical copy of the model swapped in (`backend.model = load(name)` again) names the
@@ -28,7 +33,7 @@ class PrefixCachingBackend:
     other pages, and the request is computed anew. A salt is a string or None (`check_salt`).
     """
 
-    def __init__(self, model, num_pages: int, page_size: int = 16, salt=None):
+    def __init__(self, model, num_pages: int, page_size: int = 16, salt=None, host_pages: int = 0, disk_dir=None):
         model_identity(model)  # refuse at once a model whose identity cannot be computed
         for name, n in (("num_pages", num_pages), ("page_size", page_size)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -37,8 +42,12 @@ class PrefixCachingBackend:
         self.model, self.page_size, self.salt = model, page_size, salt
         self.pool = PagedCache(model.config, num_pages * page_size, page_size, dtype=model.dtype,
                                device=model.device)
-        self.stats = dict(calls=0, cached_tokens=0, computed_tokens=0, evicted_pages=0)
+        self.stats = dict(calls=0, cached_tokens=0, computed_tokens=0, evicted_pages=0, host_hits=0, disk_hits=0)
         self.dry = False                                            # set by dry_run: pages without keys
+        # chapter 11: evicted pages go down to a host tier, then to disk, and come back on a hit (tiers.py)
+        self.tiers = Tiers(host_pages, disk_dir) if host_pages or disk_dir is not None else None
+        if self.tiers is not None:
+            self.pool.manager.on_evict = self._keep
 
     def page_keys(self, ids: list, salt=None) -> list:
         """(digest, parent digest, tokens) of every full page of `ids` under this model and salt."""
@@ -67,6 +76,29 @@ class PrefixCachingBackend:
             return n
         return self._serve(t[0].tolist(), salt, reserve)
 
+    def _keep(self, page, key):
+        """The pool is about to reuse the named `page`: its keys and values go down to the tiers."""
+        kv = None if self.dry else (self.pool.k_pool[:, page].clone(), self.pool.v_pool[:, page].clone())
+        self.tiers.put(key, kv)                                       # [layers, page_size, H_kv, D] each
+
+    def _restore(self, seq, keys, n) -> int:
+        """After the pool's hit of n positions, take the following pages from the tiers while they hold them,
+        each into a fresh pool page, named again; returns the positions now cached."""
+        P, manager = self.page_size, self.pool.manager
+        while self.tiers is not None and n // P < len(keys) and keys[n // P] in self.tiers:
+            found = self.tiers.take(keys[n // P])
+            if found is None:                                          # a refused page file: computed instead
+                break
+            (kv, tier), i = found, n // P
+            manager.reserve(seq, P)                                    # a fresh page for positions n .. n + P - 1
+            page = manager.block_table(seq)[i]
+            if kv is not None:
+                self.pool.k_pool[:, page], self.pool.v_pool[:, page] = kv
+            manager.register(seq, i, *keys[i])
+            self.stats[f"{tier}_hits"] += 1
+            n += P
+        return n
+
     def _check(self, ids, salt) -> torch.Tensor:
         """Every check of a request, before anything changes: ids [1, T], the salt, the pool's size."""
         t = check_ids(as_ids(ids, self.model.config.vocab_size), self.model.config)  # [1, T]
@@ -85,6 +117,7 @@ class PrefixCachingBackend:
         keys, seq, evicted = self.page_keys(ids, salt), self.pool.new_id(), manager.evicted
         n = P * manager.reserve_prefix(seq, keys[: (len(ids) - 1) // P])  # one token is run
         try:
+            n = self._restore(seq, keys[: (len(ids) - 1) // P], n)     # tiers below the pool (ch. 11)
             out = run(seq, n)
             for i in range(n // P, len(keys)):                  # name the new full pages
                 manager.register(seq, i, *keys[i])
