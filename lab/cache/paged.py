@@ -195,6 +195,15 @@ class PagedCache(KVCache):
                                self.block_tables, self.lengths, check_values=False)  # [B, H_q, D]
         return out[:, :, None]                               # [B, H_q, 1, D]
 
+    def page(self, page: int) -> tuple:
+        """A copy of one page's keys and values in every layer, `[layers, page_size, H_kv, D]` each: what a
+        tier below the pool keeps of an evicted page (chapter 11)."""
+        return self.k_pool[:, page].clone(), self.v_pool[:, page].clone()
+
+    def set_page(self, page: int, kv: tuple):
+        """Write back a page that `page` copied: a restore from a tier below the pool."""
+        self.k_pool[:, page], self.v_pool[:, page] = kv
+
     def _attend_shaped(self, layer, q, k, v):
         """A retrofit's layer (chapter 10): gathered and masked, one row at a time when rows differ."""
         if len(set(self.seq_lengths())) > 1:

@@ -6,6 +6,7 @@ from .generate import Generation, generate, greedy_agreement, positions_cached, 
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 from .prefix import PrefixCachingBackend
+from .radix import RadixCache
 from .serving import ServingEngine
 from .speculative import (
                           EarlyExit,
@@ -21,4 +22,4 @@ __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Gen
            "greedy_agreement", "positions_cached", "positions_uncached", "IdentityError", "StateIdentity",
            "identity_of", "key_for", "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend",
            "ChatSession", "common_prefix", "ServingEngine", "speculative_generate", "SpecResult", "SpecInputError",
-           "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft"]
+           "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache"]

@@ -78,8 +78,7 @@ class PrefixCachingBackend:
 
     def _keep(self, page, key):
         """The pool is about to reuse the named `page`: its keys and values go down to the tiers."""
-        kv = None if self.dry else (self.pool.k_pool[:, page].clone(), self.pool.v_pool[:, page].clone())
-        self.tiers.put(key, kv)                                       # [layers, page_size, H_kv, D] each
+        self.tiers.put(key, None if self.dry else self.pool.page(page))   # [layers, page_size, H_kv, D] each
 
     def _restore(self, seq, keys, n) -> int:
         """After the pool's hit of n positions, take the following pages from the tiers while they hold them,
@@ -93,7 +92,7 @@ class PrefixCachingBackend:
             manager.reserve(seq, P)                                    # a fresh page for positions n .. n + P - 1
             page = manager.block_table(seq)[i]
             if kv is not None:
-                self.pool.k_pool[:, page], self.pool.v_pool[:, page] = kv
+                self.pool.set_page(page, kv)
             manager.register(seq, i, *keys[i])
             self.stats[f"{tier}_hits"] += 1
             n += P

@@ -1,0 +1,299 @@
+"""RadixCache: token-granular prefix caching over a pool of KV slots (SGLang's RadixAttention idea).
+
+Chapter 6's BlockManager names whole pages by a hash chain, so a prefix is found page by page: two prompts
+sharing 37 tokens share 32 of them in pages of 16, and the last 5 are computed again. Here a prefix is
+found token by token. The cache is a radix tree whose edges are runs of token ids; each node holds the
+slots (positions of the pool flattened to `[num_slots, H_kv, D]`) of its run. A sequence is the path from
+a root to a node. Where a new sequence leaves a run part way, the node is split in two.
+
+Why slots and not pages (`RadixCache(num_slots)`, i.e. pages of one position): a split may fall anywhere
+in a run, and the two halves must own their positions separately. With pages of P > 1 the half-page at a
+split would be shared by two nodes (or copied), which is the bookkeeping chapter 6 avoids by matching
+whole pages only. SGLang's radix cache works on single-token slots by default for the same reason.
+
+Ownership: every slot is in exactly one place: the free queue, one node of the tree, or "out", taken by
+`allocate` for a request that computes it and later `insert`s it (or gives it back with `free`). A request
+holds its prefix with a handle (from `match` or `insert`) until `release`: a handle locks its node and
+every ancestor (each node counts the live handles at or below it), and a locked node is never evicted.
+Eviction takes unlocked leaves, least recently matched or inserted first, as `allocate` needs room.
+
+`extra` (the state identity and the salt, as in `block_hashes`) picks the root: one subtree per extra, so
+two models or two salts never share a node. Every operation checks its arguments first and changes
+nothing when it fails, raising a typed CacheError.
+"""
+
+import heapq
+import itertools
+from collections import deque
+
+from ..cache import CacheInputError, CacheStateError, OutOfPagesError
+from ..cache.checks import int_arg
+
+__all__ = ["RadixCache"]
+
+
+class _Node:
+    _uids = itertools.count()
+
+    def __init__(self, key=(), slots=(), parent=None, extra=None):
+        self.key, self.slots, self.parent = tuple(key), list(slots), parent  # the run, its slots
+        self.children = {}                    # first token of the child's run -> child
+        self.lock = 0                         # live handles at this node or below it
+        self.last_used = 0                    # clock of the last match or insert through this node
+        self.extra, self.uid = extra, next(self._uids)   # extra: a root's identity; uid breaks LRU ties
+
+
+class RadixCache:
+    """A request's life, as a scheduler drives it:
+
+        n, cached, h = cache.match(ids, extra)      # the longest cached prefix, locked by h
+        new = cache.allocate(len(ids) - n)          # room for the rest, evicting LRU leaves if needed
+        ...                                         # the model writes ids[n:] into slots `new`
+        h2 = cache.insert(ids, cached + new, extra) # cached for the next requests, locked by h2
+        cache.release(h)                            # and release(h2) when the request ends
+
+    Invariants (`check`): every slot is free, out, or in exactly one node; a node's run is non-empty, with
+    one slot per token; a node's children start with distinct tokens; a node's lock is the number of live
+    handles at it or below it (so never negative, and a locked node's ancestors are locked); a node was
+    used no later than its parent; a stored root has a child.
+    """
+
+    def __init__(self, num_slots: int):
+        int_arg("num_slots", num_slots, low=1)
+        self.num_slots = num_slots
+        self._unused = deque(range(num_slots))   # free slots, taken from the front, returned at the back
+        self._out = set()                        # allocated, not yet inserted or freed
+        self._roots = {}                         # extra -> root (a root holds no tokens)
+        self._handles = {}                       # live handle -> the node it locks
+        self._issued, self._clock = 0, 0         # handles are 1, 2, ...; the clock orders uses (LRU)
+
+    # ---- looking ----
+    @property
+    def num_free(self) -> int:
+        return len(self._unused)
+
+    def cached_tokens(self) -> int:
+        """Slots held by the tree (locked or evictable)."""
+        return sum(len(n.slots) for n in self._nodes())
+
+    def evictable_tokens(self) -> int:
+        """Slots in unlocked nodes: an unlocked node's whole subtree is unlocked, so all can be evicted."""
+        return sum(len(n.slots) for n in self._nodes() if n.lock == 0)
+
+    def tree(self, extra=()) -> dict:
+        """The subtree of `extra` as nested dicts, run -> subtree: {(1, 2, 3): {(4,): {}, (5, 6): {}}}."""
+        def show(node):
+            return {child.key: show(child) for child in node.children.values()}
+        return show(self._roots.get(_extra(extra), _Node()))
+
+    # ---- serving a request ----
+    def match(self, ids, extra=()) -> tuple[int, list[int], int]:
+        """(n, slots, handle): the longest cached prefix of `ids`, n tokens in `slots`; the handle locks
+        them until `release`. A match ending inside a run splits its node there."""
+        ids, extra = _ids(ids), _extra(extra)
+        root = self._roots.get(extra, _Node(extra=extra))   # an unknown extra: an empty tree, not stored
+        node = self._descend(root, ids)
+        slots = _path_slots(node)
+        return len(slots), slots, self._lock(node)
+
+    def insert(self, ids, slots, extra=()) -> int:
+        """Add a computed sequence: `slots[i]` holds the keys and values of `ids[i]`. The cached prefix is
+        reused: a slot given there that is not the tree's own (computed twice) goes back to the free queue.
+        The other slots must be out (from `allocate`). Returns a handle that locks the whole sequence."""
+        ids, extra = _ids(ids), _extra(extra)
+        slots = list(slots)
+        for s in slots:
+            int_arg("slot", s)
+        if len(slots) != len(ids):
+            raise CacheInputError(f"insert: {len(ids)} ids but {len(slots)} slots; one slot per token")
+        if len(set(slots)) != len(slots):
+            raise CacheInputError(f"insert: a slot is listed twice in {slots}")
+        root = self._roots.get(extra, _Node(extra=extra))
+        cached = _cached_slots(root, ids)
+        for i, s in enumerate(slots):
+            if not (i < len(cached) and s == cached[i]) and s not in self._out:
+                raise CacheStateError(f"insert: slot {s} (token {i}) was not allocated: it is free or "
+                                      "holds other tokens of the tree; allocate() new slots")
+        if ids:
+            self._roots[extra] = root
+        node, n = self._descend(root, ids), len(cached)   # descend splits where the prefix ends in a run
+        if n < len(ids):
+            node.children[ids[n]] = node = _Node(ids[n:], slots[n:], parent=node)
+            node.last_used = self._clock
+        duplicates = [s for s, c in zip(slots, cached, strict=False) if s != c]
+        self._out -= set(duplicates) | set(slots[n:])
+        self._unused.extend(duplicates)
+        return self._lock(node)
+
+    def release(self, handle: int):
+        """Unlock what `handle` held; its nodes become evictable once no other handle holds them."""
+        node = self._node_of(handle)
+        del self._handles[handle]
+        while node.parent is not None:
+            node.lock -= 1
+            node = node.parent
+
+    # ---- slots ----
+    def allocate(self, n: int) -> list[int]:
+        """Take n free slots, evicting LRU leaves if needed. OutOfPagesError, changing nothing, when the
+        free and evictable slots together are fewer than n."""
+        int_arg("n", n)
+        if n > self.num_free + self.evictable_tokens():
+            raise OutOfPagesError(f"allocate({n}): {self.num_free} slots free and {self.evictable_tokens()} "
+                                  f"evictable of {self.num_slots}; the rest are locked or allocated")
+        if n > self.num_free:
+            self.evict(n - self.num_free)
+        slots = [self._unused.popleft() for _ in range(n)]
+        self._out.update(slots)
+        return slots
+
+    def free(self, slots):
+        """Give back allocated slots that were never inserted (an aborted request)."""
+        slots = list(slots)
+        for s in slots:
+            int_arg("slot", s)
+        if len(set(slots)) != len(slots) or not self._out.issuperset(slots):
+            raise CacheStateError(f"free({slots}): each slot must be allocated, not inserted, and listed once")
+        self._out -= set(slots)
+        self._unused.extend(slots)
+
+    def evict(self, n: int) -> list[int]:
+        """Free at least n slots (fewer if the unlocked ones do not suffice) by removing unlocked leaves,
+        least recently used first; a parent left childless and unlocked becomes a leaf in turn."""
+        int_arg("n", n)
+        leaves = [(x.last_used, x.uid, x) for x in self._nodes() if not x.children and x.lock == 0]
+        heapq.heapify(leaves)
+        freed = []
+        while len(freed) < n and leaves:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            freed += node.slots
+            if parent.parent is None and not parent.children:
+                del self._roots[parent.extra]            # an empty subtree: forget its extra
+            elif parent.parent is not None and not parent.children and parent.lock == 0:
+                heapq.heappush(leaves, (parent.last_used, parent.uid, parent))
+        self._unused.extend(freed)
+        return freed
+
+    # ---- checking ----
+    def check(self):
+        """Raise AssertionError naming the first broken invariant."""
+        where = [*self._unused, *self._out, *(s for x in self._nodes() for s in x.slots)]
+        assert sorted(where) == list(range(self.num_slots)), "a slot is lost, or in two places (free, out, nodes)"
+        held = {}                                        # node uid -> live handles at it or below it
+        for node in self._handles.values():
+            while node.parent is not None:
+                held[node.uid] = held.get(node.uid, 0) + 1
+                node = node.parent
+        for extra, root in self._roots.items():
+            assert root.parent is None and root.extra == extra and not root.key, f"bad root for {extra!r}"
+            assert root.children, f"the root of {extra!r} is empty but kept"
+        for node in self._nodes():
+            assert node.key and len(node.key) == len(node.slots), f"node {node.key}: empty or slots != tokens"
+            assert node.parent.children.get(node.key[0]) is node, f"node {node.key}: not its parent's child"
+            assert node.lock == held.get(node.uid, 0) >= 0, (
+                f"node {node.key}: lock {node.lock}, but {held.get(node.uid, 0)} handles at it or below it")
+            assert node.last_used <= node.parent.last_used or node.parent.parent is None, (
+                f"node {node.key} was used after its parent")
+
+    def __repr__(self):
+        return (f"RadixCache({self.num_free}/{self.num_slots} slots free, {self.cached_tokens()} cached, "
+                f"{len(self._out)} allocated, {len(self._handles)} handles)")
+
+    # ---- the tree ----
+    def _nodes(self):
+        """Every node but the roots, each after its parent."""
+        stack = [c for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _descend(self, root, ids):
+        """The node whose path is the longest cached prefix of `ids`, touched for LRU all the way down;
+        where the prefix ends inside a run, that node is split there first."""
+        self._clock += 1
+        node, i = root, 0
+        while i < len(ids) and ids[i] in node.children:
+            child = node.children[ids[i]]
+            k = _common(child.key, ids[i:])
+            if k < len(child.key):
+                child = self._split(child, k)
+            node, i = child, i + k
+            node.last_used = self._clock
+        return node
+
+    def _split(self, node, k):
+        """Cut `node`'s run after k tokens: a new parent holds the first k, `node` keeps the rest."""
+        top = _Node(node.key[:k], node.slots[:k], parent=node.parent)
+        top.lock, top.last_used = node.lock, node.last_used   # the same handles are below it
+        node.parent.children[top.key[0]] = top
+        node.key, node.slots, node.parent = node.key[k:], node.slots[k:], top
+        top.children[node.key[0]] = node
+        return top
+
+    def _lock(self, node) -> int:
+        self._issued += 1
+        handle = self._issued
+        self._handles[handle] = node
+        while node.parent is not None:
+            node.lock += 1
+            node = node.parent
+        return handle
+
+    def _node_of(self, handle):
+        int_arg("handle", handle, low=None)
+        if 1 <= handle <= self._issued and handle not in self._handles:
+            raise CacheStateError(f"handle {handle} was released already (release twice)")
+        if handle not in self._handles:
+            raise CacheStateError(f"unknown handle {handle}: match() and insert() return handles")
+        return self._handles[handle]
+
+
+def _cached_slots(root, ids) -> list[int]:
+    """The slots of the longest cached prefix of `ids` below `root`, changing nothing."""
+    node, slots = root, []
+    while len(slots) < len(ids) and ids[len(slots)] in node.children:
+        node = node.children[ids[len(slots)]]
+        k = _common(node.key, ids[len(slots):])
+        slots += node.slots[:k]
+        if k < len(node.key):
+            break
+    return slots
+
+
+def _common(run, ids) -> int:
+    """How many leading tokens `run` and `ids` share."""
+    return next((j for j, (a, b) in enumerate(zip(run, ids, strict=False)) if a != b), min(len(run), len(ids)))
+
+
+def _path_slots(node) -> list[int]:
+    """The slots of the path from the root to `node`."""
+    runs = []
+    while node is not None:
+        runs.append(node.slots)
+        node = node.parent
+    return [s for run in reversed(runs) for s in run]
+
+
+def _ids(ids) -> tuple:
+    """Token ids: a list, tuple or tensor of ints >= 0."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise CacheInputError(f"ids must be a sequence of ints, got {type(ids).__name__}")
+    ids = tuple(ids)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    if bad:
+        raise CacheInputError(f"token ids must be ints >= 0, got {bad[0]!r}")
+    return ids
+
+
+def _extra(extra) -> tuple:
+    """The identity a subtree is keyed by: a tuple of hashable values (a StateIdentity, a salt)."""
+    extra = tuple(extra)
+    try:
+        hash(extra)
+    except TypeError:
+        raise CacheInputError(f"extra must hold hashable values, got {extra!r}") from None
+    return extra
