@@ -14,7 +14,7 @@ import random
 import numpy as np
 from tqdm.auto import tqdm
 
-from .engine import PrefixCachingBackend, block_hashes
+from .engine import PrefixCachingBackend, RadixCache, block_hashes
 
 
 def random_tokens(rng, n, vocab) -> list:
@@ -93,6 +93,23 @@ def hit_rate(model, requests, num_pages, page_size=16) -> dict:
         backend.dry_run(ids)
     s = backend.stats
     return dict(s, hit_rate=s["cached_tokens"] / (s["cached_tokens"] + s["computed_tokens"]), num_pages=num_pages)
+
+
+def radix_hit_rate(requests, num_slots: int) -> dict:
+    """`hit_rate` for a RadixCache of `num_slots` positions (chapter 11): each request takes its longest cached
+    prefix token by token (at most all but its last token, which is always run, as with pages), computes the
+    rest, and leaves it cached; LRU leaves are evicted as room is needed. The same totals as `hit_rate`,
+    for the same memory as a pool of num_slots / page_size pages."""
+    cache, cached, computed = RadixCache(num_slots), 0, 0
+    for ids in requests:
+        n, slots, held = cache.match(ids)
+        n = min(n, len(ids) - 1)                                # the last token is always run
+        new = cache.allocate(len(ids) - n)
+        inserted = cache.insert(ids, slots[:n] + new)
+        cache.release(held), cache.release(inserted)
+        cached, computed = cached + n, computed + len(ids) - n
+    return dict(cached_tokens=cached, computed_tokens=computed, hit_rate=cached / (cached + computed),
+                num_slots=num_slots)
 
 
 def hit_rate_sweep(model, workloads: dict, fractions, page_size=16) -> dict:

@@ -330,3 +330,27 @@ def test_random_operations_against_a_brute_force_model():
 
 def test_errors_are_cache_errors():
     assert issubclass(OutOfPagesError, CacheError) and issubclass(CacheInputError, CacheError)
+
+
+def test_radix_hit_rate_counts_every_longest_earlier_prefix_and_beats_whole_pages():
+    """lab.workloads.radix_hit_rate with room for everything: each request's cached tokens are its longest
+    common prefix with any earlier request (brute force), at most all but its last token; the page-granular
+    hash chain of chapter 6, with the same room, finds no more, and here finds fewer."""
+    from lab import workloads
+    from lab.models import load
+
+    requests = workloads.multi_turn_chats(320, scale=0.1)
+    total = sum(len(r) for r in requests)
+    got = workloads.radix_hit_rate(requests, num_slots=total)
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    want = sum(min(max((common(r, e) for e in requests[:i]), default=0), len(r) - 1)
+               for i, r in enumerate(requests))
+    assert got["cached_tokens"] == want and got["computed_tokens"] == total - want
+    pages = workloads.hit_rate(load("tiny-llama"), requests, num_pages=-(-total // 16), page_size=16)
+    assert pages["cached_tokens"] < got["cached_tokens"]
