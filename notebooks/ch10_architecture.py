@@ -42,7 +42,8 @@ from lab.cache.base import visible
 from lab.experiments import ch10_architecture as ch10
 from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
-from lab.models.retrofit import (RetrofitError, bases, latent_kv, local_layers, pool_kv_heads, share_kv)
+from lab.models.retrofit import (RetrofitError, bases, calibration_moments, latent_kv, local_layers, pool_kv_heads,
+                                 share_kv)
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
@@ -237,7 +238,8 @@ print("the engine's tokens equal the uncached forward's; most pages held:", engi
 # model's bfloat16 cache.
 
 # %%
-cases, latent = ch10.retrofits(smol, calibration, S)
+moments = calibration_moments(smol, calibration)        # per layer: K^T K and V^T V, for every rank at once
+cases, latent = ch10.retrofits(smol, moments, S)
 ids, prefill, ref = ch10.held_out(smol, S)
 q = ch10.quality_map(smol, cases, ids, prefill, ref)
 rows = {(f, n): {"bytes per position": r["bytes"], "share of bf16": r["bytes"] / cfg.kv_bytes_per_position(BF16),
@@ -257,7 +259,7 @@ fig_kl = ch10.plot_kl_bytes(ch10.plot_points(m))
 # latent keeps hold:
 
 # %%
-m["spectra"] = ch10.spectra(smol, calibration, S["ranks"])
+m["spectra"] = ch10.spectra(moments, S["ranks"])
 display(show(pd.DataFrame({r: {"keys (after RoPE)": x["keys"], "values": x["values"]}
                            for r, x in m["spectra"].items()}).T.rename_axis("rank"),
              percent=["keys (after RoPE)", "values"]))

@@ -203,7 +203,7 @@ class QuantizedCache(KVCache):
         """Store k, v and attend: q `[B, H_q, T, D]` over every position -> `[B, H_q, T, D]`, the quantized
         prefix read through its codes with the scales folded in (module docstring)."""
         if not self.config.as_trained:            # a retrofit's layer (ch. 10): the prefix dequantized
-            return super().attend(layer, q, k, v)
+            return self._attend_shaped(layer, q, k, v)
         checks.equal_rows(self, "attend")
         checks.kv(self, layer, k, v)
         check_query(self, q, k)

@@ -27,7 +27,14 @@ from ..cache.hybrid import HybridBlockManager
 from ..engine.hashing import page_keys
 from ..metrics import quality, reference
 from ..models import forward_cached, load
-from ..models.retrofit import calibration_moments, latent_kv, local_layers, pool_kv_heads, reconstructing_form, share_kv
+from ..models.retrofit import (
+    calibration_moments,
+    latent_from_moments,
+    local_layers,
+    pool_kv_heads,
+    reconstructing_form,
+    share_kv,
+)
 from ..results import figures_dir, provenance, quick, value, write_section
 from . import plots
 from .ch07_compress import QUANTIZED
@@ -82,9 +89,10 @@ def bf16_bytes(model, make, r: dict) -> float:
     return per_position * window_share(cfg, positions)
 
 
-def retrofits(smol, calibration, s) -> dict:
+def retrofits(smol, moments, s) -> dict:
     """{family: {name: (model, make_cache)}} of every case the chapter measures."""
-    latent = {r: latent_kv(smol, r, calibration) for r in sorted({*s["ranks"], *s["latent_int8"], s["step_rank"]})}
+    ranks = sorted({*s["ranks"], *s["latent_int8"], s["step_rank"]})
+    latent = {r: latent_from_moments(smol, r, moments) for r in ranks}     # one calibration for every rank
     local = {(w, g, k): local_layers(smol, w, g, k) for w, g, k in {*s["locals"], *s["local_kivi4"]}}
     name = lambda w, g, k: f"w{w} g{g}" + (f" s{k}" if k else "")                       # noqa: E731
     out = {"chapter 7, quantized": {n.replace("per_token_", "int").replace("_", ""): (smol, quantized(n))
@@ -151,12 +159,11 @@ def step_times(smol, latent, s) -> dict:
 
 
 @torch.inference_mode()
-def spectra(smol, calibration, ranks) -> dict:
+def spectra(moments, ranks) -> dict:
     """How much of the keys' (after RoPE) and of the values' energy the top rank / 2 directions of each hold,
     on the calibration text, the mean over layers: {rank: {"keys": share, "values": share}}. The latent
     keeps exactly those directions, so this is what it keeps of each before any quality is measured."""
-    moments = calibration_moments(smol, calibration).values()                  # per layer: K^T K, V^T V
-    eigen = [[torch.linalg.eigvalsh(m).flip(0) for m in pair] for pair in moments]
+    eigen = [[torch.linalg.eigvalsh(m).flip(0) for m in pair] for pair in moments.values()]  # K^T K, V^T V
     out = {}
     for r in ranks:
         keep = [[float(e[: r // 2].sum() / e.sum()) for e in pair] for pair in eigen]       # [layers][k, v]
@@ -222,12 +229,13 @@ def measure(quick_mode=None) -> dict:
     smol = load("smollm2")
     count, n = s["calibration"]
     calibration = data.passages(smol.tokenizer, n, count, split="train")
-    cases, latent = retrofits(smol, calibration, s)
+    moments = calibration_moments(smol, calibration)                   # the latents' and the spectra's
+    cases, latent = retrofits(smol, moments, s)
     ids, prefill, ref = held_out(smol, s)
     m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
              bf16_bytes=smol.config.kv_bytes_per_position(BF16))
     m["quality"] = quality_map(smol, cases, ids, prefill, ref)
-    m["spectra"] = spectra(smol, calibration, s["ranks"])
+    m["spectra"] = spectra(moments, s["ranks"])
     m["steps"] = step_times(smol, latent, s)
     m["hybrid"] = hybrid_pool(smol, s)
     m["tables"] = hybrid_tables(smol)

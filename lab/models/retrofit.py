@@ -162,8 +162,6 @@ def forward(ids, w, config, last_only=False, held=None):
 # region retrofits
 def retrofitted(model, name: str, weights: dict | None = None, **fields) -> Model:
     """A new Model: the same tokenizer, these weights (the model's by default), the config with `fields`."""
-    if model.config.arch != "llama":
-        raise RetrofitError(f"retrofits take a Llama-family model (RoPE, grouped KV heads), got {model.config.arch}")
     config = dataclasses.replace(model.config, name=f"{model.config.name or model.name}-{name}", **fields)
     layers = range(config.kv_layout[0])
     if config.window and config.global_every > 1 and all(config.window_of(j)[0] for j in layers):
@@ -191,7 +189,7 @@ def pool_kv_heads(model, kv_heads: int) -> Model:
     uptraining): each new head's key and value projections are the mean of the heads it replaces, and it
     serves all their queries. kv_heads must divide the model's KV heads (and so its query heads);
     the model's own count returns the same function."""
-    cfg = model.config
+    cfg = llama_config(model)
     count("kv_heads", kv_heads, 1, cfg.n_kv_heads)
     if cfg.n_kv_heads % kv_heads:
         raise RetrofitError(f"kv_heads {kv_heads} must divide the model's {cfg.n_kv_heads} KV heads (and so its "
@@ -217,19 +215,31 @@ def latent_kv(model, rank: int, calibration_ids) -> Model:
     queries, not the keys: q . k = (U_k^T q) . c_k at every position, so attention runs in latent space
     (`block`); the price is that rotation spreads each channel over its pair, so keys need more directions
     than before RoPE. rank = 2 x kv_heads x head_dim reproduces the model."""
+    check_latent(model, rank)                                   # before the calibration's forwards
+    return latent_from_moments(model, rank, calibration_moments(model, calibration_ids))
+
+
+def latent_from_moments(model, rank: int, moments: dict) -> Model:
+    """latent_kv from the calibration's moments (`calibration_moments`), computed once for several ranks."""
+    cfg = check_latent(model, rank)
+    weights = dict(model.weights)
+    for j, pair in moments.items():
+        for name, m in zip(("k_latent", "v_latent"), pair, strict=True):   # [H_kv D, H_kv D] each
+            _, vectors = torch.linalg.eigh(m)                                  # ascending eigenvalues
+            U = vectors[:, -(rank // 2):].flip(-1)                             # the largest first
+            weights[f"model.layers.{j * cfg.kv_share}.self_attn.{name}"] = U.to(cfg.torch_dtype).contiguous()
+    return retrofitted(model, f"latent{rank}", weights, kv_rank=rank)
+
+
+def check_latent(model, rank):
+    """A rank latent_kv can take for this model: even, 1 .. 2 x kv_heads x head_dim; the config."""
     cfg = llama_config(model)
     count("rank", rank, 1, 2 * cfg.n_kv_heads * cfg.head_dim)
     if rank % 2:
         raise RetrofitError(f"rank must be even: half of it for the keys, half for the values; got {rank}")
     if cfg.kv_rank:
         raise RetrofitError("the model holds a latent already")
-    weights = dict(model.weights)
-    for j, moments in calibration_moments(model, calibration_ids).items():
-        for name, m in zip(("k_latent", "v_latent"), moments, strict=True):  # [H_kv D, H_kv D] each
-            _, vectors = torch.linalg.eigh(m)                                  # ascending eigenvalues
-            U = vectors[:, -(rank // 2):].flip(-1)                             # the largest first
-            weights[f"model.layers.{j * cfg.kv_share}.self_attn.{name}"] = U.to(cfg.torch_dtype).contiguous()
-    return retrofitted(model, f"latent{rank}", weights, kv_rank=rank)
+    return cfg
 
 
 @torch.inference_mode()
@@ -256,7 +266,7 @@ def local_layers(model, window: int, global_every: int, sinks: int = 0) -> Model
     """Layers that see only the last `window` positions (their own included) and the first `sinks`, as
     Gemma's and gpt-oss's local layers do (sinks as StreamingLLM keeps them); layers g-1, 2g-1, ... with
     g = global_every stay global. A window at least the context, or global_every = 1, is the model."""
-    cfg = model.config
+    cfg = llama_config(model)
     count("window", window, 1, 1 << 40)
     count("global_every", global_every, 1, cfg.n_layers)
     count("sinks", sinks, 0, 1 << 40)
@@ -279,7 +289,7 @@ def reconstructing_form(model) -> Model:
 def share_kv(model, every: int = 2) -> Model:
     """Cross-layer attention (CLA) without training: each run of `every` layers reads one cache, the one
     its lowest layer writes; the others' own key and value projections go unused. every = 1 is the model."""
-    cfg = model.config
+    cfg = llama_config(model)
     count("every", every, 1, cfg.n_layers)
     if cfg.kv_share > 1 or cfg.kv_rank:
         raise RetrofitError("share_kv takes a model that does not share or hold a latent yet (apply it first)")
