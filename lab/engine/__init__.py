@@ -1,12 +1,12 @@
 """The engine: backends that take ids and return scores, state identity, and the generation loop."""
 
+from ..cache.radix import RadixCache
 from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids, common_prefix
 from .chat import ChatSession
 from .generate import Generation, generate, greedy_agreement, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 from .prefix import PrefixCachingBackend
-from .radix import RadixCache
 from .serving import ServingEngine
 from .speculative import (
                           EarlyExit,

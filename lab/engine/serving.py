@@ -46,6 +46,7 @@ import torch
 
 from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedCache
 from ..cache.paged import HybridPool, StepBatch
+from ..cache.radix import RadixBlockManager
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
 from .hashing import page_keys
@@ -109,8 +110,16 @@ class ServingEngine:
     """
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
-                 prefix_caching: bool = True, draft=None, k: int = 4, local_pages: int | None = None):
+                 prefix_caching: bool | str = True, draft=None, k: int = 4, local_pages: int | None = None,
+                 schedule: str = "fcfs"):
         cfg = model.config
+        if prefix_caching not in (True, False, "hash", "radix"):
+            raise CacheInputError(f'prefix_caching is True or "hash" (page names), "radix" or False, '
+                                  f"got {prefix_caching!r}")
+        if schedule not in ("fcfs", "lpm") or (schedule == "lpm" and not prefix_caching):
+            raise CacheInputError(f'schedule is "fcfs" or, with prefix caching, "lpm", got {schedule!r}')
+        if prefix_caching == "radix" and page_size != 1:
+            raise CacheInputError(f"a radix tree caches single positions: page_size=1, got {page_size}")
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens),
                         ("local_pages", 1 if local_pages is None else local_pages)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -123,9 +132,14 @@ class ServingEngine:
         check_k(k)
         self.model, self.page_size, self.max_batch_tokens = model, page_size, max_batch_tokens
         self.draft, self.k = draft, k
-        self.prefix_caching = bool(prefix_caching)
+        self.prefix_caching, self.radix, self.schedule = bool(prefix_caching), prefix_caching == "radix", schedule
         self.hybrid = any(cfg.window_of(j)[0] for j in range(cfg.kv_layout[0]))   # local layers (ch. 10)
-        if self.hybrid:                              # a group of pages per rule, the local one windowed
+        if self.hybrid and self.radix:
+            raise CacheInputError("a radix tree keeps every position of a prefix; local layers give pages back")
+        if self.radix:                               # one-position pages, free and cached ones in a tree
+            self.pool = PagedCache(cfg, num_pages, 1, dtype=model.dtype, device=model.device,
+                                   manager=RadixBlockManager)
+        elif self.hybrid:                              # a group of pages per rule, the local one windowed
             self.pool = HybridPool(cfg, num_pages, page_size, local_pages, dtype=model.dtype, device=model.device)
         elif local_pages is not None:
             raise CacheInputError(f"local_pages sizes the pages of local layers; {cfg.name or cfg.arch} has none")
@@ -343,15 +357,33 @@ class ServingEngine:
 
     def next_to_admit(self) -> Request:
         """The waiting request admission tries next: the head of the queue, first come first served (a
-        preempted request waits at the head). A policy overrides this; the engine never skips the one chosen."""
-        return self.waiting[0]
+        preempted request waits at the head). A policy overrides this; the engine never skips the one chosen.
+        With schedule="lpm" (SGLang's cache-aware policy), a preempted request still goes first; otherwise
+        the one with the longest cached prefix, the earliest among equals."""
+        head = self.waiting[0]
+        if self.schedule == "fcfs" or head.events["preempted"]:
+            return head
+        return max(self.waiting, key=self.cached_prefix)        # the first of equal maxima: the earliest
+
+    def cached_prefix(self, req) -> int:
+        """Positions of `req` its admission would take from the cache now (changes nothing)."""
+        if self.radix:
+            return self.manager.tree.prefix_length(req.tokens[:req.num_tokens - 1], self.extra)
+        n = 0
+        for key in self._page_keys(req, (req.num_tokens - 1) // self.page_size):
+            if self.manager.cached(key) is None:
+                break
+            n += self.page_size
+        return n
 
     def _admit(self, req, budget, now) -> int:
         """Give a waiting request its cached prefix and its first chunk; the chunk's tokens, or 0 (nothing
         changed) when the pool has no room for it."""
         P, seq = self.page_size, self.pool.new_id()
         taken = 0
-        if self.prefix_caching:                       # one token at least is computed: its logits are sampled
+        if self.radix:                                # pages of one position: taken positions = pages
+            taken = self.manager.match(seq, req.tokens[:req.num_tokens - 1], self.extra)
+        elif self.prefix_caching:                     # one token at least is computed: its logits are sampled
             taken = self.manager.reserve_prefix(seq, self._page_keys(req, (req.num_tokens - 1) // P))
         n = min(req.num_tokens - taken * P, budget)
         # headroom: after admission, a free page for every running request, so that the decodes of the next
@@ -382,6 +414,8 @@ class ServingEngine:
         self.stats["preemptions"] += 1
 
     def _release(self, req):
+        if self.radix:                                # what it computed goes in the tree, for later requests
+            self.manager.cache(req.seq, req.tokens[:req.computed], self.extra)
         self.manager.release(req.seq)                 # named pages stay cached, free, least recent first
         req.seq, req.computed, req.named, req.guess, req.draft = None, 0, 0, [], None   # the draft's cache too
 
@@ -440,7 +474,10 @@ class ServingEngine:
     def _name_pages(self, req):
         """Name the pages of `req` that became full (chapter 6), so later requests starting alike take them."""
         full = req.computed // self.page_size
-        if not self.prefix_caching or full == req.named:
+        if self.radix and full != req.named:          # every computed position, as soon as it is
+            self.manager.cache(req.seq, req.tokens[:full], self.extra)
+            req.named = full
+        if self.radix or not self.prefix_caching or full == req.named:
             return
         for i, key in enumerate(self._page_keys(req, full)[req.named:], start=req.named):
             self.manager.register(req.seq, i, *key)   # False if another page has that name already: fine
@@ -458,7 +495,8 @@ class ServingEngine:
                 else f"{self.manager.num_free}/{self.manager.num_pages}")
         return (f"ServingEngine({len(self.running)} running, {len(self.waiting)} waiting, "
                 f"{free} pages free, page_size={self.page_size}, "
-                f"max_batch_tokens={self.max_batch_tokens}, prefix_caching={self.prefix_caching})")
+                f"max_batch_tokens={self.max_batch_tokens}, "
+                f"prefix_caching={'radix' if self.radix else self.prefix_caching}, schedule={self.schedule})")
 
 
 def pages_in(freed) -> list:

@@ -26,10 +26,11 @@ import heapq
 import itertools
 from collections import deque
 
-from ..cache import CacheInputError, CacheStateError, OutOfPagesError
-from ..cache.checks import int_arg
+from .block_manager import BlockManager
+from .checks import int_arg
+from .errors import CacheInputError, CacheStateError, OutOfPagesError
 
-__all__ = ["RadixCache"]
+__all__ = ["RadixCache", "RadixBlockManager"]
 
 
 class _Node:
@@ -66,6 +67,7 @@ class RadixCache:
         self._roots = {}                         # extra -> root (a root holds no tokens)
         self._handles = {}                       # live handle -> the node it locks
         self._issued, self._clock = 0, 0         # handles are 1, 2, ...; the clock orders uses (LRU)
+        self.evicted = 0                         # slots evicted so far
 
     # ---- looking ----
     @property
@@ -79,6 +81,16 @@ class RadixCache:
     def evictable_tokens(self) -> int:
         """Slots in unlocked nodes: an unlocked node's whole subtree is unlocked, so all can be evicted."""
         return sum(len(n.slots) for n in self._nodes() if n.lock == 0)
+
+    def is_out(self, slot: int) -> bool:
+        """True for a slot `allocate` gave out and no `insert` or `free` has taken back."""
+        return slot in self._out
+
+    def prefix_length(self, ids, extra=()) -> int:
+        """How many leading tokens of `ids` are cached, changing nothing (no lock, no split, no LRU touch):
+        what a scheduler ranks waiting requests by."""
+        root = self._roots.get(_extra(extra))
+        return 0 if root is None else len(_cached_slots(root, _ids(ids)))
 
     def tree(self, extra=()) -> dict:
         """The subtree of `extra` as nested dicts, run -> subtree: {(1, 2, 3): {(4,): {}, (5, 6): {}}}."""
@@ -174,6 +186,7 @@ class RadixCache:
             elif parent.parent is not None and not parent.children and parent.lock == 0:
                 heapq.heappush(leaves, (parent.last_used, parent.uid, parent))
         self._unused.extend(freed)
+        self.evicted += len(freed)
         return freed
 
     # ---- checking ----
@@ -297,3 +310,119 @@ def _extra(extra) -> tuple:
     except TypeError:
         raise CacheInputError(f"extra must hold hashable values, got {extra!r}") from None
     return extra
+
+
+class RadixBlockManager(BlockManager):
+    """The serving engine's token-granular prefix cache (`ServingEngine(..., prefix_caching="radix")`): a
+    BlockManager of one-position pages whose free pages and cached prefixes a RadixCache (`tree`) keeps.
+
+    Every page is in one place: free (the tree's free queue), cached (a node of the tree holds it) or out
+    (allocated to a sequence and not cached yet). A sequence starts with `match` (the tree's pages of its
+    longest cached prefix, locked by a handle while it runs) and grows with `reserve` (pages out of the
+    tree's free queue, evicting its least recently used unlocked leaves when the queue is empty).
+    `cache(seq, ids)` puts the sequence's first len(ids) positions in the tree, so that later requests
+    find them; where the tree already held those tokens (two requests computed one prefix at once), the
+    sequence's page is swapped for the tree's (the same tokens at the same positions, under the same
+    identity: the same keys and values) and goes back free, so no prefix is held twice. `release` gives
+    back what the tree does not keep. Pages shared through the tree need no copy on write: a tree page is
+    always full (one position) and never written again.
+
+    Not here: `fork`, chapter 6's page names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 1):
+        if page_size != 1:
+            raise CacheInputError(f"a radix tree caches single positions: page_size must be 1, got {page_size}")
+        super().__init__(num_pages, 1)
+        self.tree = RadixCache(num_pages)
+        self._free.clear()                       # the tree's free queue is the free list
+        self._handles = {}                       # seq -> the handle that locks its tree pages
+
+    @property
+    def num_free(self) -> int:                   # free, or cached in unlocked nodes (evicted on demand)
+        return self.tree.num_free + self.tree.evictable_tokens()
+
+    def cached_pages(self) -> int:
+        return self.tree.cached_tokens()
+
+    def match(self, seq, ids, extra=()) -> int:
+        """Start the new sequence `seq` with the tree's pages of the longest cached prefix of `ids` (under
+        `extra`, the state identity); returns its length in positions."""
+        if self._new_or_live(seq):
+            raise CacheStateError(f"match({seq!r}): the sequence exists; a prefix starts a new one")
+        n, pages, handle = self.tree.match(ids, extra)
+        for page in pages:
+            self._refs[page] += 1
+        self._tables[seq], self._lengths[seq], self._handles[seq] = pages, n, handle
+        return n
+
+    def reserve(self, seq, n: int) -> list:
+        need = self.pages_needed(seq, n)             # validates seq and n; pages of one position: n
+        pages = self.tree.allocate(need)             # OutOfPagesError, changing nothing
+        for page in pages:
+            self._refs[page] = 1
+        self._tables.setdefault(seq, []).extend(pages)
+        self._lengths[seq] = self._lengths.get(seq, 0) + n
+        self.evicted = self.tree.evicted
+        return []                                    # never a copy on write
+
+    def cache(self, seq, ids, extra=()):
+        """Put the first len(ids) positions of `seq`, which hold the keys and values of `ids`, in the tree;
+        the sequence keeps them locked until `release`."""
+        table, ids = self._tables[self._live(seq)], list(ids)
+        if len(ids) > self._lengths[seq]:
+            raise CacheInputError(f"cache({seq!r}): {len(ids)} ids, but the sequence holds {self._lengths[seq]}")
+        handle = self.tree.insert(ids, table[:len(ids)], extra)
+        _, pages, locked = self.tree.match(ids, extra)      # the tree's pages, ours or earlier ones
+        self.tree.release(handle)
+        for i, (mine, tree) in enumerate(zip(table, pages, strict=False)):
+            if mine != tree:                         # computed twice: insert took ours back, use the tree's
+                self._refs[mine] -= 1
+                self._refs[tree] += 1
+                table[i] = tree
+        if seq in self._handles:
+            self.tree.release(self._handles[seq])
+        self._handles[seq] = locked
+
+    def release(self, seq) -> list[int]:
+        freed = super().release(seq)
+        if seq in self._handles:
+            self.tree.release(self._handles.pop(seq))
+        return freed
+
+    def _drop(self, pages) -> list[int]:             # a page nobody holds goes back free unless the tree keeps it
+        freed = []
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0 and self.tree.is_out(page):
+                self.tree.free([page])
+                freed.append(page)
+        return freed
+
+    def _refuse(self, *args, **kwargs):
+        raise CacheStateError("a RadixBlockManager shares pages through its tree (match, cache), not by fork, "
+                              "page names or dropped pages")
+
+    fork = register = reserve_prefix = adopt = drop_pages = _refuse
+
+    def check(self):
+        """Raise AssertionError naming the first broken invariant, the tree's included."""
+        self.tree.check()
+        counted = [0] * self.num_pages
+        for seq, table in self._tables.items():
+            assert len(table) == self._lengths[seq], f"sequence {seq!r}: {len(table)} pages for {self._lengths[seq]}"
+            assert len(set(table)) == len(table), f"sequence {seq!r} lists a page twice: {table}"
+            for page in table:
+                counted[page] += 1
+        free = set(self.tree._unused)
+        for page in range(self.num_pages):
+            assert self._refs[page] == counted[page], (
+                f"page {page} has reference count {self._refs[page]} but {counted[page]} block tables hold it")
+            assert not (counted[page] and page in free), f"page {page} is both free and held"
+            assert counted[page] or not self.tree.is_out(page), f"page {page} is out but no sequence holds it"
+        for seq, handle in self._handles.items():
+            assert seq in self._tables, f"released sequence {seq!r} still holds handle {handle}"
+
+    def __repr__(self):
+        return (f"RadixBlockManager({self.tree.num_free}/{self.num_pages} pages free, "
+                f"{self.tree.cached_tokens()} cached, {len(self._tables)} sequences)")
