@@ -27,6 +27,11 @@ pages only (speculation never preempts). The request then feeds its last token a
 chunk, the same step verifies them all, and the pages are cropped back to the accepted tokens: a page is
 named for prefix caching only once every token in it is accepted, so rejected guesses never reach a name.
 
+A radix tree (chapter 11: `prefix_caching="radix"`, pages of one position): instead of naming full pages,
+the engine keeps every computed position in a RadixCache (lab/cache/radix.py) as soon as it is computed, and
+a new request takes the tree's pages of its longest cached prefix, to the token. `schedule="lpm"` admits the
+waiting request with the longest cached prefix first (SGLang's cache-aware policy) instead of the oldest.
+
 Local layers (chapter 10: a model with `config.window_of(layer)` windows, from `local_layers`): the pool is a
 `HybridPool`, one group of pages for the global layers and one, of `local_pages` pages, for the local ones,
 whose pages go back once they leave the window (lab/cache/hybrid.py). Scheduling, preemption, prefix
