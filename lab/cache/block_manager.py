@@ -58,6 +58,7 @@ class BlockManager:
         self._keys = {}                       # page -> its (digest, parent digest, tokens)
         self.evicted = 0                      # cached pages reused for other positions
         self.on_evict = None                  # on_evict(page, key): a named page about to be reused
+        self.on_name = None                   # on_name(page, key): a page just named (lab/serve: KV events)
 
     def block_table(self, seq) -> list[int]:
         """A copy of the sequence's page ids, in position order."""
@@ -228,6 +229,8 @@ class BlockManager:
         if page == NULL or digest in self._cached or page in self._keys:
             return False                      # NULL: given back (drop_pages), nothing to name
         self._cached[digest], self._keys[page] = page, (digest, parent, tuple(tokens))
+        if self.on_name is not None:
+            self.on_name(page, self._keys[page])
         return True
 
     def reserve_prefix(self, seq, keys) -> int:

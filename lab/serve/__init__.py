@@ -1,6 +1,7 @@
 """`python -m lab.serve`: an OpenAI-compatible HTTP server over the ServingEngine (chapter 8).
 
     python -m lab.serve --model smollm2 --port 8000
+    python -m lab.serve --workers 2 --router kv_aware      # two engines behind a cache-aware router
     curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'
 
 - api.py: OpenAI's request and error shapes, reading and checking a body.
@@ -8,6 +9,8 @@
 - engine_loop.py: the one loop that steps the engine, run on a thread (EngineThread) or in a process of
   its own (EngineProcess, the default of `python -m lab.serve`, as vLLM runs its engine core).
 - router.py: the server's side of the engine: request id -> the stream its tokens go to.
+- fleet.py: several engine processes behind one router (`--workers N --router kv_aware`, chapter 11):
+  round robin, least loaded, or NVIDIA Dynamo's KV-aware cost over the pages each engine reports named.
 - detokenizer.py: a reply's text, token by token, in time linear in its length.
 - cli.py: the command line and the signals. If the engine's process dies, the requests in flight fail,
   /health answers 503 and the server exits with code 1 for its supervisor to restart it (cli.py says why).
@@ -20,7 +23,8 @@ from .api import MAX_BODY_BYTES, APIError
 from .app import create_app
 from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineLoop, EngineProcess, EngineThread
+from .fleet import Fleet
 from .router import EngineFailed, RequestIdError, Router
 
 __all__ = ["create_app", "APIError", "MAX_BODY_BYTES", "EngineLoop", "EngineThread", "EngineProcess", "Router",
-           "EngineFailed", "RequestIdError", "IncrementalDetokenizer"]
+           "Fleet", "EngineFailed", "RequestIdError", "IncrementalDetokenizer"]

@@ -1,4 +1,5 @@
-"""The HTTP app: OpenAI's /v1/completions and /v1/chat/completions, /v1/models and /health (FastAPI).
+"""The HTTP app: OpenAI's /v1/completions and /v1/chat/completions, /v1/models and /health (FastAPI), and
+/fleet in front of several engines (a Fleet: each worker's requests routed and in flight, its cache's hits).
 
 A handler reads the body (at most `max_body_bytes`: 413 beyond), checks it against OpenAI's request shape
 (400 naming the field), tokenizes on a worker thread (a long prompt never stalls the streams of others),
@@ -26,17 +27,18 @@ from ..models import InputError, PositionLimitError
 from .api import MAX_BODY_BYTES, APIError, ChatRequest, CompletionRequest, parse, read_body, server_error
 from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineThread
+from .fleet import Fleet
 from .router import EngineFailed, Router
 
 # ---- the app ----
 
 
-def create_app(engine: "ServingEngine | Router", name: str | None = None, eos_id: int | None = None,
+def create_app(engine: "ServingEngine | Router | Fleet", name: str | None = None, eos_id: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops
     at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. A ServingEngine
-    is stepped by an EngineThread that starts and stops with the app (its lifespan); an EngineThread or
-    EngineProcess given instead is started by the caller, and the app's shutdown stops it.
+    is stepped by an EngineThread that starts and stops with the app (its lifespan); an EngineThread,
+    EngineProcess or Fleet given instead is started by the caller, and the app's shutdown stops it.
     `app.state.draining = True` refuses new requests (503)."""
     client = EngineThread(engine) if isinstance(engine, ServingEngine) else engine
     config, tok = client.config, client.tokenizer
@@ -85,6 +87,11 @@ def create_app(engine: "ServingEngine | Router", name: str | None = None, eos_id
     async def models():
         return {"object": "list", "data": [dict(id=name, object="model", created=started, owned_by="inference-lab",
                                                 max_model_len=config.max_positions)]}
+
+    if isinstance(client, Fleet):
+        @app.get("/fleet")
+        async def fleet():                                # asks each worker's loop: off the event loop
+            return await asyncio.to_thread(client.snapshot)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -7,11 +7,18 @@ restart the engine itself: a single-engine server has nothing to serve meanwhile
 process that exits non-zero, with back-off, counting and logging the restarts where operators look. A
 server restarting its own engine would hide a crash loop from them.
 
+With `--workers N` (N > 1) it runs N engines, each in a process of its own, behind one router
+(lab/serve/fleet.py: `--router round_robin`, `least_loaded` or `kv_aware`). A worker whose process dies
+fails its own requests in flight, and the server stops and exits 1 as above: the others' requests in
+flight finish first, new ones get 503, and the supervisor restarts the whole server. Serving on with a
+worker short would hide the crash the same way a restart in place would.
+
 On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish, then stops the
 engine and exits 0.
 """
 
 import argparse
+import math
 import signal
 import threading
 
@@ -19,11 +26,13 @@ import torch
 import uvicorn
 
 from ..engine import ServingEngine
+from ..fleet import POLICIES
 from ..models import load
 from ..models.config import DTYPES
 from .api import MAX_BODY_BYTES
 from .app import create_app
 from .engine_loop import EngineProcess, EngineThread
+from .fleet import Fleet
 
 
 class Server(uvicorn.Server):
@@ -37,6 +46,28 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig, frame):
         self.lab_app.state.draining = True
         super().handle_exit(sig, frame)
+
+
+def workers_arg(text: str) -> int:
+    """--workers: an int of at least 1 (argparse says which argument, and exits 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise argparse.ArgumentTypeError(f"the number of engine processes is an int of at least 1, got {text!r}")
+    return n
+
+
+def weight_arg(text: str) -> float:
+    """--router-overlap-weight: a finite number >= 0."""
+    try:
+        w = float(text)
+    except ValueError:
+        w = None
+    if w is None or not math.isfinite(w) or w < 0:
+        raise argparse.ArgumentTypeError(f"a weight is a finite number >= 0, got {text!r}")
+    return w
 
 
 def main(argv=None):
@@ -56,7 +87,17 @@ def main(argv=None):
                    f"(default {MAX_BODY_BYTES:,}: 1 MiB, the default model's whole context is about 40 KB)")
     p.add_argument("--one-process", action="store_true", help="step the engine in this process's main thread "
                    "and serve HTTP from a second thread, instead of giving the engine a process of its own")
+    p.add_argument("--workers", type=workers_arg, default=1, help="engines, each in a process of its own, "
+                   "behind one router (default 1: one engine, without a router)")
+    p.add_argument("--router", default="round_robin", choices=POLICIES, help="which worker takes a request, "
+                   "with --workers above 1 (default round_robin; least_loaded: fewest requests in flight; "
+                   "kv_aware: NVIDIA Dynamo's cost, prefill pages not cached against pages in use)")
+    p.add_argument("--router-overlap-weight", type=weight_arg, default=1.0, help="kv_aware's weight on the "
+                   "pages to prefill (default 1.0, Dynamo's: higher favours cache hits, lower even load)")
     args = p.parse_args(argv)
+    if args.one_process and args.workers > 1:
+        p.error(f"--one-process runs one engine in the server's process; --workers {args.workers} needs "
+                "a process per engine")
     engine_args = (args.num_pages, args.page_size, args.max_batch_tokens)
     if args.one_process:
         if args.threads:
@@ -64,9 +105,10 @@ def main(argv=None):
         client = EngineThread(ServingEngine(load(args.model, args.dtype), *engine_args,
                                             prefix_caching=not args.no_prefix_caching))
     else:
-        torch.set_num_threads(1)       # this process parses and detokenizes; the engine's has the threads
-        client = EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
-                               threads=args.threads, dtype=args.dtype)
+        torch.set_num_threads(1)       # this process parses and detokenizes; the engines' have the threads
+        workers = [EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
+                                 threads=args.threads, dtype=args.dtype) for _ in range(args.workers)]
+        client = workers[0] if args.workers == 1 else Fleet(workers, args.router, args.router_overlap_weight)
     app = create_app(client, max_body_bytes=args.max_body_bytes)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
     died = []
@@ -79,9 +121,11 @@ def main(argv=None):
     if not args.one_process:
         client.on_exit = engine_died
         client.start()
-    where = "in this process" if args.one_process else "in a process of its own"
-    print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}, "
-          f"max_batch_tokens={args.max_batch_tokens}, the engine {where}) on http://{args.host}:{args.port}",
+    where = ("the engine in this process" if args.one_process else "the engine in a process of its own"
+             if args.workers == 1 else f"{args.workers} engines, a process each, behind a {args.router} router")
+    print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}"
+          f"{' each' if args.workers > 1 else ''}, max_batch_tokens={args.max_batch_tokens}, {where}) on "
+          f"http://{args.host}:{args.port}",
           flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
         signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0

@@ -3,7 +3,9 @@
 `EngineLoop` is the one piece of code that touches a ServingEngine: round after round it takes the
 messages that arrived (new requests, cancellations), steps the engine while any request waits or runs, and
 answers with each step's new tokens in one message; it sleeps while the engine has nothing to do. Whatever
-arrives while others decode joins the next step's batch (continuous batching). Its transport is the only
+arrives while others decode joins the next step's batch (continuous batching). Each step's message also
+carries the step's KV events, the pages the engine named and evicted (`KVEvents`), from which the server's
+side knows which prefixes the engine holds (lab/serve/fleet.py routes on them). Its transport is the only
 difference between the two modes:
 
 - `EngineThread`: the loop on a thread of this process; messages go through a queue, answers are handed
@@ -13,7 +15,8 @@ difference between the two modes:
   Only the tokenizer and the config are loaded on the server's side; the engine's process loads the model.
 
 Both are a `Router` (lab/serve/router.py) with `start`/`stop`, and describe the engine to the HTTP app
-(`name`, `config`, `tokenizer`, `num_pages`, `page_size`).
+(`name`, `config`, `tokenizer`, `num_pages`, `page_size`) and to a fleet's router (`extra`: what the
+engine's page names chain from, None without prefix caching).
 """
 
 import contextlib
@@ -25,6 +28,7 @@ import threading
 
 import torch
 
+from ..cache import BlockManager
 from ..engine import ServingEngine
 from ..models import load
 from ..models.load import load_config
@@ -39,6 +43,7 @@ class EngineLoop:
 
     def __init__(self, engine: ServingEngine, transport):
         self.engine, self.transport = engine, transport
+        self.kv_events = KVEvents(engine.manager)
 
     def run(self):
         """Until a ("stop",) message: every request still in flight is cancelled, then ("stopped",)."""
@@ -53,7 +58,8 @@ class EngineLoop:
                         return
                     self._handle(kind, *args)
                 if engine.running or engine.waiting:
-                    self.transport.send(("tokens", finished_tokens(engine, engine.step())))
+                    new = finished_tokens(engine, engine.step())
+                    self.transport.send(("tokens", new, self.kv_events.take()))
             except Exception as e:                       # a bug: every request fails (500), none hangs
                 self._cancel_all()
                 self.transport.send(("failed", f"{type(e).__name__}: {e}"))
@@ -72,7 +78,8 @@ class EngineLoop:
             engine = self.engine
             free = engine.manager.num_free            # a hybrid pool's (chapter 10) counts per group
             free = {g: free(g) for g in engine.manager.groups} if callable(free) else free
-            self.transport.send(("snapshot", dict(engine.stats, free_pages=free,
+            named = engine.manager.cached_pages() if isinstance(engine.manager, BlockManager) else None
+            self.transport.send(("snapshot", dict(engine.stats, free_pages=free, named_pages=named,
                                                   in_flight=len(engine.running) + len(engine.waiting))))
         else:
             raise ValueError(f"unknown message {kind!r} for the engine's loop")
@@ -81,6 +88,33 @@ class EngineLoop:
         for req in self.engine.running + list(self.engine.waiting):
             with contextlib.suppress(Exception):         # an engine that failed mid-step may refuse: go on
                 self.engine.cancel(req.id)
+
+
+class KVEvents:
+    """The pages a BlockManager named ("stored", digest) and evicted ("removed", digest), in order, since the
+    last `take`: NVIDIA Dynamo's KV events (its workers publish BlockStored and BlockRemoved), sent with each
+    step. Together they give exactly the digests the manager holds named, owned or free: the manager's hooks
+    `on_name` and `on_evict` (chained to one already set) record them. A hybrid pool (chapter 10), whose hit
+    needs pages of every group, and a radix tree (chapter 11), which names no pages, report nothing: a fleet
+    then routes on load alone."""
+
+    def __init__(self, manager):
+        self.events = []
+        if not isinstance(manager, BlockManager):
+            return
+        evict = manager.on_evict
+
+        def evicted(page, key):
+            if evict is not None:
+                evict(page, key)
+            self.events.append(("removed", key[0]))
+
+        manager.on_name = lambda page, key: self.events.append(("stored", key[0]))
+        manager.on_evict = evicted
+
+    def take(self) -> list:
+        events, self.events = self.events, []
+        return events
 
 
 def finished_tokens(engine: ServingEngine, new: dict) -> list:
@@ -147,7 +181,7 @@ class EngineThread(Router):
         super().__init__(transport.inbox.put)
         self.engine, self.loop, self.thread = engine, EngineLoop(engine, transport), None
         self.name, self.config, self.tokenizer = engine.model.name, engine.model.config, engine.model.tokenizer
-        self.num_pages, self.page_size = engine.num_pages, engine.page_size
+        self.num_pages, self.page_size, self.extra = engine.num_pages, engine.page_size, engine.extra
 
     def start(self):
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
@@ -166,7 +200,8 @@ class EngineThread(Router):
 class EngineProcess(Router):
     """The loop in a process of its own, over the model `load(model, dtype)` returns (a name or a folder).
 
-    The server's side loads only the tokenizer and the config (`load_config`). The engine's process ending
+    The server's side loads only the tokenizer and the config (`load_config`); `extra` (the identity its
+    page names chain from) comes from the engine's process once it is ready. The engine's process ending
     unexpectedly fails every request in flight, and `alive` turns False for good; `on_exit(why)`, if set,
     is then called from the reader thread (`python -m lab.serve` stops the server with it).
     """
@@ -184,10 +219,16 @@ class EngineProcess(Router):
         self.process = ctx.Process(target=engine_process, args=(child, model, engine_args, threads, self.config.dtype),
                                    name="lab-engine", daemon=True)
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-        self.on_exit = None
+        self.on_exit, self.extra = None, None
 
     def start(self, timeout_s: float = 600):
         """Start the engine's process and wait until its model is loaded; RuntimeError if it fails to."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self):
+        """Start the engine's process; it loads its model meanwhile (`wait_ready` waits for it). A fleet
+        launches every worker, then waits, so that they load at once."""
         # The pages and the prepacked weights in 2 MiB pages, where the kernel lends them (transparent huge
         # pages, "madvise"): reading them then misses the address cache (TLB) far less, which matters most
         # in a virtual machine, where each miss walks two page tables. PyTorch's allocator asks for them
@@ -200,22 +241,29 @@ class EngineProcess(Router):
         finally:
             if before is None:
                 del os.environ["THP_MEM_ALLOC_ENABLE"]
+
+    def wait_ready(self, timeout_s: float = 600):
+        """Wait until the launched process has loaded its model; RuntimeError if it does not."""
         if not self.conn.poll(timeout_s):
             self.process.kill()
             raise RuntimeError(f"the engine's process did not start within {timeout_s} s")
         kind, *info = self.conn.recv()
         if kind != "ready":
             raise RuntimeError(f"the engine's process failed to start: {info[0]}")
+        self.extra = info[0]
         self.reader.start()
 
     def stop(self):
-        """Cancel whatever is left, end the engine's process and wait for it."""
+        """Cancel whatever is left, end the engine's process and wait for it (nothing, if never launched)."""
+        if self.process.pid is None:
+            return
         with contextlib.suppress(OSError):
             self._send(("stop",))
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
-        self.reader.join(5)
+        if self.reader.ident is not None:               # started: the process was ready
+            self.reader.join(5)
 
     def _send(self, message):
         with self.send_lock:
@@ -248,5 +296,5 @@ def engine_process(conn, model: str, engine_args: dict, threads: int | None, dty
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready",))
+    conn.send(("ready", engine.extra))
     EngineLoop(engine, PipeTransport(conn)).run()

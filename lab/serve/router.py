@@ -3,7 +3,9 @@
 `Router` sends requests to the loop (`send`, the transport's way in) and hands what comes back to the
 asyncio queue of the request it belongs to: admissions, every step's tokens, failures. It is the one
 place that knows request id -> stream, and the one place that fails them all when the engine fails or
-its process ends.
+its process ends. It also keeps what a router in front of several engines reads (lab/serve/fleet.py): the
+prompt sizes of the requests in flight, and the digests of the pages the engine holds named, from the KV
+events each step's message carries.
 """
 
 import asyncio
@@ -31,8 +33,9 @@ class Router:
     def __init__(self, send):
         self.send = send
         self.keys = itertools.count()
-        self.pending = {}                   # key -> (event loop, admitted future, tokens queue), awaiting an id
-        self.streams = {}                   # request id -> (event loop, tokens queue)
+        self.pending = {}                   # key -> (event loop, admitted future, tokens queue, prompt tokens)
+        self.streams = {}                   # request id -> (event loop, tokens queue, prompt tokens)
+        self.named = set()                  # digests of the pages the engine holds named (its KV events)
         self.replies = queue.SimpleQueue()  # answers to `snapshot`
         self.lock = threading.Lock()        # pending and streams: the event loop's thread and the reader's
         self.failure = None                 # an EngineFailed, once the engine can take nothing more
@@ -49,7 +52,7 @@ class Router:
         loop = asyncio.get_running_loop()
         admitted, tokens, key = loop.create_future(), asyncio.Queue(), next(self.keys)
         with self.lock:
-            self.pending[key] = (loop, admitted, tokens)
+            self.pending[key] = (loop, admitted, tokens, len(ids))
         self.send(("add", key, list(ids), max_new_tokens, eos_id))
         return await admitted, tokens
 
@@ -62,6 +65,11 @@ class Router:
         if self.alive:
             self.send(("cancel", rid))
 
+    def in_flight(self) -> list[int]:
+        """The prompt tokens of every request in flight: sent and not yet finished, cancelled or failed."""
+        with self.lock:
+            return [p[-1] for p in self.pending.values()] + [s[-1] for s in self.streams.values()]
+
     def snapshot(self, timeout_s: float = 30) -> dict:
         """The engine's stats, free pages and requests in flight, from its loop (for tests and checks)."""
         self.send(("snapshot",))
@@ -69,22 +77,27 @@ class Router:
 
     def receive(self, message: tuple):
         """One message from the engine's loop: ("admitted", key, rid, error), ("tokens", [(rid, token,
-        finish_reason), ...]), ("snapshot", dict), ("failed", why) or ("stopped",)."""
+        finish_reason), ...], kv_events), ("snapshot", dict), ("failed", why) or ("stopped",). kv_events:
+        ("stored" or "removed", digest) for each page the step named or evicted, in order; applied before
+        the tokens are handed on, so a client that has its answer finds its pages counted."""
         kind, *args = message
         if kind == "admitted":
             key, rid, error = args
             with self.lock:
                 waiting = self.pending.pop(key, None)    # None: failed meanwhile
                 if waiting is not None and error is None:
-                    self.streams[rid] = (waiting[0], waiting[2])
+                    self.streams[rid] = (waiting[0], waiting[2], waiting[3])
             if waiting is not None:
                 waiting[0].call_soon_threadsafe(settle, self, waiting[1], rid, error)
             elif rid is not None:
                 self.cancel(rid)
         elif kind == "tokens":
+            items, kv_events = args
+            for event, digest in kv_events:
+                (self.named.add if event == "stored" else self.named.discard)(digest)
             by_loop = {}
             with self.lock:
-                for rid, token, finish in args[0]:
+                for rid, token, finish in items:
                     stream = self.streams.pop(rid, None) if finish else self.streams.get(rid)
                     if stream is not None:
                         by_loop.setdefault(stream[0], []).append((stream[1], (token, finish)))
@@ -104,9 +117,9 @@ class Router:
             streams, self.streams = list(self.streams.values()), {}
             if final and self.failure is None:
                 self.failure = error
-        for loop, admitted, _ in waiting:
+        for loop, admitted, *_ in waiting:
             loop.call_soon_threadsafe(lambda f=admitted: f.done() or f.set_exception(error))
-        for loop, tokens in streams:
+        for loop, tokens, _ in streams:
             loop.call_soon_threadsafe(tokens.put_nowait, error)
 
 
