@@ -1,0 +1,611 @@
+"""Prefill apart from decode (chapter 11): one worker computes prompts, another generates, the KV moves between.
+
+A prompt's prefill is one large forward, bound by compute; a decode step is many small ones, bound by reading
+the weights and the cache. On one engine the two share every step: a long prompt's chunk lengthens the steps
+of every request decoding beside it (inter-token latency, ITL), and decodes delay a new prompt's first token
+(time to first token, TTFT). DistServe, Splitwise and vLLM's disaggregated prefill give each phase its own
+workers and move the prompt's keys and values from one to the other once, after the prefill.
+
+Here that is three pieces, small enough to read:
+
+1. `PageSet`: one request's hand-off. The prompt's pages, every cache layer's keys and values as raw bytes,
+   with everything the receiver must check before it trusts them: the state identity (chapter 4: which
+   weights, tokenizer, dtypes), the model's name and layout, the page size, the prompt, the first token the
+   prefill sampled, the page names (chapter 6's chained digests) and a sha256 over all of it. `to_bytes()`
+   and `PageSet.from_bytes()` carry it through a pipe, a socket or a file.
+2. `PrefillEngine`: a ServingEngine that stops every request at its first token and hands its pages over
+   (chunked prefill and prefix caching come with it); `prefill(engine, ids)` does one prompt.
+3. `DecodeEngine`: a ServingEngine with `add_prefilled(page_set, max_new_tokens)`, which checks the PageSet,
+   writes its bytes into fresh pages, names the full ones for prefix caching and puts the request straight
+   into `running`, its first token already in its output. From there it decodes as any request does.
+
+`Disaggregated` runs the two in two processes joined by a Pipe, and `colocated` runs one ServingEngine over
+the same prompts and arrivals; `measure` compares them (TTFT, ITL, throughput, bytes moved).
+
+Only lab/cache touches a pool: pages are read with `PagedCache.page` and written with `set_page`, as the tiers
+below the pool do (lab/engine/tiers.py). Models with local layers (a HybridPool) are not handed off here.
+"""
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import wait
+
+import numpy as np
+import torch
+
+from ..cache import CacheInputError, CacheMismatchError, CacheStateError, OutOfPagesError
+from ..models import InputError, load
+from .hashing import page_keys
+from .identity import StateIdentity, identity_of, token_ids
+from .serving import ServingEngine
+
+MAGIC = b"lab.PageSet/1\n"          # the first bytes of a serialised PageSet, with the format's version
+clock = time.monotonic               # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
+
+
+class HandoffError(CacheMismatchError):
+    """A PageSet a decode engine refuses: another model, dtype, page size or layout, or damaged bytes.
+    `fields` names what differs ("page_size", "identity.manifest", "sha256", ...). Nothing was changed."""
+
+    def __init__(self, message: str, fields=()):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")                 # torch.bfloat16 -> "bfloat16"
+
+
+# region pageset
+@dataclass(eq=True, repr=False)
+class PageSet:
+    """One request's prompt KV, from a prefill worker to a decode worker, with what it was computed by."""
+
+    identity: StateIdentity   # chapter 4: weights (manifest), tokenizer, dtypes, positions, salt
+    model: str                # the config's name and architecture, to say what differs in words
+    arch: str
+    dtype: str                # the pool's dtype, "float32"
+    page_size: int            # positions per page
+    layout: tuple             # (cache layers, kv heads, head dim): config.kv_layout
+    prompt: list              # the prompt's token ids, T of them
+    first_token: int          # the greedy token the prefill sampled after the prompt
+    names: list               # (digest, parent, tokens) of each full page: T // page_size of them
+    k: bytes                  # keys, [pages, layers, page_size, H_kv, D] in `dtype`; pages = ceil(T / page_size)
+    v: bytes                  # values, the same shape; the last page's positions past T are zeros
+    sha256: str = ""          # over the header and both payloads: `digest()`
+
+    @property
+    def num_pages(self) -> int:
+        return -(-len(self.prompt) // self.page_size)
+
+    @property
+    def shape(self) -> tuple:                                  # [pages, layers, page_size, H_kv, D]
+        return (self.num_pages, self.layout[0], self.page_size, *self.layout[1:])
+
+    def tensors(self) -> tuple:
+        """The keys and values as tensors, each `[pages, layers, page_size, H_kv, D]`."""
+        dtype = getattr(torch, self.dtype)
+        return tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).view(self.shape)
+                     for b in (self.k, self.v))
+
+    def _header(self, sealed=True) -> bytes:
+        h = dict(identity=asdict(self.identity), model=self.model, arch=self.arch, dtype=self.dtype,
+                 page_size=self.page_size, layout=list(self.layout), prompt=list(self.prompt),
+                 first_token=self.first_token, names=[[d.hex(), p.hex(), list(t)] for d, p, t in self.names],
+                 k_bytes=len(self.k), v_bytes=len(self.v))
+        if sealed:
+            h["sha256"] = self.sha256
+        return json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> str:
+        """sha256 over the header (everything but the sha256 itself) and the bytes of the keys and values."""
+        h = hashlib.sha256(self._header(sealed=False))
+        h.update(self.k)
+        h.update(self.v)
+        return h.hexdigest()
+
+    def to_bytes(self) -> bytes:
+        """MAGIC, the header's length (8 bytes, little-endian), the header (JSON), the keys, the values."""
+        header = self._header()
+        return b"".join((MAGIC, len(header).to_bytes(8, "little"), header, self.k, self.v))
+
+    def nbytes(self) -> int:
+        """Bytes moved: the length of `to_bytes()`."""
+        return len(MAGIC) + 8 + len(self._header()) + len(self.k) + len(self.v)
+
+    @classmethod
+    def from_bytes(cls, data) -> "PageSet":
+        """The PageSet `to_bytes` wrote; HandoffError ("format") for anything else. Not yet checked: a decode
+        engine checks it (`DecodeEngine.check`) before it takes it."""
+        data = memoryview(data)
+        try:
+            if bytes(data[:len(MAGIC)]) != MAGIC:
+                raise ValueError(f"it does not start with {MAGIC!r}")
+            at = len(MAGIC) + 8
+            size = int.from_bytes(data[len(MAGIC):at], "little")
+            h = json.loads(bytes(data[at:at + size]))
+            at += size
+            if at + h["k_bytes"] + h["v_bytes"] != len(data):
+                raise ValueError(f"the header promises {at + h['k_bytes'] + h['v_bytes']} bytes, there are {len(data)}")
+            return cls(StateIdentity(**h["identity"]), h["model"], h["arch"], h["dtype"], h["page_size"],
+                       tuple(h["layout"]), h["prompt"], h["first_token"],
+                       [(bytes.fromhex(d), bytes.fromhex(p), list(t)) for d, p, t in h["names"]],
+                       bytes(data[at:at + h["k_bytes"]]), bytes(data[at + h["k_bytes"]:]), h["sha256"])
+        except (ValueError, KeyError, TypeError) as e:               # JSON and UTF-8 errors are ValueErrors
+            raise HandoffError(f"not a readable PageSet: {e}", ["format"]) from e
+
+    def __repr__(self):
+        return (f"PageSet({self.model}, {len(self.prompt)} prompt tokens, {self.num_pages} pages of "
+                f"{self.page_size}, {self.dtype}, {self.nbytes():,} bytes)")
+# endregion
+
+
+def pageable(engine):
+    """Hand-offs move the pages of one PagedCache named by chapter 6's chain: not a HybridPool (a model with
+    local layers), nor a radix tree's one-position pages (`prefix_caching="radix"`)."""
+    if engine.hybrid:
+        raise CacheInputError(f"{engine.model.config.name} has local layers (a pool per group of layers); "
+                              "this hand-off moves the pages of one PagedCache only")
+    if getattr(engine, "radix", False):
+        raise CacheInputError('a hand-off names its pages by the hash chain: prefix_caching is True or False, '
+                              'not "radix"')
+
+
+# ---- the prefill side ----
+class PrefillEngine(ServingEngine):
+    """A ServingEngine that stops every request at its first token: `step()` returns {request id: PageSet}
+    for each prompt whose first token it sampled, and those requests leave the engine (their pages go back
+    to the pool, the full ones still named for the next prompt that starts alike)."""
+
+    def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
+                 prefix_caching: bool = True):
+        super().__init__(model, num_pages, page_size, max_batch_tokens, prefix_caching=prefix_caching)
+        pageable(self)
+
+    def add_request(self, ids) -> int:
+        """Queue a prompt to prefill; returns its id."""
+        return super().add_request(ids, 2)
+
+    def _check(self, ids, max_new_tokens, eos_id):
+        """Every request is queued for 2 new tokens, whatever was asked: after its first, it still runs and holds
+        its pages until `step` exports them (a request that finished would have given them back)."""
+        return super()._check(ids, 2, None)
+
+    @torch.inference_mode()
+    def step(self) -> dict:
+        handed = {}
+        for rid in super().step():           # in this engine every token is a first token
+            req = self.requests[rid]
+            handed[rid] = self.export(req)
+            self.running.remove(req)
+            self._release(req)
+            req.state, req.events["finished"] = "finished", self.stats["steps"] - 1
+        return handed
+
+    def export(self, req) -> PageSet:
+        """The PageSet of a running request whose prompt is computed and whose first token is sampled."""
+        T, P = len(req.prompt), self.page_size
+        if req.computed != T or len(req.output) != 1 or self.manager.length(req.seq) != T:
+            raise CacheStateError(f"request {req.id}: {req.computed} of {T} prompt positions computed and "
+                                  f"{len(req.output)} tokens sampled; a PageSet is taken after the first token")
+        table = self.manager.block_table(req.seq)                    # ceil(T / P) pages
+        k, v = (torch.stack(t) for t in zip(*(self.pool.page(p) for p in table), strict=True))
+        for t in (k, v):                                             # [pages, layers, P, H_kv, D]
+            t[-1, :, T - (len(table) - 1) * P:] = 0                  # past the prompt: zeros, not a stale page
+        identity = identity_of(self.model, self.pool)
+        ps = PageSet(identity, self.model.config.name, self.model.config.arch, dtype_name(self.pool.dtype), P,
+                     tuple(self.model.config.kv_layout), list(req.prompt), req.output[0],
+                     page_keys(req.prompt, P, (identity,)), raw(k), raw(v))
+        ps.sha256 = ps.digest()
+        return ps
+
+
+def raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, in memory order (any dtype, bfloat16 included)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def prefill(engine, ids, page_size: int = 16) -> PageSet:
+    """The PageSet of one prompt. `engine`: an idle PrefillEngine (its cached pages are reused), or a Model,
+    for which a PrefillEngine just big enough for `ids` is built (pages of `page_size`)."""
+    if not isinstance(engine, PrefillEngine):
+        pages = -(-(len(token_ids(ids)) + 1) // page_size)           # the prompt and the one token past it
+        engine = PrefillEngine(engine, pages, page_size, max_batch_tokens=min(256, engine.config.max_positions))
+    if engine.running or engine.waiting:
+        raise CacheStateError("prefill() runs one prompt through an idle engine; with others in flight, "
+                              "call add_request and step yourself")
+    rid = engine.add_request(ids)
+    while not engine.requests[rid].done:
+        handed = engine.step()
+    return handed[rid]
+
+
+# ---- the decode side ----
+class DecodeEngine(ServingEngine):
+    """A ServingEngine that also takes requests prefilled elsewhere: `add_prefilled(page_set, max_new_tokens)`.
+
+    stats adds handoffs (PageSets taken) and handoff_bytes (their `nbytes()`). A handed-off request is an
+    ordinary request from then on: batched, preempted and recomputed, named for prefix caching as any other.
+    """
+
+    def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
+                 prefix_caching: bool = True, draft=None, k: int = 4):
+        super().__init__(model, num_pages, page_size, max_batch_tokens, prefix_caching=prefix_caching, draft=draft,
+                         k=k)
+        pageable(self)
+        self.stats |= dict(handoffs=0, handoff_bytes=0)
+
+    def check(self, ps: PageSet):
+        """Raise HandoffError naming every way `ps` differs from what this engine's pool holds, or, if it
+        matches, a sha256 that does not match its contents; nothing else is read from it before."""
+        if not isinstance(ps, PageSet):
+            raise TypeError(f"add_prefilled takes a PageSet, got {type(ps).__name__}")
+        cfg, mine = self.model.config, identity_of(self.model, self.pool)
+        pairs = [("model", ps.model, cfg.name), ("arch", ps.arch, cfg.arch),
+                 ("dtype", ps.dtype, dtype_name(self.pool.dtype)), ("page_size", ps.page_size, self.page_size),
+                 ("layout", tuple(ps.layout), tuple(cfg.kv_layout))]
+        pairs += [(f"identity.{f.name}", getattr(ps.identity, f.name), getattr(mine, f.name))
+                  for f in dataclasses.fields(StateIdentity)]
+        differ = [(name, theirs, ours) for name, theirs, ours in pairs if theirs != ours]
+        if differ:
+            said = "; ".join(f"{name} {short(theirs)}, this engine's {short(ours)}" for name, theirs, ours in differ)
+            raise HandoffError(f"page set refused, it was computed for another state: {said}",
+                               [name for name, _, _ in differ])
+        if ps.digest() != ps.sha256:
+            raise HandoffError(f"page set refused: its sha256 {short(ps.sha256)} does not match its contents "
+                               f"{short(ps.digest())} (damaged on the way)", ["sha256"])
+
+    def add_prefilled(self, ps: PageSet, max_new_tokens: int, eos_id: int | None = None) -> int:
+        """Take a request prefilled elsewhere: check `ps` (HandoffError), reserve its pages (OutOfPagesError
+        when they, and a free page for every running request, are not free now), write its bytes, name its full
+        pages, and put it into `running` with its first token in its output. Returns its id. A refusal of any
+        kind leaves the engine as it was. Full pages this pool has cached already are taken, not written."""
+        self.check(ps)
+        req = self._check(ps.prompt, max_new_tokens, eos_id)        # as add_request: positions, pages, eos
+        P, now = self.page_size, self.stats["steps"]
+        if type(ps.first_token) is not int or not 0 <= ps.first_token < self.model.config.vocab_size:
+            raise HandoffError(f"page set refused: first token {ps.first_token!r} is not a token id", ["first_token"])
+        if ps.names != page_keys(req.prompt, P, (ps.identity,)):
+            raise HandoffError("page set refused: its page names are not its prompt's", ["names"])
+        size = int(np.prod(ps.shape)) * self.pool.dtype.itemsize
+        if len(ps.k) != size or len(ps.v) != size:
+            raise HandoffError(f"page set refused: {len(ps.k)} and {len(ps.v)} bytes of keys and values, "
+                               f"{size} expected for {ps.shape}", ["k", "v"])
+        req.output = [ps.first_token]
+        if len(req.output) < max_new_tokens and ps.first_token != eos_id:
+            self._take_pages(req, ps)                                 # OutOfPagesError: nothing changed
+        rid = self._add(req)
+        self.waiting.remove(req)
+        ev = req.events
+        ev["handed_off"] = ev["first_token"] = now
+        if req.seq is None:                                            # done at its first token
+            req.state, ev["finished"] = "finished", now
+        else:
+            req.state = "running"
+            ev["admitted"].append(now)
+            self.running.append(req)
+        self.stats["handoffs"] += 1
+        self.stats["handoff_bytes"] += ps.nbytes()
+        return rid
+
+    def _take_pages(self, req, ps):
+        """Reserve the prompt's T positions for `req`, its cached full pages taken, the rest written from `ps`."""
+        T, P = len(req.prompt), self.page_size
+        seq = self.pool.new_id()
+        taken = self.manager.reserve_prefix(seq, ps.names) if self.prefix_caching else 0
+        if self.manager.pages_needed(seq, T - taken * P) + len(self.running) > self.manager.num_free:
+            if seq in self.manager:
+                self.manager.release(seq)                             # the cached pages taken go back, named
+            raise OutOfPagesError(f"a page set of {ps.num_pages} pages: {self.manager.num_free} pages free, "
+                                  f"{len(self.running)} kept for the running requests")
+        self.pool.reserve([(seq, T - taken * P)])
+        k, v = ps.tensors()                                           # [pages, layers, P, H_kv, D]
+        for i, page in enumerate(self.manager.block_table(seq)[taken:], start=taken):
+            self.pool.set_page(page, (k[i], v[i]))                    # [layers, P, H_kv, D] each
+        if self.prefix_caching:
+            for i, key in enumerate(ps.names[taken:], start=taken):
+                self.manager.register(seq, i, *key)                   # False if the name is taken: fine
+        req.seq, req.computed, req.keys = seq, T, list(ps.names)
+        req.named = len(ps.names) if self.prefix_caching else 0
+        req.cached_tokens += taken * P
+        self.stats["cached_tokens"] += taken * P
+
+
+def short(x) -> str:
+    """A value for an error message: long hashes cut to 12 characters."""
+    return repr(x[:12] + "...") if isinstance(x, str) and len(x) > 16 else repr(x)
+
+
+# ---- two processes ----
+class WorkerError(RuntimeError):
+    """A worker process failed (its traceback is in the message), ended, or went silent past the timeout."""
+
+
+class Disaggregated:
+    """A prefill worker and a decode worker, each a process of its own with one thread, the prompts' KV moving
+    from the first to the second as PageSets over a multiprocessing Pipe.
+
+    `model`: a name `lab.models.load` knows (each worker loads it) or a Model (pickled to each). The prefill
+    worker has `prefill_pages` pages, the decode worker `decode_pages`. Use it as a context manager, or call
+    `close()`: the workers end with it. A worker that fails raises WorkerError in `generate` (with its
+    traceback), one that dies or goes silent for `timeout_s` too: every wait has a timeout.
+
+    Transport: a Pipe. It carries each PageSet as one message, in order, with backpressure (a full pipe makes
+    the prefill worker wait), and needs no cleanup when a worker dies. It copies the bytes twice (into the
+    kernel and out); shared memory would save those copies but needs a name per block, and an unlink that a
+    crash skips. At this book's page sets (kilobytes for the tiny models, a few megabytes for SmolLM2's long
+    prompts) the copies take far less time than the forward.
+    """
+
+    def __init__(self, model, prefill_pages: int, decode_pages: int, page_size: int = 16,
+                 max_batch_tokens: int = 256, transport: str = "pipe", timeout_s: float = 120.0):
+        if transport != "pipe":
+            raise ValueError(f"transport must be 'pipe', got {transport!r}")
+        self.timeout_s, self._tags, self.workers, self.conns = timeout_s, 0, [], []
+        ctx = multiprocessing.get_context("spawn")                  # fresh interpreters: no forked thread pools
+        kv_in, kv_out = ctx.Pipe(duplex=False)                       # prefill -> decode: the PageSets
+        for name, target, pages, kv in (("lab-prefill", prefill_worker, prefill_pages, kv_out),
+                                        ("lab-decode", decode_worker, decode_pages, kv_in)):
+            conn, child = ctx.Pipe()                                  # parent <-> worker: requests, results
+            p = ctx.Process(target=target, name=name, daemon=True,
+                            args=(child, kv, model, pages, page_size, max_batch_tokens))
+            p.start()
+            child.close()                                             # the worker's ends live in the worker:
+            self.workers.append(p)                                    # a dead worker reads as EOF here
+            self.conns.append(conn)
+        kv_in.close()
+        kv_out.close()
+        try:
+            for conn, p in zip(self.conns, self.workers, strict=True):
+                if self._receive(conn, p, timeout_s)[0] != "ready":
+                    raise WorkerError(f"{p.name} did not start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _receive(self, conn, p, timeout_s):
+        """The next message on `conn`; WorkerError if the worker failed, ended or said nothing in timeout_s."""
+        if not wait([conn, p.sentinel], timeout_s):
+            raise WorkerError(f"{p.name} said nothing for {timeout_s} s")
+        try:
+            message = conn.recv() if conn.poll() else None
+        except (EOFError, OSError):                                   # its end of the pipe closed: it died
+            message = None
+        if message is None:
+            p.join(5)
+            raise WorkerError(f"{p.name} ended (exit code {p.exitcode})")
+        if message[0] == "error":
+            raise WorkerError(f"{p.name} failed:\n{message[1]}")
+        return message
+
+    def generate(self, prompts, max_new_tokens, arrivals_s=None) -> tuple[list, list]:
+        """Greedy continuations of `prompts`, each up to `max_new_tokens` (an int or one per prompt), prompt i
+        arriving `arrivals_s[i]` seconds after the call (0 for all by default). Returns (tokens, timeline):
+        the timeline per prompt in order, in seconds since the call (see `entry`)."""
+        prompts, news, arrivals = checked(prompts, max_new_tokens, arrivals_s)
+        n = len(prompts)
+        tags = list(range(self._tags, self._tags + n))                # ids of this call's requests
+        self._tags += n
+        t0 = clock()
+        try:
+            self.conns[0].send(("generate", [(t0 + a, tag, p, m)
+                                             for tag, p, m, a in zip(tags, prompts, news, arrivals, strict=True)]))
+        except (OSError, ValueError):                                  # its end is closed: it died
+            self._receive(self.conns[0], self.workers[0], 0)
+            raise
+        done = {}
+        while len(done) < n:
+            ready = wait([*self.conns, *(p.sentinel for p in self.workers)], self.timeout_s)
+            if not ready:
+                raise WorkerError(f"no worker said anything for {self.timeout_s} s")
+            for conn, p in zip(self.conns, self.workers, strict=True):
+                if conn in ready or p.sentinel in ready:
+                    _, tag, tokens, times, nbytes = self._receive(conn, p, 0)
+                    done[tag] = tokens, times, nbytes
+        tokens = [done[tag][0] for tag in tags]
+        return tokens, [entry(i, p, done[tag][0], t0 + a, done[tag][1], done[tag][2], t0)
+                        for i, (tag, p, a) in enumerate(zip(tags, prompts, arrivals, strict=True))]
+
+    def close(self):
+        """End both workers, decode first (so it never reads the prefill's end closing): a word, then a kill
+        after 10 s. Safe to call twice."""
+        for conn, p in reversed(list(zip(self.conns, self.workers, strict=True))):
+            try:
+                conn.send(("close",))
+            except (OSError, ValueError):                              # a dead worker, a closed pipe
+                pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def start_worker(conn, model, threads: int = 1):
+    """A worker's first lines: one thread, its model, and the kernels warmed up (outside every timing)."""
+    torch.set_num_threads(threads)
+    model = load(model) if isinstance(model, str) else model
+    warm_up(model)
+    return model
+
+
+def warm_up(model, page_size: int = 16):
+    """One short request through a throwaway engine: the first calls' one-time costs are not measured."""
+    ServingEngine(model, 4, page_size, max_batch_tokens=16, prefix_caching=False).generate([[1, 2, 3]], 3)
+
+
+def prefill_worker(conn, kv, model, pages, page_size, max_batch_tokens):
+    """The prefill process: prompts from the parent, each admitted at its arrival time; PageSets to `kv`."""
+    try:
+        engine = PrefillEngine(start_worker(conn, model), pages, page_size, max_batch_tokens)
+        conn.send(("ready",))
+        pending, tags = [], {}                         # (arrival, tag, prompt, max_new_tokens), soonest first
+        while True:
+            busy = engine.running or engine.waiting
+            timeout = 0 if busy else max(0.0, pending[0][0] - clock()) if pending else None
+            while conn.poll(timeout):                  # None: sleep until the parent says something
+                message = conn.recv()
+                if message[0] == "close":
+                    return
+                pending, timeout = sorted(pending + message[1]), 0
+            while pending and pending[0][0] <= clock():
+                arrival, tag, prompt, new = pending.pop(0)
+                tags[engine.add_request(prompt)] = tag, new, arrival
+            if engine.running or engine.waiting:
+                for rid, ps in engine.step().items():
+                    t, (tag, new, arrival) = clock(), tags.pop(rid)
+                    kv.send(("pageset", tag, new, t, ps.to_bytes()))
+    except BaseException:
+        report(conn)
+
+
+def decode_worker(conn, kv, model, pages, page_size, max_batch_tokens):
+    """The decode process: PageSets from `kv`, taken in order as pages free up; each request's tokens and their
+    times to the parent when it finishes."""
+    try:
+        engine = DecodeEngine(start_worker(conn, model), pages, page_size, max_batch_tokens)
+        conn.send(("ready",))
+        queue, info = deque(), {}                      # PageSets not yet taken; rid -> (tag, times, bytes)
+        while True:
+            timeout = 0 if engine.running or engine.waiting else None
+            while ready := wait([conn, kv], timeout):
+                for c in ready:
+                    message = c.recv()
+                    if message[0] == "close":
+                        return
+                    queue.append(message[1:])
+                timeout = 0
+            while queue:                               # hand-offs in order, while the pages last
+                tag, new, t_first, data = queue[0]
+                try:
+                    rid = engine.add_prefilled(PageSet.from_bytes(data), new)
+                except OutOfPagesError:
+                    if not engine.running:             # it would not fit an idle engine: never
+                        raise
+                    break
+                queue.popleft()
+                info[rid] = tag, [t_first], len(data)
+            if engine.running or engine.waiting:
+                new_tokens = engine.step()
+                t = clock()
+                for rid, tokens in new_tokens.items():
+                    info[rid][1].extend([t] * len(tokens))
+            for rid in [r for r in info if engine.requests[r].done]:
+                tag, times, nbytes = info.pop(rid)
+                conn.send(("done", tag, engine.output(rid), times, nbytes))
+    except BaseException:
+        report(conn)
+
+
+def report(conn):
+    """Tell the parent why this worker stops (it may be gone already)."""
+    try:
+        conn.send(("error", traceback.format_exc()))
+    except (OSError, ValueError):
+        pass
+
+
+# ---- one engine, the same measurement ----
+@torch.inference_mode()
+def colocated(model, prompts, max_new_tokens, arrivals_s=None, num_pages: int = 128, page_size: int = 16,
+              max_batch_tokens: int = 256, threads: int = 2) -> tuple[list, list]:
+    """The baseline: one ServingEngine in this process on `threads` threads (chunked prefill beside the
+    decodes), the same prompts and arrivals as `Disaggregated.generate`, the same (tokens, timeline)."""
+    prompts, news, arrivals = checked(prompts, max_new_tokens, arrivals_s)
+    n, before = len(prompts), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = load(model) if isinstance(model, str) else model
+        warm_up(model, page_size)
+        engine = ServingEngine(model, num_pages, page_size, max_batch_tokens)
+        order, rids, times = sorted(range(n), key=arrivals.__getitem__), [None] * n, {}
+        t0, k = clock(), 0
+        while k < n or not all(engine.requests[r].done for r in rids):
+            while k < n and t0 + arrivals[order[k]] <= clock():
+                i = order[k]
+                rids[i], k = engine.add_request(prompts[i], news[i]), k + 1
+                times[rids[i]] = []
+            if not engine.running and not engine.waiting:             # idle until the next arrival
+                time.sleep(max(0.0, t0 + arrivals[order[k]] - clock()))
+                continue
+            new = engine.step()
+            t = clock()
+            for rid, tokens in new.items():
+                times[rid].extend([t] * len(tokens))
+    finally:
+        torch.set_num_threads(before)
+    tokens = [engine.output(r) for r in rids]
+    return tokens, [entry(i, prompts[i], tokens[i], t0 + arrivals[i], times[rids[i]], 0, t0) for i in range(n)]
+
+
+def checked(prompts, max_new_tokens, arrivals_s) -> tuple:
+    """(prompts as lists of ids, max_new_tokens per prompt, arrival seconds per prompt), checked."""
+    prompts = [token_ids(p).tolist() for p in prompts]
+    n = len(prompts)
+    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    arrivals = [0.0] * n if arrivals_s is None else [float(a) for a in arrivals_s]
+    if len(news) != n or len(arrivals) != n:
+        raise InputError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
+    for m, a in zip(news, arrivals, strict=True):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise InputError(f"max_new_tokens must be an int of at least 1, got {m!r}")
+        if not a >= 0:
+            raise InputError(f"an arrival is a number of seconds of at least 0, got {a!r}")
+    return prompts, news, arrivals
+
+
+def entry(i, prompt, tokens, arrival, times, nbytes, t0) -> dict:
+    """One request's timeline, in seconds since t0: arrival_s, first_token_s, token_s (one time per token,
+    the first token's first), ttft_s, and bytes_moved (its PageSet's, 0 on one engine)."""
+    token_s = [t - t0 for t in times]
+    return dict(id=i, prompt_tokens=len(prompt), output_tokens=len(tokens), arrival_s=arrival - t0,
+                first_token_s=token_s[0], token_s=token_s, ttft_s=token_s[0] - (arrival - t0), bytes_moved=nbytes)
+
+
+def summarize(timeline) -> dict:
+    """TTFT (mean, p50, p90), ITL (mean, p90: gaps between a request's successive tokens), tokens/s (every
+    output token over the span from the first arrival to the last token) and bytes moved per request."""
+    ttft = np.array([r["ttft_s"] for r in timeline])
+    itl = np.array([b - a for r in timeline for a, b in itertools.pairwise(r["token_s"])])
+    span = max(r["token_s"][-1] for r in timeline) - min(r["arrival_s"] for r in timeline)
+    nan = float("nan")
+    return dict(requests=len(timeline), ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
+                ttft_p90_s=float(np.percentile(ttft, 90)),
+                itl_mean_s=float(itl.mean()) if itl.size else nan,
+                itl_p90_s=float(np.percentile(itl, 90)) if itl.size else nan,
+                tokens_per_s=sum(r["output_tokens"] for r in timeline) / span,
+                bytes_per_request=float(np.mean([r["bytes_moved"] for r in timeline])))
+
+
+def measure(model, prompts, max_new_tokens, arrivals_s, prefill_pages: int = 64, decode_pages: int = 64,
+            page_size: int = 16, max_batch_tokens: int = 256) -> dict:
+    """The same load both ways: Disaggregated (two processes, one thread each) and colocated (one engine, two
+    threads, prefill_pages + decode_pages pages: the same memory). Returns {"disaggregated": summary,
+    "colocated": summary, "same_tokens": bool, "settings": ..., "timelines": {mode: timeline}}; each summary
+    as `summarize`'s."""
+    with Disaggregated(model, prefill_pages, decode_pages, page_size, max_batch_tokens) as d:
+        tokens_d, timeline_d = d.generate(prompts, max_new_tokens, arrivals_s)
+    tokens_c, timeline_c = colocated(model, prompts, max_new_tokens, arrivals_s, prefill_pages + decode_pages,
+                                     page_size, max_batch_tokens)
+    settings = dict(prefill_pages=prefill_pages, decode_pages=decode_pages, page_size=page_size,
+                    max_batch_tokens=max_batch_tokens, threads=2, transport="pipe")
+    return dict(disaggregated=summarize(timeline_d), colocated=summarize(timeline_c),
+                same_tokens=tokens_d == tokens_c, settings=settings,
+                timelines=dict(disaggregated=timeline_d, colocated=timeline_c))
+
+
+__all__ = ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "Disaggregated", "WorkerError",
+           "colocated", "measure", "summarize"]
