@@ -15,6 +15,10 @@ Three policies:
   the lowest index.
 - "kv_aware": NVIDIA Dynamo's KV router cost (below): prefill work left on that worker against its load.
 
+or one of your own: a callable `policy(ids, workers) -> index` in place of the name, called once per request
+with a copy of its ids and a WorkerState per worker (what kv_aware reads: the tokens it would take from its
+pages, its load, its calls and computed tokens so far); it returns the index of the worker to send it to.
+
 Load, for a synchronous router. Each call here finishes before the next one starts, so nothing is ever in
 flight. To give load a meaning, the router counts as in flight the last `window` requests it routed
 (default: as many as there are workers, one per worker on average): a fleet where each request lives while
@@ -38,7 +42,9 @@ worker itself computes (`PrefixCachingBackend.page_keys`: its model's state iden
 """
 
 import math
+import operator
 from collections import deque
+from dataclasses import dataclass
 
 from .engine import PrefixCachingBackend
 from .engine.backends import as_ids
@@ -48,30 +54,47 @@ POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
 
 class FleetError(ValueError):
-    """A router or simulation asked for something it cannot do: an unknown policy, no engines or fewer than
+    """A router or simulation asked for something it cannot do: an unknown policy (a name not in POLICIES, or
+    neither a name nor a callable), a callable policy that returned no worker's index, no engines or fewer than
     one worker, a bad window or weight, a trace that is not a list of requests of valid token ids."""
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What a callable policy sees of one worker when a request arrives (the Router's own counts)."""
+    cached: int         # tokens of this request the worker would take from its named pages (cached_tokens)
+    load: int           # pages held by its in-flight requests (the module's docstring)
+    calls: int          # requests routed to it so far
+    computed: int       # tokens it has run so far
+    page_size: int      # tokens per page of its pool: load * page_size tokens are in flight
+
+
+def _known(policy) -> bool:
+    """A policy's name in POLICIES, or a callable (`policy(ids, workers) -> index`)."""
+    return callable(policy) or (isinstance(policy, str) and policy in POLICIES)
 
 
 class Router:
     """Requests in, each to one of `engines` by `policy`; `next_logits` (and `dry_run`) route, then call.
 
-    engines: backends with `next_logits(ids, salt=None)`; "kv_aware" also reads their named pages, so it
-    needs PrefixCachingBackends (`page_keys`, `page_size`, `pool.manager`). route(ids) decides and changes
-    nothing; next_logits / dry_run route, call the chosen worker, then record the request: per-worker
-    `calls`, `tokens` (prompt tokens routed), `computed` (tokens it ran: its stats' computed_tokens grew by
-    that much) and `load` (pages of its in-flight requests, see the module's docstring).
+    engines: backends with `next_logits(ids, salt=None)`; "kv_aware" and a callable policy also read their
+    named pages, so they need PrefixCachingBackends (`page_keys`, `page_size`, `pool.manager`). route(ids)
+    decides and changes nothing of the router's (a callable policy is called once); next_logits / dry_run
+    route, call the chosen worker, then record the request: per-worker `calls`, `tokens` (prompt tokens
+    routed), `computed` (tokens it ran: its stats' computed_tokens grew by that much) and `load` (pages of its
+    in-flight requests, see the module's docstring).
     """
 
-    def __init__(self, engines, policy: str, overlap_weight: float = 1.0, window: int | None = None):
+    def __init__(self, engines, policy, overlap_weight: float = 1.0, window: int | None = None):
         engines = list(engines) if isinstance(engines, (list, tuple)) else engines
         if not isinstance(engines, list) or not engines:
             raise FleetError(f"a router needs a non-empty list of engines, got {engines!r}")
-        if policy not in POLICIES:
-            raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
-        if policy == "kv_aware":
+        if not _known(policy):
+            raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}, or a callable")
+        if policy == "kv_aware" or callable(policy):
             for i, e in enumerate(engines):
                 if not isinstance(e, PrefixCachingBackend):
-                    raise FleetError(f"kv_aware reads each worker's named pages: engine {i} is a "
+                    raise FleetError(f"{_name(policy)} reads each worker's named pages: engine {i} is a "
                                      f"{type(e).__name__}, not a PrefixCachingBackend")
         if not isinstance(overlap_weight, (int, float)) or isinstance(overlap_weight, bool) \
                 or not math.isfinite(overlap_weight) or overlap_weight < 0:
@@ -126,12 +149,28 @@ class Router:
 
     def _route(self, ids: list, salt) -> int:
         n = len(self.engines)
+        if callable(self.policy):
+            return self._ask(ids, salt)
         if self.policy == "round_robin":
             return self.turn % n
         if self.policy == "least_loaded":
             return min(range(n), key=lambda w: (self.load[w], self.computed[w], w))
         cost = self._costs(ids, salt)
         return min(range(n), key=lambda w: (cost[w], self.load[w], self.computed[w], w))
+
+    def _ask(self, ids: list, salt) -> int:
+        """A callable policy's choice for `ids`: FleetError unless it is a worker's index (an integer, no bool)."""
+        workers = [WorkerState(c, self.load[w], self.calls[w], self.computed[w], self.engines[w].page_size)
+                   for w, c in enumerate(self._cached_tokens(ids, salt))]
+        w = self.policy(list(ids), workers)
+        try:
+            index = operator.index(w)                   # an int, numpy's or torch's integers too; no float
+        except TypeError:
+            index = None
+        if isinstance(w, bool) or index is None or not 0 <= index < len(workers):
+            raise FleetError(f"policy {_name(self.policy)} returned {w!r:.40}, not a worker's index in "
+                             f"0..{len(workers) - 1}")
+        return index
 
     def next_logits(self, ids, salt=None):
         """Route `ids`, score them on that worker: `[V]`, as `engines[route(ids)].next_logits(ids, salt)`."""
@@ -170,7 +209,12 @@ class Router:
         return as_ids(ids, vocab)[0].tolist()
 
     def __repr__(self):
-        return f"Router({len(self.engines)} engines, {self.policy!r}, calls per worker {self.calls})"
+        return f"Router({len(self.engines)} engines, {_name(self.policy)!r}, calls per worker {self.calls})"
+
+
+def _name(policy) -> str:
+    """A policy's name: the string itself, or a callable's __name__."""
+    return policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
 
 
 def _computed(engine):
@@ -195,14 +239,15 @@ def check_trace(trace, vocab_size: int, max_tokens: int) -> None:
                              "(its pool's pages, the model's positions)")
 
 
-def simulate(trace, workers: int, policy: str, pages_per_worker: int, page_size: int = 16, model=None,
+def simulate(trace, workers: int, policy, pages_per_worker: int, page_size: int = 16, model=None,
              overlap_weight: float = 1.0, window: int | None = None) -> dict:
     """Replay `trace` (a list of id lists, in arrival order) through `workers` PrefixCachingBackends of
     `pages_per_worker` pages each, run dry (`dry_run`: the page bookkeeping, no forward), behind a Router of
-    `policy`. Returns the fleet's totals, the sums of the workers' stats:
+    `policy` (a name in POLICIES, or a callable: the module's docstring). Returns the fleet's totals, the sums
+    of the workers' stats:
 
         calls, cached_tokens, computed_tokens, evicted_pages, hit_rate = cached / (cached + computed)
-        (0.0 for an empty trace), workers, policy, pages_per_worker, page_size,
+        (0.0 for an empty trace), workers, policy (its name: a callable's __name__), pages_per_worker, page_size,
         per_worker: [{calls, tokens, cached_tokens, computed_tokens, evicted_pages}] per worker,
         imbalance: max / mean of the workers' computed tokens (1.0 when all equal or none computed).
 
@@ -212,8 +257,8 @@ def simulate(trace, workers: int, policy: str, pages_per_worker: int, page_size:
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise FleetError(f"workers must be an int of at least 1, got {workers!r}")
-    if policy not in POLICIES:
-        raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    if not _known(policy):
+        raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}, or a callable")
     for name, n in (("pages_per_worker", pages_per_worker), ("page_size", page_size)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise FleetError(f"{name} must be an int of at least 1, got {n!r}")
@@ -230,6 +275,6 @@ def simulate(trace, workers: int, policy: str, pages_per_worker: int, page_size:
     seen = out["cached_tokens"] + out["computed_tokens"]
     computed = [p["computed_tokens"] for p in per_worker]
     mean = sum(computed) / workers
-    return dict(out, hit_rate=out["cached_tokens"] / seen if seen else 0.0, workers=workers, policy=policy,
+    return dict(out, hit_rate=out["cached_tokens"] / seen if seen else 0.0, workers=workers, policy=_name(policy),
                 pages_per_worker=pages_per_worker, page_size=page_size, per_worker=per_worker,
                 imbalance=max(computed) / mean if mean else 1.0)
