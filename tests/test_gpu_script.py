@@ -21,7 +21,8 @@ from lab.models import load
 from lab.peers import vllm_gpu
 
 # the dry run's sections, and the sections of a GPU run they stand for
-DRY = {"gpu_dryrun": "ch03_gpu", "gpu_dryrun_ch05": "ch05_gpu", "gpu_dryrun_ch08": "ch08_gpu"}
+DRY = {"gpu_dryrun": "ch03_gpu", "gpu_dryrun_ch05": "ch05_gpu", "gpu_dryrun_ch08": "ch08_gpu",
+       "gpu_dryrun_ch11": "ch11_gpu"}
 GPU_CHAPTERS = ("ch03_savings", "ch05_paged", "ch07_compress", "ch08_serving")   # the chapters citing them
 BOOK, NOTEBOOKS = results.REPO_ROOT / "book", results.REPO_ROOT / "notebooks"
 
@@ -64,6 +65,7 @@ def test_dry_run_measures_on_cpu(dry_run):
     # each kernel matched its reference (the tolerance: lab/kernel_bench.py RTOL, ATOL)
     assert case["max_abs_error"]["within_tolerance"] and case["int8_max_abs_error"]["within_tolerance"]
     check_serving_dry_run(dry_run)
+    check_tiers_dry_run(dry_run)
 
 
 @pytest.mark.slow  # over 8 s: `make test-slow`
@@ -108,6 +110,19 @@ def check_serving_dry_run(doc):
     assert vllm["value"] == "NOT_RUN" and vllm["reason"] == "a dry run on the CPU never starts vLLM"
     assert not prov["decode_attention"].startswith("Triton") and prov["engine"]["prefix_caching"] is False
     assert prov["run"].startswith("dry run")
+
+
+def check_tiers_dry_run(doc):
+    """Chapter 11's part of the dry run: no vLLM on the CPU, so every tier NOT_RUN with that reason, the trace
+    and Dynamo's commands in the provenance."""
+    section = doc["sections"]["gpu_dryrun_ch11"]
+    values, prov = section["values"], section["provenance"]
+    for mode in gpu.TIERS["modes"]:
+        leaf = values["tiers"][mode]["later_turn_ttft_ms"]
+        assert leaf["value"] == "NOT_RUN" and leaf["reason"] == "a dry run on the CPU never starts vLLM", mode
+    assert values["seconds"]["value"] >= 0
+    assert prov["trace"]["conversations"] == gpu.TIERS_DRY["conversations"]
+    assert "--router-mode kv" in prov["dynamo_commands"] and prov["run"].startswith("dry run")
 
 
 @pytest.mark.slow  # over 8 s: `make test-slow`
@@ -312,6 +327,47 @@ def test_a_failing_part_records_not_run_and_keeps_the_others(results_file, monke
     assert failed["value"] == results.NOT_RUN and "MemoryError: out of memory in a test" in failed["reason"]
 
 
+def test_tier_trace_outgrows_the_gpu_pool():
+    # Chapter 11's trace: every conversation's turn r before any turn r + 1, each turn's prompt extending the
+    # last one of its conversation, and more prefix tokens than the GPU's pool holds, so that a tier below
+    # has something to bring back.
+    t = gpu.TIERS
+    trace = gpu.tier_trace(t)
+    assert [r for _, r, _ in trace] == sorted(r for _, r, _ in trace)
+    last = {}
+    for c, r, ids in trace:
+        assert len(ids) == t["system"] + (r + 1) * t["turn_tokens"]
+        assert c not in last or ids[:len(last[c])] == last[c]
+        last[c] = ids
+    assert sum(len(ids) for ids in last.values()) > 2 * t["num_gpu_blocks"] * t["block_size"]
+    assert trace == gpu.tier_trace(t)                                   # the same every run (seed 0)
+
+
+def test_tier_values_have_the_same_keys_run_or_not():
+    # Chapter 11's section, measured (a fake run of each mode, LMCache failing) or not: the same keys; the
+    # ratios are the later turns' median times to first token over the baseline's.
+    s = gpu.settings(False)
+    turns = [r for _, r, _ in gpu.tier_trace(s["tiers"])]
+
+    def run(ttft_later, cached):
+        return dict(vllm="0.0-test", lmcache=None, results=[
+            dict(ttft_s=0.5 if r == 0 else ttft_later, prompt_tokens=100, num_cached_tokens=0 if r == 0 else cached)
+            for r in turns])
+
+    m = dict(runs={"baseline": run(0.4, 0), "native": run(0.1, 90)}, whys={"lmcache": "lmcache failed in a test"},
+             seconds=5.0, why="not measured in this test", extra={})
+    ran = gpu.ch11_values(s, m, "")
+    assert ran["native_over_baseline"]["value"] == pytest.approx(0.25)
+    assert ran["tiers"]["native"]["later_turn_cached_percent"]["value"] == pytest.approx(90.0)
+    assert ran["tiers"]["baseline"]["cached_percent"]["value"] == 0.0
+    assert ran["lmcache_over_baseline"]["reason"] == "lmcache failed in a test"
+    dynamo = ran["dynamo"]["kv_router"]
+    assert dynamo["value"] == "NOT_RUN" and "--router-mode kv" in dynamo["reason"]
+    blank = gpu.not_run_values(s, "no GPU")["ch11_gpu"]
+    keys = lambda v: set(results.leaf_keys({"sections": {"x": {"values": v}}}))
+    assert keys(ran) == keys(blank)
+
+
 def test_vllm_values_have_the_same_keys_run_or_not():
     # vLLM runs only on a GPU with its CUDA build; its values and their ratio to the engine's keep one shape.
     run = {"rate": 300.0, "requests": 4, "run": {"output_tokens": 600, "seconds": 2.0, "vllm": "0.0-test"}}
@@ -346,13 +402,17 @@ def test_find_vllm_cuda_says_why_not():
     assert "no vllm module" in why and "/nonexistent/bin/python: missing" in why and "CUDA" in why
 
 
-def test_without_cuda_records_not_run(results_file, monkeypatch):
+def test_without_cuda_records_not_run(results_file, monkeypatch, capsys):
     monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
     assert gpu.run() is None
+    assert "python -m dynamo.frontend --http-port 8000 --router-mode kv" in capsys.readouterr().out
+    assert "--router-mode kv" in results.get("ch11_gpu.dynamo.kv_router")["reason"]
     for key in ("ch03_gpu.step_ms", "ch03_gpu.sweep.smollm2.T2048.static", "ch05_gpu.bandwidth",
                 "ch05_gpu.kernel_over_sdpa", "ch05_gpu.int8_bandwidth", "ch05_gpu.int8_over_float",
                 "ch05_gpu.sweep.B64.T32768.kernel_ms", "ch08_gpu.output_tok_s", "ch08_gpu.engine.C256.output_tok_s",
-                "ch08_gpu.sequential.output_tok_s", "ch08_gpu.speedup", "ch08_gpu.vllm.output_tok_s"):
+                "ch08_gpu.sequential.output_tok_s", "ch08_gpu.speedup", "ch08_gpu.vllm.output_tok_s",
+                "ch11_gpu.native_over_baseline", "ch11_gpu.lmcache_over_baseline",
+                "ch11_gpu.tiers.native.later_turn_ttft_ms", "ch11_gpu.tiers.lmcache.cached_percent"):
         leaf = results.get(key)
         assert leaf["value"] == "NOT_RUN" and "CUDA" in leaf["reason"], key
 

@@ -11,7 +11,14 @@ On a machine with a GPU it measures three parts, each written to its section as 
   to 64, float16, 32 query and 8 KV heads of 128 features, pages of 16;
 - `ch08_gpu`: ShareGPT-shaped requests, all arriving at once, through `ServingEngine` in this process
   (`lab.serving_bench`), SmolLM2 in float32, at 256, 64, 16 and 1 requests at once and 8 one after another,
-  the decode attention chapter 5's Triton kernel; vLLM beside it where an environment holds a CUDA build.
+  the decode attention chapter 5's Triton kernel; vLLM beside it where an environment holds a CUDA build;
+- `ch11_gpu`: the cache one tier below the GPU, through vLLM's CUDA build (lab/peers/ch11_offload.py): a
+  multi-turn trace whose prefixes do not all fit the GPU's pool, with no tier below (the baseline), with vLLM's
+  native CPU offloading (`--kv-offloading-backend native --kv-offloading-size GiB`) and with LMCache's
+  connector (`--kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'`), each its
+  prompt tokens found cached and its time to first token. It prints, and records as NOT_RUN, the commands of
+  NVIDIA Dynamo's KV-aware router over two vLLM workers, which the script does not start (on the CPU,
+  `python -m lab.peers.ch11_dynamo` runs it over vLLM's CPU build).
 
 The keys. One function per section (`ch03_values`, `ch05_values`, `ch08_values`) builds its values from what
 was measured, every case that was not measured NOT_RUN with the reason; a run without a GPU calls the same
@@ -20,16 +27,20 @@ cites the headline leaves, which name no shape: `ch03_gpu.step_ms` and `.speedup
 at its longest context, 2,048), `ch03_gpu.concat_reserved_mib` and `.static_reserved_mib`;
 `ch05_gpu.bandwidth` (at 32,768 positions, the batch that reads fastest), `.bandwidth_fraction` (that over
 the GPU's peak), `.kernel_over_sdpa`, `.int8_bandwidth`, `.int8_over_float` (the same case), `.max_abs_error`;
-`ch08_gpu.output_tok_s` and `.speedup` (256 requests at once), `.vllm.output_tok_s`. The sweeps sit under
-`ch03_gpu.sweep`, `.speedups`, `.memory`, `ch05_gpu.sweep`, `ch08_gpu.engine`, `.speedups`.
+`ch08_gpu.output_tok_s` and `.speedup` (256 requests at once), `.vllm.output_tok_s`; `ch11_gpu.native_over_baseline`
+and `.lmcache_over_baseline` (the later turns' median time to first token, over the baseline's). The sweeps
+sit under `ch03_gpu.sweep`, `.speedups`, `.memory`, `ch05_gpu.sweep`, `ch08_gpu.engine`, `.speedups`,
+`ch11_gpu.tiers`.
 
 A time limit bounds each part (BUDGET_S): a sweep stops there and records what it measured, the rest NOT_RUN
-with the reason; vLLM, where a CUDA build is found, gets what is left of the four minutes. Without a GPU,
+with the reason; vLLM, where a CUDA build is found, gets what is left of the four minutes. Chapter 11's part
+has its own limit (BUDGET_S["tiers"]: three starts of vLLM), so the whole run takes at most about eight. Without a GPU,
 the run records NOT_RUN with the reason, under the same keys, unless a section already holds
 measurements, which a CPU-only run never overwrites. A part that fails records NOT_RUN with its error (the
 other parts keep their measurements), and the command exits with an error. `--dry-run` runs the same code
 on the CPU with tiny sizes (the kernels in Triton's interpreter), into sections `gpu_dryrun`,
-`gpu_dryrun_ch05` and `gpu_dryrun_ch08`, so the tests can exercise the script.
+`gpu_dryrun_ch05`, `gpu_dryrun_ch08` and `gpu_dryrun_ch11` (which starts no vLLM), so the tests can exercise
+the script.
 """
 
 import argparse
@@ -45,6 +56,8 @@ from .. import kernel_bench, memory, serving_bench, step_cost
 from ..bench import ratio_summary
 from ..loadgen import workload
 from ..models import load
+from ..models.load import smollm2_folder
+from ..peers import ch11_offload, vllm_gpu
 from ..results import NOT_RUN, leaf_keys, lookup, not_run, provenance, read, results_path, value, write_section
 
 NO_GPU = "no CUDA GPU on the machine that ran `make results`"
@@ -56,7 +69,7 @@ DESIGNS = ("concat", "static")
 # step); memory ~25 s (two fresh processes, each stopped at the limit); kernels ~10 s (~1.5 TB moved in all:
 # compilation and Python bind it); serving ~45 s (~85 engine steps of ~30 ms per `generate` at 256 requests).
 # Each limit leaves a margin; the parts' limits, start-up and one serving level past its limit: about 200 s.
-BUDGET_S = dict(steps=30, memory=45, kernel=30, serving=70, total=230)
+BUDGET_S = dict(steps=30, memory=45, kernel=30, serving=70, total=230, tiers=240)
 
 # Chapter 8 on the GPU: the chapter's CPU load, larger. Prompts up to 256 and answers up to 64 tokens.
 SERVE = dict(model="smollm2",
@@ -71,20 +84,44 @@ SERVE = dict(model="smollm2",
 SERVE_DRY = dict(model="tiny-llama", levels=(4, 1), max_prompt=16, max_output=4, sequential=2, reps=1,
                  page_size=16, max_batch_tokens=32)
 
+# Chapter 11 on the GPU: 8 conversations of 4 turns, each a 512-token system prompt of its own and 64 new
+# tokens a turn, turn by turn (every conversation's turn t before any turn t+1). The GPU's pool holds 128
+# pages of 16 tokens, about three conversations, so a conversation's prefix has left the GPU by its next turn:
+# the baseline computes it again, a tier below brings it back. SmolLM2 in float32 holds 46 KB a token
+# (30 layers, keys and values, 3 KV heads of 64): the whole trace, about 6,100 tokens, 0.3 GB; 2 GiB below.
+TIERS = dict(modes=("baseline", "native", "lmcache"), conversations=8, turns=4, system=512, turn_tokens=64,
+             block_size=16, num_gpu_blocks=128, offload_gib=2.0, max_model_len=2048, vocab=49152, start_s=60)
+TIERS_DRY = TIERS | dict(conversations=2, turns=2, system=32, turn_tokens=8)
+# NVIDIA Dynamo's KV-aware router in front of two vLLM workers, one GPU each: the commands of its router guide
+# (`python -m dynamo.frontend --router-mode kv`) and vLLM backend (`python -m dynamo.vllm`), with discovery
+# through a folder instead of etcd (ai-dynamo 1.6: `--discovery-backend file`). The GPU script does not start it.
+DYNAMO_COMMANDS = (
+    "pip install 'ai-dynamo[vllm]==1.6.1'\n"
+    "export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=/tmp/dynamo-store\n"
+    "python -m dynamo.frontend --http-port 8000 --router-mode kv &\n"
+    "CUDA_VISIBLE_DEVICES=0 DYN_SYSTEM_PORT=8081 python -m dynamo.vllm --model HuggingFaceTB/SmolLM2-135M-Instruct "
+    "--enable-prefix-caching --kv-events-config "
+    "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:20081\"}' &\n"
+    "CUDA_VISIBLE_DEVICES=1 DYN_SYSTEM_PORT=8082 python -m dynamo.vllm --model HuggingFaceTB/SmolLM2-135M-Instruct "
+    "--enable-prefix-caching --kv-events-config "
+    "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:20082\"}' &\n"
+    "# then send the trace of `python -m lab.peers.ch11_dynamo` to http://localhost:8000/v1/completions")
+
 
 def settings(dry_run: bool) -> dict:
     """What the run measures. The headline of each part is its first model, its longest context and its
     largest batch or level; the manuscript cites only those."""
     if dry_run:  # the kernels run under Triton's interpreter here: tiny shapes, a limit it never reaches
         return dict(device="cpu", budget_s=dict.fromkeys(BUDGET_S, 600),
-                    sections=dict(ch03="gpu_dryrun", ch05="gpu_dryrun_ch05", ch08="gpu_dryrun_ch08"),
+                    sections=dict(ch03="gpu_dryrun", ch05="gpu_dryrun_ch05", ch08="gpu_dryrun_ch08",
+                                  ch11="gpu_dryrun_ch11"),
                     steps=dict(contexts={"tiny-llama": [16, 64]}, rounds=2, warmup=1),
                     memory=dict(models=("tiny-llama",), batches=(2,), tokens=48),
                     kernel=dict(contexts=[40], batches=[1, 2], heads=(4, 2), head_dim=16, dtype=torch.float32,
                                 page_size=16, warmup=1, reps=2, check_batch=2),
-                    serve=SERVE_DRY)
+                    serve=SERVE_DRY, tiers=TIERS_DRY)
     return dict(device="cuda", budget_s=BUDGET_S,
-                sections=dict(ch03="ch03_gpu", ch05="ch05_gpu", ch08="ch08_gpu"),
+                sections=dict(ch03="ch03_gpu", ch05="ch05_gpu", ch08="ch08_gpu", ch11="ch11_gpu"),
                 steps=dict(contexts={"smollm2": [16, 32, 64, 128, 256, 512, 960, 2048],
                                      "gpt2-random": [16, 32, 64, 128, 256, 512, 960]},  # 1,024 positions at most
                            rounds=10, warmup=3),
@@ -92,7 +129,7 @@ def settings(dry_run: bool) -> dict:
                 kernel=dict(contexts=[32768, 16384, 8192, 4096], batches=[64, 16, 4, 1], heads=(32, 8),
                             head_dim=128, dtype=torch.float16, page_size=16, warmup=2, reps=10,
                             check_batch=2),    # sequences per case checked against the reference
-                serve=SERVE)
+                serve=SERVE, tiers=TIERS)
 
 
 def leaf_of(why: str):
@@ -288,10 +325,91 @@ def ch08_values(s, m: dict, why: str) -> dict:
     return v
 
 
+# ---- chapter 11: a tier below the GPU ----
+
+def tier_trace(t) -> list:
+    """(conversation, turn, token ids) in the order sent: every conversation's turn r before any turn r + 1; a
+    turn's prompt is its conversation's system prompt and the new tokens of every turn up to it."""
+    g = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(100, t["vocab"], (n,), generator=g).tolist()
+    system = [draw(t["system"]) for _ in range(t["conversations"])]
+    turns = [[draw(t["turn_tokens"]) for _ in range(t["turns"])] for _ in range(t["conversations"])]
+    return [(c, r, system[c] + sum(turns[c][:r + 1], [])) for r in range(t["turns"]) for c in range(t["conversations"])]
+
+
+def measure_ch11(s, gpu) -> dict:
+    """The trace through vLLM's CUDA build once per mode (baseline, native offloading, LMCache), each a fresh
+    vLLM, until the part's time limit; a mode that cannot start or fails is NOT_RUN with why."""
+    t, t0 = s["tiers"], time.perf_counter()
+    trace = tier_trace(t)
+    extra = dict(trace=dict(conversations=t["conversations"], turns=t["turns"], system_tokens=t["system"],
+                            turn_tokens=t["turn_tokens"], order="turn by turn", seed=0),
+                 engine=dict(block_size=t["block_size"], num_gpu_blocks=t["num_gpu_blocks"],
+                             offload_gib=t["offload_gib"], dtype="float32", enforce_eager=True),
+                 dynamo_commands=DYNAMO_COMMANDS)
+    done = lambda **m: dict(runs={}, whys={}, seconds=time.perf_counter() - t0, extra=extra) | m
+    if s["device"] != "cuda":
+        return done(why="a dry run on the CPU never starts vLLM")
+    python, found = vllm_gpu.find_vllm_cuda()
+    if python is None:
+        return done(why=found)
+    runs, whys, deadline = {}, {}, t0 + s["budget_s"]["tiers"]
+    request = dict(model=str(smollm2_folder()), offload_gib=t["offload_gib"], num_gpu_blocks=t["num_gpu_blocks"],
+                   block_size=t["block_size"], max_model_len=t["max_model_len"], prompts=[ids for _, _, ids in trace])
+    for mode in t["modes"]:
+        left = deadline - time.perf_counter()
+        if left < t["start_s"]:
+            whys[mode] = f"{found} is at hand, but the part's time limit left {left:.0f} s, too few to start it"
+            continue
+        try:
+            runs[mode] = ch11_offload.run(python, request | dict(mode=mode), timeout=left)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            whys[mode] = f"{found} with {mode} failed to run: {e}"[:2000]
+    return done(runs=runs, whys=whys, why=f"{found}: not run", found=found)
+
+
+def tier_values(leaf, run, turns: list) -> dict:
+    """One mode's values from its run (ch11_offload's answer, None when not run); turns: each request's turn."""
+    res = run and run["results"]
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+    every = res or []
+    later = [q for q, r in zip(every, turns, strict=True) if r > 0] if res else []
+    percent = lambda qs: qs and sum(q["num_cached_tokens"] for q in qs) / sum(q["prompt_tokens"] for q in qs) * 100
+    ttft = lambda qs: median([q["ttft_s"] * 1e3 for q in qs])
+    return {"cached_percent": leaf(percent(every) or (0.0 if res else None), "%",
+                                   note="prompt tokens found cached, every request"),
+            "later_turn_cached_percent": leaf(percent(later) or (0.0 if res else None), "%",
+                                              note="prompt tokens found cached, turns after the first"),
+            "ttft_ms": leaf(ttft(every), "ms", requests=len(turns), note="median time to first token, every request"),
+            "later_turn_ttft_ms": leaf(ttft(later), "ms", note="median time to first token, turns after the first"),
+            "prompt_tokens": leaf(res and sum(q["prompt_tokens"] for q in res), "tokens"),
+            "cached_tokens": leaf(res and sum(q["num_cached_tokens"] for q in res), "tokens"),
+            "version": leaf(run and run["vllm"], None, lmcache=run and run.get("lmcache"))}
+
+
+def ch11_values(s, m: dict, why: str) -> dict:
+    """Section ch11_gpu from a measure_ch11 result m ({} when nothing was measured), the rest NOT_RUN."""
+    t, runs, whys = s["tiers"], m.get("runs", {}), m.get("whys", {})
+    why = m.get("why", why)
+    turns = [r for _, r, _ in tier_trace(t)]
+    v = {"tiers": {mode: tier_values(leaf_of(whys.get(mode, why)), runs.get(mode), turns) for mode in t["modes"]}}
+    base = v["tiers"]["baseline"]["later_turn_ttft_ms"]["value"]
+    for mode in ("native", "lmcache"):
+        ms = v["tiers"][mode]["later_turn_ttft_ms"]["value"]
+        measured = NOT_RUN not in (ms, base)
+        v[f"{mode}_over_baseline"] = leaf_of(whys.get(mode) or whys.get("baseline") or why)(
+            ms / base if measured else None, "x", note=f"later turns' median time to first token, {mode} over none")
+    v["dynamo"] = {"kv_router": not_run("the GPU script does not start NVIDIA Dynamo; on GPUs run: "
+                                        + DYNAMO_COMMANDS.replace("\n", "; "), "ms")}
+    v["seconds"] = leaf_of(why)(m.get("seconds"), "s")
+    return v
+
+
 # ---- the run ----
 
 STARTED = time.perf_counter()   # reset by run(); vLLM gets what is left of BUDGET_S["total"]
-PARTS = {"ch03": (measure_ch03, ch03_values), "ch05": (measure_ch05, ch05_values), "ch08": (measure_ch08, ch08_values)}
+PARTS = {"ch03": (measure_ch03, ch03_values), "ch05": (measure_ch05, ch05_values), "ch08": (measure_ch08, ch08_values),
+         "ch11": (measure_ch11, ch11_values)}
 
 
 def not_run_values(s, reason: str) -> dict:
@@ -316,6 +434,8 @@ def run(dry_run=False):
     global STARTED
     STARTED = time.perf_counter()
     s = settings(dry_run)
+    print("chapter 11: NVIDIA Dynamo's KV-aware router, on GPUs (this script does not start it):\n"
+          + DYNAMO_COMMANDS, flush=True)
     if s["device"] == "cuda" and not torch.cuda.is_available():
         for section, values in not_run_values(s, NO_GPU).items():
             write_not_run(section, values, NO_GPU)
