@@ -22,12 +22,12 @@ def random_tokens(rng, n, vocab) -> list:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def shared_system_prompts(vocab, scale=1.0, seed=0) -> list:
-    """Eight applications, each with its own long system prompt (500-1,500 tokens), chosen by Zipf
+def shared_system_prompts(vocab, scale=1.0, seed=0, apps=8) -> list:
+    """Eight applications (or `apps`), each with its own long system prompt (500-1,500 tokens), chosen by Zipf
     popularity (the first is the most used); each request is a system prompt and a user's question of
     20-150 tokens."""
     rng = random.Random(seed)
-    systems = [random_tokens(rng, rng.randint(500, 1500), vocab) for _ in range(8)]
+    systems = [random_tokens(rng, rng.randint(500, 1500), vocab) for _ in range(apps)]
     weights = [1 / (k + 1) ** 1.1 for k in range(len(systems))]
     return [rng.choices(systems, weights)[0] + random_tokens(rng, rng.randint(20, 150), vocab)
             for _ in range(int(300 * scale))]
@@ -48,6 +48,36 @@ def multi_turn_chats(vocab, scale=1.0, seed=1, turns=6) -> list:
             chats[c] += random_tokens(rng, rng.randint(50, 250), vocab)
         chats[c] += random_tokens(rng, rng.randint(20, 120), vocab)
         out.append(list(chats[c]))
+    return out
+
+
+def agent_branches(vocab, scale=1.0, seed=3, steps=6, branches=3, p_branch=0.4) -> list:
+    """Agents that search (chapter 11): every task starts with the same 400-token system prompt and tool list,
+    then its own task (50-150 tokens). At each of `steps` steps the agent is sent its whole history and
+    answers with a tool call (20-60 tokens) whose result (50-300 tokens) joins the history. At a branching
+    step (probability `p_branch`) it first tries `branches` alternative calls from the same history, each
+    sent back with its result, and keeps the last (tree search, retries). Tasks interleave; a task's
+    requests stay in order."""
+    rng = random.Random(seed)
+    system = random_tokens(rng, 400, vocab)
+    tasks = []
+    for _ in range(int(40 * scale)):
+        history, requests = system + random_tokens(rng, rng.randint(50, 150), vocab), []
+        for _ in range(steps):
+            requests.append(list(history))
+            for _ in range(branches if rng.random() < p_branch else 1):
+                tried = history + random_tokens(rng, rng.randint(20, 60), vocab) \
+                    + random_tokens(rng, rng.randint(50, 300), vocab)
+                requests.append(list(tried))
+            history = tried
+        tasks.append(requests)
+    order = [t for t, requests in enumerate(tasks) for _ in requests]
+    rng.shuffle(order)
+    at = [0] * len(tasks)
+    out = []
+    for t in order:
+        out.append(tasks[t][at[t]])
+        at[t] += 1
     return out
 
 

@@ -87,7 +87,7 @@ class Tiers:
         digest, parent, tokens = key
         if digest in self.host:
             stored, page = self.host[digest]
-            if stored[1:] != (parent, tuple(tokens)):
+            if (stored[1], tuple(stored[2])) != (parent, tuple(tokens)):
                 return None
             del self.host[digest]
             return page, "host"
@@ -95,7 +95,7 @@ class Tiers:
             return None
         stored, path = self.disk.pop(digest)
         if path is None:                                            # dry run: the name alone
-            return (None, "disk") if stored[1:] == (parent, tuple(tokens)) else None
+            return (None, "disk") if (stored[1], tuple(stored[2])) == (parent, tuple(tokens)) else None
         page = self._load(path, key)
         path.unlink(missing_ok=True)
         if page is None:
