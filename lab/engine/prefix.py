@@ -6,6 +6,8 @@ the rest, and names its own new full pages for the requests after it. When it en
 pool still named: they are reused until a fresh page is needed, least recently freed first (LRU).
 """
 
+import weakref
+
 import torch
 
 from ..cache import CacheInputError, CacheStateError, OutOfPagesError, PagedCache
@@ -46,8 +48,9 @@ class PrefixCachingBackend:
         self.dry = False                                            # set by dry_run: pages without keys
         # chapter 11: evicted pages go down to a host tier, then to disk, and come back on a hit (tiers.py)
         self.tiers = Tiers(host_pages, disk_dir) if host_pages or disk_dir is not None else None
-        if self.tiers is not None:
-            self.pool.manager.on_evict = self._keep
+        if self.tiers is not None:     # a weak reference: the pool's manager must not keep its backend alive
+            keep = weakref.WeakMethod(self._keep)
+            self.pool.manager.on_evict = lambda page, key: keep()(page, key)
 
     def page_keys(self, ids: list, salt=None) -> list:
         """(digest, parent digest, tokens) of every full page of `ids` under this model and salt."""

@@ -81,6 +81,7 @@ class Tiers:
             os.replace(tmp, path)                                   # never a half-written page file
         self.disk[digest] = (key, path)
 
+    # region tiers_take
     def take(self, key):
         """(page, "host" | "disk") for a page stored under exactly this name, removed from its tier; None for
         a miss, a name collision (same digest, other parent or tokens) or a refused page file."""
@@ -101,6 +102,7 @@ class Tiers:
         if page is None:
             self.corrupt += 1
         return None if page is None else (page, "disk")
+    # endregion
 
     @staticmethod
     def _load(path, key):
