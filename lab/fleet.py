@@ -140,9 +140,13 @@ class Router:
 
     # region fleet_route
     def _costs(self, ids: list, salt) -> list[float]:
-        T = len(ids)
-        return [self.overlap_weight * -(-(T - c) // e.page_size) + self.load[w] + -(-T // e.page_size)
-                for w, (e, c) in enumerate(zip(self.engines, self._cached_tokens(ids, salt), strict=True))]
+        T, cached = len(ids), self._cached_tokens(ids, salt)
+        costs = []
+        for w, (e, c) in enumerate(zip(self.engines, cached, strict=True)):
+            prefill_blocks = -(-(T - c) // e.page_size)          # pages w would compute
+            decode_blocks = self.load[w] + -(-T // e.page_size)  # pages active on w, with this one
+            costs.append(self.overlap_weight * prefill_blocks + decode_blocks)
+        return costs
 
     def route(self, ids, salt=None) -> int:
         """The index of the worker `policy` sends `ids` to now. Changes nothing."""

@@ -239,7 +239,9 @@ print(f"a page of SmolLM2 in float32: {restore['page_bytes'] / 2**10:.0f} KiB; r
 
 # %% [markdown]
 # The break-even in one ratio: restoring wins while the machine's compute rate over the tier's bandwidth
-# (FLOPs it could do in the time one byte arrives) stays below the model's FLOPs per byte of cache.
+# (FLOPs it could do in the time one byte arrives) stays below the model's FLOPs per byte of cache,
+# $\frac{\text{FLOP/s}}{\text{bytes/s}} < \frac{2N}{b}$, with $N$ the parameters of the model's matrices
+# and $b$ the bytes it caches per token.
 
 # %%
 display(show(pd.DataFrame({t: {"achieved bandwidth (GB/s)": even[t]["bandwidth"] / 1e9,

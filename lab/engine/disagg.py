@@ -244,24 +244,27 @@ class DecodeEngine(ServingEngine):
 
     # region handoff_check
     def check(self, ps: PageSet):
-        """Raise HandoffError naming every way `ps` differs from what this engine's pool holds, or, if it
-        matches, a sha256 that does not match its contents; nothing else is read from it before."""
+        """Raise HandoffError naming every way `ps` differs from what this engine's pool holds,
+        or, if it matches, a sha256 that does not match its contents; nothing else is read from
+        it before."""
         if not isinstance(ps, PageSet):
             raise TypeError(f"add_prefilled takes a PageSet, got {type(ps).__name__}")
         cfg, mine = self.model.config, identity_of(self.model, self.pool)
         pairs = [("model", ps.model, cfg.name), ("arch", ps.arch, cfg.arch),
-                 ("dtype", ps.dtype, dtype_name(self.pool.dtype)), ("page_size", ps.page_size, self.page_size),
+                 ("dtype", ps.dtype, dtype_name(self.pool.dtype)),
+                 ("page_size", ps.page_size, self.page_size),
                  ("layout", tuple(ps.layout), tuple(cfg.kv_layout))]
         pairs += [(f"identity.{f.name}", getattr(ps.identity, f.name), getattr(mine, f.name))
                   for f in dataclasses.fields(StateIdentity)]
         differ = [(name, theirs, ours) for name, theirs, ours in pairs if theirs != ours]
         if differ:
-            said = "; ".join(f"{name} {short(theirs)}, this engine's {short(ours)}" for name, theirs, ours in differ)
+            said = "; ".join(f"{name} {short(theirs)}, this engine's {short(ours)}"
+                             for name, theirs, ours in differ)
             raise HandoffError(f"page set refused, it was computed for another state: {said}",
                                [name for name, _, _ in differ])
         if ps.digest() != ps.sha256:
-            raise HandoffError(f"page set refused: its sha256 {short(ps.sha256)} does not match its contents "
-                               f"{short(ps.digest())} (damaged on the way)", ["sha256"])
+            raise HandoffError(f"page set refused: its sha256 {short(ps.sha256)} does not match its "
+                               f"contents {short(ps.digest())} (damaged on the way)", ["sha256"])
     # endregion
 
     def add_prefilled(self, ps: PageSet, max_new_tokens: int, eos_id: int | None = None) -> int:

@@ -83,8 +83,9 @@ class Tiers:
 
     # region tiers_take
     def take(self, key):
-        """(page, "host" | "disk") for a page stored under exactly this name, removed from its tier; None for
-        a miss, a name collision (same digest, other parent or tokens) or a refused page file."""
+        """(page, "host" | "disk") for a page stored under exactly this name, removed from its tier;
+        None for a miss, a name collision (same digest, other parent or tokens) or a refused page
+        file."""
         digest, parent, tokens = key
         if digest in self.host:
             stored, page = self.host[digest]
