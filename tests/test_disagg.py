@@ -277,9 +277,11 @@ def test_colocated_baseline(tiny):
 
 def test_two_processes(tiny):
     """Prefill and decode in two spawned processes: the oracle's tokens, a timeline in order, the bytes of each
-    PageSet; a killed worker raises WorkerError (no hang), and close() ends both."""
+    PageSet; a killed worker raises WorkerError (no hang), and close() ends both. The decode worker has 4 pages:
+    a page set waits in its queue until the running request ends, and is then taken although the engine is
+    idle (a worker that slept until the next message there never finished)."""
     ps = prompts([5, 40, 17], seed=3)
-    with Disaggregated("tiny-llama", 16, 16, page_size=16, max_batch_tokens=16, timeout_s=120) as d:
+    with Disaggregated("tiny-llama", 16, 4, page_size=16, max_batch_tokens=16, timeout_s=60) as d:
         tokens, timeline = d.generate(ps, 6, arrivals_s=[0.0, 0.005, 0.01])
         assert tokens == [recomputed(tiny, p, 6) for p in ps]
         for r, p in zip(timeline, ps, strict=True):

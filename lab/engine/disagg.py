@@ -485,7 +485,8 @@ def decode_worker(conn, kv, model, pages, page_size, max_batch_tokens):
         conn.send(("ready",))
         queue, info = deque(), {}                      # PageSets not yet taken; rid -> (tag, times, bytes)
         while True:
-            timeout = 0 if engine.running or engine.waiting else None
+            # sleep until a message comes only with nothing to do: no request in flight, no page set queued
+            timeout = 0 if engine.running or engine.waiting or queue else None
             while ready := wait([conn, kv], timeout):
                 for c in ready:
                     message = c.recv()
