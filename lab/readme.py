@@ -144,11 +144,24 @@ HEADLINES = [
     ("Ch. 10 — a latent decode step (rank 96) over the original model's at 4,096 positions: absorbed / "
      "reconstructing", ("ch10.steps.T4096.absorbed_r96.over_original",
                         "ch10.steps.T4096.reconstructing_r96.over_original"), ".2f"),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 (two "
-     "CPU cores)", tuple(f"notebooks.seconds.{name}" for name in
-                         ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
-                          "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation",
-                          "ch10_architecture")), ".0f"),
+    ("Ch. 11 — prompt tokens from cache, system prompts, smallest pool: no tier / a host tier 4x the pool / host "
+     "and disk", ("ch11.tiers.system_prompts.no_tier", "ch11.tiers.system_prompts.host_tier",
+                  "ch11.tiers.system_prompts.host_disk"), ".0f"),
+    ("Ch. 11 — one page of SmolLM2 (float32): restored from host memory / from disk / computed again",
+     ("ch11.restore.host_ms_per_page", "ch11.restore.disk_ms_per_page", "ch11.restore.recompute_ms_per_page"),
+     (".3f", ".2f", ".1f")),
+    ("Ch. 11 — router hit rate, round robin / KV-aware: 2 workers measured; 16 simulated",
+     ("ch11.routers.measured.round_robin.hit_rate", "ch11.routers.measured.kv_aware.hit_rate",
+      "ch11.routers.simulated.round_robin.w16.hit_rate", "ch11.routers.simulated.kv_aware.w16.hit_rate"), ".1f"),
+    ("Ch. 11 — NVIDIA Dynamo in front of two vLLM CPU workers, prompt tokens cached: KV router / round robin",
+     ("ch11.dynamo.kv.cached", "ch11.dynamo.round_robin.cached"), ".1f"),
+    ("Ch. 11 — prefill apart from decode over one engine, same load and memory: throughput",
+     "ch11.disagg.throughput_ratio", ".2f"),
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 / 11 "
+     "(two CPU cores)", tuple(f"notebooks.seconds.{name}" for name in
+                              ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
+                               "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation",
+                               "ch10_architecture", "ch11_beyond")), ".0f"),
 ]
 
 

@@ -25,7 +25,7 @@ NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("ch*.py"))
 # formula as TeX); each must render at least one <math> element.
 FORMULA_CHAPTERS = ["ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
                     "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation",
-                    "ch10_architecture"]
+                    "ch10_architecture", "ch11_beyond"]
 
 # -----------------------------------------------------------------------------
 # the detectors

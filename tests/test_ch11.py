@@ -78,6 +78,8 @@ def test_scheduling_and_routers_run_and_report(tiny):
     assert all(0 <= x["hit_rate"] < 1 and x["ttft_steps"] >= 1 for k, x in sched.items() if k != "prompt_tokens")
     measured = ch11.routers_measured(tiny, s)
     assert all(sum(x["calls"]) == 6 for x in measured.values())
+    # the simulator's bookkeeping is the backends': on the measured trace it finds exactly what they found
+    assert all(x["simulated_hit_rate"] == pytest.approx(x["hit_rate"]) for x in measured.values())
     sim = ch11.routers_simulated(s)
     assert [x["workers"] for x in sim["kv_aware"]] == [2, 4]
 

@@ -58,7 +58,7 @@ class BlockManager:
         self._keys = {}                       # page -> its (digest, parent digest, tokens)
         self.evicted = 0                      # cached pages reused for other positions
         self.on_evict = None                  # on_evict(page, key): a named page about to be reused
-        self.on_name = None                   # on_name(page, key): a page just named (lab/serve: KV events)
+        self.on_name = None                   # on_name(page, key): a page just named (KV events)
 
     def block_table(self, seq) -> list[int]:
         """A copy of the sequence's page ids, in position order."""

