@@ -104,6 +104,10 @@ class ServingEngine:
     accepted (draft tokens), lookahead_pages (pages reserved for guesses) and rollback_pages (pages freed
     again after verification).
 
+    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache over pages of one position:
+    page_size=1), or False. schedule: "fcfs" (first come, first served) or "lpm" (the longest cached prefix
+    first; with prefix caching).
+
     A model with local layers gets a HybridPool: `num_pages` pages for its global layers and `local_pages`
     for its local ones, num_pages by default. A sequence's local block table is its full one with the pages
     behind the window given back, so it never holds more local pages than full ones: the default gives the
