@@ -49,7 +49,7 @@ def settings(quick_mode: bool) -> dict:
     """Passages of `tokens` ids, `decode` of them fed one per step after a prefill of the rest; `groups`:
     2-bit KIVI's (key group, value group) sizes tried beside its default (32, 64)."""
     if quick_mode:
-        return dict(tokens=384, passages=2, decode=32, budgets=(48, 128), rerotate_budgets=(48,),
+        return dict(tokens=256, passages=2, decode=16, budgets=(48, 128), rerotate_budgets=(48,),
                     residuals=(0, 128), groups=((32, 16),), ratios=(0.5,), continuation=64, step_context=256,
                     step_rounds=5, peers=False)
     return dict(tokens=2048, passages=4, decode=128, budgets=(64, 128, 256, 512, 1024),

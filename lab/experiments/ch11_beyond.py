@@ -46,7 +46,7 @@ TIER_CASES = ("no tier", "host tier", "host + disk")
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
         return dict(scale=0.1, fractions=(0.1, 0.4), host_factor=4, radix_pages=(1, 16, 32),
-                    ttft_scale=0.05, ttft_requests=4, ttft_fractions=(0.3,), restore_tokens=256, restore_rounds=1,
+                    ttft_scale=0.05, ttft_requests=3, ttft_fractions=(0.3,), restore_tokens=128, restore_rounds=1,
                     sched_requests=10, sched_head=160, sched_pool=24,
                     sched_new=4, router_requests=12, router_head=128, router_pages=24,
                     sim_workers=(2, 4, 8), sim_requests=200, sim_apps=16, sim_pages=256,
