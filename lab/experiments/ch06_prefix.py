@@ -35,7 +35,7 @@ SYNTHETIC = "synthetic workload: random token ids in the shape of real traffic (
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
         return dict(scale=0.5, pool_fractions=(0.05, 0.1, 0.2, 0.4, 0.7, 1.0), prefixes=(64, 256, 1024),
-                    ttft_rounds=5, trials=200, hash_tokens=4096, vllm=False)
+                    ttft_rounds=3, trials=80, hash_tokens=4096, vllm=False)
     return dict(scale=1.0, pool_fractions=(0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85, 1.0),
                 prefixes=(32, 64, 128, 256, 512, 1024, 1536), ttft_rounds=15, trials=400, hash_tokens=65536,
                 vllm=True)
