@@ -3,17 +3,7 @@
 from ..cache.radix import RadixCache
 from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids, common_prefix
 from .chat import ChatSession
-from .disagg import (
-                          DecodeEngine,
-                          Disaggregated,
-                          HandoffError,
-                          PageSet,
-                          PrefillEngine,
-                          WorkerError,
-                          colocated,
-                          measure,
-                          prefill,
-)
+from .disagg import DecodeEngine, Disaggregated, HandoffError, PageSet, PrefillEngine, WorkerError, prefill
 from .generate import Generation, generate, greedy_agreement, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
@@ -34,5 +24,4 @@ __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Gen
            "identity_of", "key_for", "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend",
            "ChatSession", "common_prefix", "ServingEngine", "speculative_generate", "SpecResult", "SpecInputError",
            "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache"]
-__all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "Disaggregated", "WorkerError",
-            "colocated", "measure"]
+__all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "Disaggregated", "WorkerError"]
