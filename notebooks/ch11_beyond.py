@@ -55,7 +55,7 @@ V = smol.config.vocab_size
 #
 # A hash chain names whole pages, so two prompts that share 37 tokens share 32 of them in pages of 16. A
 # radix tree matches token by token. Each edge holds a run of tokens; where a new sequence leaves a run
-# part way, the node is split in two. Twenty lines:
+# part way, the node is split in two. About twenty lines:
 
 # %%
 class Node:
@@ -64,36 +64,31 @@ class Node:
 
 
 def common(a, b):                                           # how many leading tokens a and b share
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def match(root, ids):
-    """The length of the longest prefix of `ids` in the tree."""
+def walk(root, ids, split=False):
+    """Follow `ids` down: (the node reached, tokens matched); with split, cut a run where `ids` leave it."""
     node, i = root, 0
     while i < len(ids) and ids[i] in node.children:
         child = node.children[ids[i]]
         k = common(child.run, ids[i:])
-        i += k
         if k < len(child.run):
-            break
-        node = child
-    return i
-
-
-def insert(root, ids):
-    node, i = root, 0
-    while i < len(ids) and ids[i] in node.children:
-        child = node.children[ids[i]]
-        k = common(child.run, ids[i:])
-        if k < len(child.run):                              # the new sequence leaves this run: split it
-            top = Node(child.run[:k])
-            child.run = child.run[k:]
+            if not split:
+                return node, i + k                          # the match ends inside this run
+            top, child.run = Node(child.run[:k]), child.run[k:]
             top.children[child.run[0]] = child
             node.children[ids[i]] = child = top
         node, i = child, i + k
+    return node, i
+
+
+def match(root, ids):                                       # the longest prefix of ids in the tree
+    return walk(root, ids)[1]
+
+
+def insert(root, ids):
+    node, i = walk(root, ids, split=True)
     if i < len(ids):
         node.children[ids[i]] = Node(ids[i:])
 
