@@ -53,6 +53,16 @@ from .models import load
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
 
+# region fleet_cost
+def kv_cost(tokens: int, cached: int, active: int, page_size: int, overlap_weight: float) -> float:
+    """Dynamo's KV router cost of one worker (module docstring): weight * prefill pages + decode pages, where
+    `active` is the pages its requests in flight hold."""
+    prefill_blocks = -(-(tokens - cached) // page_size)          # pages the worker would compute
+    decode_blocks = active + -(-tokens // page_size)             # pages active on it, with this request
+    return overlap_weight * prefill_blocks + decode_blocks
+# endregion
+
+
 class FleetError(ValueError):
     """A router or simulation asked for something it cannot do: an unknown policy (a name not in POLICIES, or
     neither a name nor a callable), a callable policy that returned no worker's index, no engines or fewer than
@@ -141,12 +151,8 @@ class Router:
     # region fleet_route
     def _costs(self, ids: list, salt) -> list[float]:
         T, cached = len(ids), self._cached_tokens(ids, salt)
-        costs = []
-        for w, (e, c) in enumerate(zip(self.engines, cached, strict=True)):
-            prefill_blocks = -(-(T - c) // e.page_size)          # pages w would compute
-            decode_blocks = self.load[w] + -(-T // e.page_size)  # pages active on w, with this one
-            costs.append(self.overlap_weight * prefill_blocks + decode_blocks)
-        return costs
+        return [kv_cost(T, c, self.load[w], e.page_size, self.overlap_weight)
+                for w, (e, c) in enumerate(zip(self.engines, cached, strict=True))]
 
     def route(self, ids, salt=None) -> int:
         """The index of the worker `policy` sends `ids` to now. Changes nothing."""

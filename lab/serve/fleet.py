@@ -37,7 +37,7 @@ stops and exits 1 for its supervisor to restart it, as with one engine (lab/serv
 import math
 
 from ..engine.hashing import page_keys
-from ..fleet import POLICIES
+from ..fleet import POLICIES, kv_cost
 from .router import RequestIdError
 
 
@@ -122,9 +122,8 @@ class Fleet:
         requests = [w.in_flight() for w in self.workers] if requests is None else requests
         T, out = len(ids), []
         for w, c, flying in zip(self.workers, self.cached_tokens(ids), requests, strict=True):
-            P = w.page_size
-            active = sum(-(-t // P) for t in flying)
-            out.append(self.overlap_weight * -(-(T - c) // P) + active + -(-T // P))
+            active = sum(-(-t // w.page_size) for t in flying)
+            out.append(kv_cost(T, c, active, w.page_size, self.overlap_weight))
         return out
 
     def cached_tokens(self, ids) -> list[int]:
