@@ -54,12 +54,12 @@ POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
 
 # region fleet_cost
-def kv_cost(tokens: int, cached: int, active: int, page_size: int, overlap_weight: float) -> float:
-    """Dynamo's KV router cost of one worker (module docstring): weight * prefill pages + decode pages, where
-    `active` is the pages its requests in flight hold."""
-    prefill_blocks = -(-(tokens - cached) // page_size)          # pages the worker would compute
-    decode_blocks = active + -(-tokens // page_size)             # pages active on it, with this request
-    return overlap_weight * prefill_blocks + decode_blocks
+def kv_cost(tokens: int, cached: int, active: int, page_size: int, weight: float) -> float:
+    """Dynamo's KV router cost of one worker (module docstring): weight * prefill pages
+    + decode pages, where `active` is the pages its requests in flight hold."""
+    prefill_blocks = -(-(tokens - cached) // page_size)  # pages the worker would compute
+    decode_blocks = active + -(-tokens // page_size)     # pages active on it, with this request
+    return weight * prefill_blocks + decode_blocks
 # endregion
 
 
