@@ -148,18 +148,21 @@ def fill(m, doc, source="results") -> str:
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z*_`{(\[])")
 
 
-def sentence(text, start, end) -> str:
+def sentence(text, start, end, keep=False) -> str:
     """The sentence a claim at text[start:end] guards: the one it ends (a claim right after a full stop)
-    or the one it sits in, within its paragraph, on one line."""
+    or the one it sits in, within its paragraph, on one line. With keep, the verdicts and calcs in it (its
+    own included) stay as markup, for a renderer to fill in; otherwise every claim, verdict and calc goes."""
+    drop = (lambda m: "" if m["kind"] == "claim" else m[0]) if keep else ""
+    own = CLAIM.sub(drop, text[start:end])
     para_start = text.rfind("\n\n", 0, start) + 2 if "\n\n" in text[:start] else 0
     para_end = text.find("\n\n", end)
     para_end = len(text) if para_end < 0 else para_end
-    before, after = text[para_start:start], text[end:para_end]
+    before, after = CLAIM.sub(drop, text[para_start:start]), text[end:para_end]   # claims stacked after one sentence
     starts = [m.end() for m in SENTENCE_END.finditer(before)]
     if re.search(r"[.!?]\s*$", before):  # the claim follows the sentence it guards
         head = before.rstrip()
         starts = [s for s in starts if s < len(head)]
-        return " ".join(CLAIM.sub("", head[starts[-1] if starts else 0:]).split())
+        return " ".join(CLAIM.sub(drop, head[starts[-1] if starts else 0:]).split())
     head = before[starts[-1] if starts else 0:]
     tail = SENTENCE_END.split(after, maxsplit=1)[0]
-    return " ".join(CLAIM.sub("", head + tail).split())
+    return " ".join(CLAIM.sub(drop, head + own + tail).split())

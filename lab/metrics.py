@@ -132,3 +132,15 @@ def key_spread(model, ids) -> dict:
     channel = torch.cat(channel)
     return dict(channel_max=float(channel.max()), channel_median=float(channel.median()),
                 tensor_over_token=float(torch.stack(token).median()))
+
+
+def ratio_interval(nums, dens, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple:
+    """A percentile bootstrap interval of sum(nums) / sum(dens), resampling the units (passages, prompts) the
+    pairs belong to: how far the pooled ratio (guesses accepted over proposed, say) could move with other units
+    drawn from the same source. A unit with nothing in its denominator still counts as drawn. (lo, hi)."""
+    nums, dens = np.asarray(nums, dtype=float), np.asarray(dens, dtype=float)            # [units]
+    picks = np.random.default_rng(seed).integers(0, len(nums), (resamples, len(nums)))   # [resamples, units]
+    num, den = nums[picks].sum(1), dens[picks].sum(1)
+    ratios = num[den > 0] / den[den > 0]
+    tail = (1 - level) / 2
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))

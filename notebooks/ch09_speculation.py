@@ -42,6 +42,7 @@ from lab.engine.speculative import NoDraft
 from lab.experiments import ch09_speculation as ch09
 from lab.experiments.tables import show
 from lab.models import forward_cached, load
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
@@ -166,7 +167,9 @@ except SpecInputError as e:
 # %%
 engine = ServingEngine(smol, num_pages=64, page_size=16, draft=PromptLookup(3), k=4)
 assert engine.generate([prompt], 32) == [plain.tokens]               # the tokens of plain greedy decoding
-print({k: engine.stats[k] for k in ("steps", "proposed", "accepted", "lookahead_pages", "rollback_pages")})
+st = engine.stats
+print(f"{st['steps']} engine steps; {st['accepted']} of {st['proposed']} guesses accepted; "
+      f"{st['lookahead_pages']} lookahead pages reserved, {st['rollback_pages']} given back by a crop")
 
 # %% [markdown]
 # One verify step of a real request, drawn: the first step in which some guesses held, some did not, and
@@ -174,7 +177,9 @@ print({k: engine.stats[k] for k in ("steps", "proposed", "accepted", "lookahead_
 
 # %%
 tl = ch09.verify_timeline(smol)
-print(tl)
+print(f"step {tl['step']}: positions {tl['start']} .. {tl['start'] + tl['guesses']} fed (the last token and "
+      f"{tl['guesses']} guesses), {tl['accepted']} guesses accepted; the sequence held {tl['pages_held']} pages "
+      f"during the step and the crop gave {tl['pages_freed']} back")
 fig_timeline = ch09.plot_timeline(tl)
 
 # %% [markdown]
@@ -183,18 +188,43 @@ fig_timeline = ch09.plot_timeline(tl)
 # ### How often is each draft right?
 #
 # Four drafts, on two workloads of held-out text: continuing a passage, and repeating one (a chat turn
-# asking for it word for word). `lookup` is prompt lookup (n = 3); `window` the model over 4 sink tokens
-# and a 60-token window; `kivi2` the model over a 2-bit KIVI cache; `early20` the model's first 20 of its
-# 30 layers, then its norm and head (LayerSkip without the training that makes early layers predict).
+# asking for it word for word). Prompt lookup (n = 3); the model over 4 sink tokens and a 60-token window;
+# the model over a 2-bit KIVI cache; the model's first 20 of its 30 layers, then its norm and head
+# (LayerSkip without the training that makes early layers predict). The interval is a bootstrap over the
+# passages: with a handful of them it is wide, and it says how far another handful could move the share.
 
 # %%
+from lab.metrics import ratio_interval  # noqa: E402
+
 acc = ch09.acceptance(smol, S)
-rows = {(w, d, k): {"accepted (%)": 100 * r["accepted"] / max(r["proposed"], 1),
-                    "tokens per forward": r["tokens"] / max(r["steps"], 1), "tokens": r["identical"]}
-        for w, ds in acc["runs"].items() for d, ks in ds.items() for k, r in ks.items()}
+rows = {}
+for w, ds in acc["runs"].items():
+    for d, ks in ds.items():
+        for k, r in ks.items():
+            lo, hi = ratio_interval([a for _, a in r["passages"]], [p for p, _ in r["passages"]])
+            rows[ch09.NAMES[w], ch09.NAMES[d], k] = {"accepted (%)": 100 * r["accepted"] / max(r["proposed"], 1),
+                                                     "95% interval": f"{100 * lo:.0f}–{100 * hi:.0f}",
+                                                     "tokens per forward": r["tokens"] / max(r["steps"], 1),
+                                                     "tokens": r["identical"]}
 display(show(pd.DataFrame(rows).T.rename_axis(["workload", "draft", "k"]),
-             words={"tokens": ("identical", "different")}))
+             words={"tokens": ("identical", "different")},
+             caption=f"{S['passages']} passages per workload, {S['new']} new tokens each"))
 fig_acceptance = ch09.plot_acceptance(acc["runs"])
+
+# %% [markdown]
+# Where do prompt lookup's guesses come from? On the copy task, from the passage in the prompt. On plain
+# continuation there is nothing to copy, yet it is often right: a small greedy model soon repeats itself,
+# and lookup copies the repetition. A sample, and the share of guesses copied from the model's own output:
+
+# %%
+passage = ch09.prompts(smol, S["prompt"], 1)["heldout"][0]
+print(repr(tok.decode(ch09.plain_tokens(smol, passage, 32))))
+sources = ch09.lookup_sources(smol, S)
+display(show(pd.DataFrame({(ch09.NAMES[w], src): {"guesses": t["proposed"],
+                                                  "accepted (%)": 100 * t["accepted"] / max(t["proposed"], 1)}
+                           for w, x in sources.items() for src, t in x.items()}).T
+             .rename_axis(["workload", "copied from"]),
+             caption="prompt lookup, k = 4: guesses copied from the prompt or from the model's own output"))
 
 # %% [markdown]
 # Every speculative run gave plain greedy decoding's tokens. Acceptance is not speed, though: a draft
@@ -208,6 +238,13 @@ display(show(pd.DataFrame({n: {"accepted (%)": 100 * r["accepted"] / max(r["prop
                                "tokens per forward": r["tokens"] / max(r["steps"], 1)}
                            for n, r in bud.items()}).T.rename_axis("draft cache"),
              caption=f"SelfDraft, k = 4, held-out text of {S['budget_prompt']} tokens"))
+m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), acceptance=acc, sources=sources,
+         budgets=bud)
+beside("ch09", "ch09.acceptance", "ch09.sources", "ch09.budgets", values=ch09.values(m),
+       why=f"your run has {S['passages']} passages per workload and {S['new']} new tokens each, the book "
+           f"{ch09.settings(False)['passages']} and {ch09.settings(False)['new']}: a few dozen guesses per draft, "
+           "so every share swings by tens of points (a 2-bit KIVI cache keeps its newest 128 positions in "
+           "full precision, so over a short passage its draft is nearly the target itself).")
 
 # %% [markdown]
 # ### When does it pay?
@@ -218,11 +255,15 @@ display(show(pd.DataFrame({n: {"accepted (%)": 100 * r["accepted"] / max(r["prop
 
 # %%
 speed = ch09.speed(smol, S)
-display(show(pd.DataFrame({c: {**{f"{d} (tokens/s)": r["tok_s"] for d, r in x.items()},
+display(show(pd.DataFrame({c: {**{f"{ch09.NAMES[d]} (tokens/s)": r["tok_s"] for d, r in x.items()},
                                "cache's share of a step's bytes": ch09.attention_share(smol, c)}
                            for c, x in speed.items()}).T.rename_axis("context"),
              percent=["cache's share of a step's bytes"]))
 fig_speed = ch09.plot_speed(speed)
+m |= dict(chunk=chunk, speed=speed, attention_share={c: ch09.attention_share(smol, c) for c in S["contexts"]})
+beside("ch09", "ch09.speed", "ch09.chunk", values=ch09.values(m),
+       why="your run times two contexts, one draft that runs the model and a few tokens, once each, on a "
+           "machine doing other things.")
 
 # %% [markdown]
 # Prompt lookup costs nothing to run and pays whenever it is right. A self-draft runs the same weights
@@ -237,6 +278,8 @@ rb = ch09.rollback(smol, S)
 display(show(pd.DataFrame({d: {"crop (µs)": r["crop_us"], "decode step (ms)": r["step_ms"],
                                "pages freed": r["pages_freed"], "pages reserved again": r["pages_reserved"]}
                            for d, r in rb.items()}).T.rename_axis("design")))
+m["rollback"] = rb
+beside("ch09", "ch09.rollback", values=ch09.values(m))
 
 # %% [markdown]
 # ### The engine, and prefix caching
@@ -249,6 +292,10 @@ hits = ch09.prefix_hits(smol, S)
 print(f"positions from named pages: {hits['plain']['cached_tokens']} without speculation, "
       f"{hits['lookup']['cached_tokens']} with ({hits['lookup']['accepted']} of {hits['lookup']['proposed']} "
       f"guesses accepted); answers {'identical' if hits['identical'] else 'different'}")
+m |= dict(engine=eng, prefix=hits, timeline=tl)
+beside("ch09", "ch09.engine", "ch09.prefix", "ch09.timeline", values=ch09.values(m),
+       why=f"your run has {max(S['engine_levels'])} requests in flight at most, the book "
+           f"{max(ch09.settings(False)['engine_levels'])}, and shorter ones.")
 
 # %% [markdown]
 # Equal hits are the point: an engine that named a page while it still held rejected guesses would
@@ -259,21 +306,21 @@ print(f"positions from named pages: {hits['plain']['cached_tokens']} without spe
 # %%
 hf = ch09.transformers_lookup(smol, S)
 print(f"transformers: plain {hf['hf_plain_s']:.2f} s, prompt lookup {hf['hf_lookup_s']:.2f} s; the lab: plain "
-      f"{hf['lab_plain_s']:.2f} s, prompt lookup {hf['lab_lookup_s']:.2f} s; same tokens: {hf['same_tokens']}")
+      f"{hf['lab_plain_s']:.2f} s, prompt lookup {hf['lab_lookup_s']:.2f} s; the tokens "
+      f"{'are the same' if hf['same_tokens'] else 'differ'}")
 book = results.read(results.COMMITTED)["sections"].get("ch09", {}).get("values", {}).get("vllm", {})
 if book.get("value") == results.NOT_RUN or "acceptance" not in book:
     print("the book's results have no vLLM run:", book.get("reason", "not measured yet: run `make results`"))
 else:
     print(f"vLLM's ngram method (the book's run): {book['acceptance']['value']:.0f}% of draft tokens accepted, "
-          f"{book['speedup']['value']:.2f}x plain; tokens equal to the lab's: {book['agreement']['value']:.0f}%")
+          f"{book['speedup']['value']:.2f}× plain; tokens equal to the lab's: {book['agreement']['value']:.0f}%")
+m |= dict(transformers=hf, vllm=None)
+beside("ch09", "ch09.transformers", "ch09.vllm", values=ch09.values(m))
 
 # %% [markdown]
 # ## Record
 
 # %%
-m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), chunk=chunk, acceptance=acc, budgets=bud,
-         speed=speed, attention_share={c: ch09.attention_share(smol, c) for c in S["contexts"]}, rollback=rb,
-         engine=eng, prefix=hits, timeline=tl, transformers=hf, vllm=None)
 ch09.record(m, drawn={"acceptance": fig_acceptance, "speed": fig_speed, "timeline": fig_timeline})
 print("wrote section ch09 to", results.results_path())
 

@@ -44,6 +44,7 @@ from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
 from lab.models.retrofit import (RetrofitError, bases, calibration_moments, latent_kv, local_layers, pool_kv_heads,
                                  share_kv)
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
@@ -141,8 +142,8 @@ print("LatentCache:", latent_cache)
 # basis for the keys before RoPE would have to be turned with every position before a query could use
 # it, so it could not move onto the query once for all positions (DeepSeek-V2 keeps a separate, small
 # rotated key for exactly this reason). After RoPE, $q \cdot k$ needs no position at all; the price is
-# that rotation spreads each pair of channels over two dimensions, so the keys need more directions than
-# before RoPE.
+# that rotation spreads each pair of channels over the angles of every position, so the keys need more
+# directions than before RoPE (section 5 measures how many).
 #
 # ## 3. Local layers and shared layers
 #
@@ -203,10 +204,14 @@ assert manager.block_table("a", "local") == [0, -1, -1, -1, -1, 5, 6, 7]
 tables = ch10.hybrid_tables(smol)
 fig_tables = ch10.plot_tables(tables)
 hybrid = ch10.hybrid_pool(smol, S)
-print(f"{hybrid['context']:,} positions: full group {hybrid['held']['full']} pages ({hybrid['layers']['full']} "
-      f"layers), local group {hybrid['held']['local']} pages ({hybrid['layers']['local']} layers): "
-      f"{hybrid['hybrid_bytes'] / 2**20:.1f} MiB in bf16 instead of {hybrid['full_bytes'] / 2**20:.1f}; a second "
-      f"request with the prompt takes {hybrid['taken']['full']} full and {hybrid['taken']['local']} local pages")
+print(f"a prefill of {hybrid['prefill']:,} positions and one decoded token, {hybrid['context']:,} positions: "
+      f"the full group holds {hybrid['held']['full']} pages ({hybrid['layers']['full']} layers), the local group "
+      f"{hybrid['held']['local']} ({hybrid['layers']['local']} layers): {hybrid['hybrid_bytes'] / 2**20:.1f} MiB in "
+      f"bf16 instead of {hybrid['full_bytes'] / 2**20:.1f}; a second request with the prompt takes "
+      f"{hybrid['taken']['full']} full and {hybrid['taken']['local']} local pages")
+m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(),
+         bf16_bytes=cfg.kv_bytes_per_position(BF16), hybrid=hybrid, tables=tables)
+beside("ch10", "ch10.hybrid", values=ch10.values(m))
 
 # %% [markdown]
 # The serving engine runs such a model on a pool of its own per group (`HybridPool`), and gives every
@@ -247,9 +252,21 @@ rows = {(f, n): {"bytes per position": r["bytes"], "share of bf16": r["bytes"] /
         for f, named in q.items() for n, r in named.items()}
 display(show(pd.DataFrame(rows).T.rename_axis(["design", "setting"]),
              percent=["share of bf16", "top-1 agreement"]))
-m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
-         bf16_bytes=cfg.kv_bytes_per_position(BF16), quality=q, hybrid=hybrid, tables=tables)
+m |= dict(prefill=prefill, quality=q)
 fig_kl = ch10.plot_kl_bytes(ch10.plot_points(m))
+
+# %% [markdown]
+# A KL of several nats, or a Δ perplexity in the thousands, is not a small error: the model's next-token
+# distribution has little to do with the original's, and its top choice agrees at a few percent of positions.
+# Perplexity is the exponential of the loss, so a loss a few nats worse multiplies it by $e$ to those nats:
+# differences in the thousands say that the design broke the model, and little more.
+
+# %%
+beside("ch10", "ch10.quality", "ch10.best", values=ch10.values(m),
+       why=f"your run decodes {S['decode']} tokens of {S['passages']} passage(s) of {S['tokens']} tokens, the book "
+           f"{ch10.settings(False)['decode']} of {ch10.settings(False)['passages']} of "
+           f"{ch10.settings(False)['tokens']}: short passages never leave a window of 64 far behind, and quick "
+           "mode runs fewer designs, so the best design under a tenth of the bytes is another one.")
 
 # %% [markdown]
 # Without training, pooling three KV heads into one and sharing layers break the model: their KL is
@@ -259,10 +276,11 @@ fig_kl = ch10.plot_kl_bytes(ch10.plot_points(m))
 # latent keeps hold:
 
 # %%
-m["spectra"] = ch10.spectra(moments, S["ranks"])
-display(show(pd.DataFrame({r: {"keys (after RoPE)": x["keys"], "values": x["values"]}
-                           for r, x in m["spectra"].items()}).T.rename_axis("rank"),
-             percent=["keys (after RoPE)", "values"]))
+m["spectra"] = ch10.spectra(moments, S["ranks"], calibration_moments(smol, calibration, before_rope=True))
+display(show(pd.DataFrame({r: {"keys (before RoPE)": x["keys_before_rope"], "keys (after RoPE)": x["keys"],
+                               "values": x["values"]} for r, x in m["spectra"].items()}).T.rename_axis("rank"),
+             percent=["keys (before RoPE)", "keys (after RoPE)", "values"]))
+beside("ch10", "ch10.spectra", values=ch10.values(m))
 
 # %% [markdown]
 # The published conversions (MHA2MLA, TransMLA, the GQA paper's uptraining) spend billions of tokens of
@@ -278,6 +296,10 @@ steps = ch10.step_times(smol, latent, S)
 display(show(pd.DataFrame({(T, n): {"step (ms)": t["median"] * 1e3,
                                     "over the original": t["median"] / x["original"]["median"]}
                            for T, x in steps.items() for n, t in x.items()}).T.rename_axis(["context", "model"])))
+m["steps"] = steps
+beside("ch10", "ch10.steps", values=ch10.values(m),
+       why="your run times 512 positions only (the book also 4,096, where the cache's bytes matter), a few "
+           "rounds, on a machine doing other things.")
 
 # %% [markdown]
 # The reconstructing form multiplies every cached position by $U$ at every step, a cost that grows with
@@ -287,7 +309,6 @@ display(show(pd.DataFrame({(T, n): {"step (ms)": t["median"] * 1e3,
 # ## Record
 
 # %%
-m["steps"] = steps
 ch10.record(m, drawn={"kl_bytes": fig_kl, "tables": fig_tables})
 print("wrote section ch10 to", results.results_path())
 
@@ -295,8 +316,9 @@ print("wrote section ch10 to", results.results_path())
 # ## Exercises
 #
 # 1. **Derive the absorbed query.** Write `latent_attention(q, c_k, c_v, U_k, U_v, group_size)`: `q`
-#    `[H_q, T, D]` are one layer's queries after RoPE at the last T positions, `c_k` and `c_v` `[L, r]`
-#    the cached latents of its keys and values, `U_k` and `U_v` `[H_kv D, r]` their bases. Return the
+#    `[H_q, T, D]` are one layer's queries after RoPE at the last T positions, `c_k` and `c_v` `[L, r/2]`
+#    the cached latents of its keys and values (a latent of rank r holds r/2 values for each), `U_k` and
+#    `U_v` `[H_kv D, r/2]` their bases. Return the
 #    causal attention output `[H_q, T, D]`, computed in latent space. The check, `ex.check_latent_attention`, runs
 #    it on cases you have not seen against attention over rebuilt keys and values, and watches every tensor
 #    your function makes: rebuilding a key or a value, whole or a position at a time, fails.

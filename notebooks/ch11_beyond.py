@@ -41,6 +41,7 @@ from lab.engine.disagg import DecodeEngine, HandoffError, PageSet, prefill
 from lab.experiments import ch11_beyond as ch11
 from lab.experiments.tables import show
 from lab.models import load
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
@@ -129,7 +130,8 @@ for mode, page in (("hash", 16), ("radix", 1)):
     before = engine.stats["cached_tokens"]
     taken[mode] = (engine.generate([b], 4), engine.stats["cached_tokens"] - before)
 assert taken["hash"][0] == taken["radix"][0]
-print({mode: f"{n} of b's {len(b)} tokens taken from the cache" for mode, (_, n) in taken.items()})
+print(f"the same tokens; b's {len(b)} prompt tokens taken from the cache: {taken['hash'][1]} by the hash chain "
+      f"(pages of 16), {taken['radix'][1]} by the radix tree")
 
 # %% [markdown]
 # ## 2. Tiers below the pool, by hand
@@ -205,6 +207,8 @@ fig_tiers = ch11.plot_tiers(tiers)
 display(show(pd.DataFrame({(name, n): {case: r[case][j]["hit_rate"] for case in ch11.TIER_CASES}
                            for name, r in tiers.items() for j, n in enumerate(r["sizes"])}).T
              .rename_axis(["workload", "pool pages"]), percent=list(ch11.TIER_CASES)))
+m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), tiers=tiers)
+beside("ch11", "ch11.tiers", values=ch11.values(m))
 
 # %% [markdown]
 # And in time, with the model running: each chat request's time to first token, with and without the
@@ -216,6 +220,9 @@ ttft = ch11.tier_ttft(smol, ch11.WORKLOADS["multi-turn chats"](V, S["ttft_scale"
 rows = {(case, n): {"time to first token (ms)": 1e3 * r["ttft_s"], "hit rate": r["hit_rate"]}
         for case in ("no tier", "host tier") for n, r in zip(ttft["sizes"], ttft[case], strict=True)}
 display(show(pd.DataFrame(rows).T.rename_axis(["tiers", "pool pages"]), percent=["hit rate"]))
+m["tier_ttft"] = ttft
+beside("ch11", "ch11.tier_ttft", values=ch11.values(m),
+       why=f"your run times {S['ttft_requests']} chat requests once each, the book every one of a larger workload.")
 
 # %% [markdown]
 # ## 4. Restore or recompute?
@@ -243,6 +250,8 @@ display(show(pd.DataFrame({t: {"achieved bandwidth (GB/s)": even[t]["bandwidth"]
                                "machine FLOPs per byte": even[t]["machine_flops_per_byte"],
                                "recompute / restore": even[t]["ratio"]} for t in ("host", "disk")}).T
              .rename_axis("tier")))
+m |= dict(restore=restore, breakeven=even)
+beside("ch11", "ch11.restore", values=ch11.values(m))
 
 # %% [markdown]
 # ## 5. The radix tree against the hash chain
@@ -256,6 +265,8 @@ radix = ch11.radix_sweep(smol, loads, S["fractions"], S["radix_pages"])
 display(show(pd.DataFrame({(name, n): {c: r[c][j] for c in r if c != "positions"}
                            for name, r in radix.items() for j, n in enumerate(r["positions"])}).T
              .rename_axis(["workload", "positions"]), percent=["hash 1", "hash 16", "hash 32", "radix"]))
+m["radix"] = radix
+beside("ch11", "ch11.radix", values=ch11.values(m))
 
 # %% [markdown]
 # Cache-aware scheduling: the engine admits the waiting request with the longest cached prefix first
@@ -268,6 +279,11 @@ display(show(pd.DataFrame({c: {"hit rate": x["hit_rate"], "mean TTFT (s)": x["tt
                                "mean TTFT (steps)": x["ttft_steps"], "preemptions": x["preemptions"]}
                            for c, x in sched.items() if c != "prompt_tokens"}).T.rename_axis("cache, schedule"),
              percent=["hit rate"]))
+m["scheduling"] = sched
+beside("ch11", "ch11.scheduling", values=ch11.values(m),
+       why=f"your run serves {S['sched_requests']} requests on {S['sched_pool']} pages, the book "
+           f"{ch11.settings(False)['sched_requests']} on {ch11.settings(False)['sched_pool']}: with few requests "
+           "the order of a handful decides the mean, and the seconds move with whatever else the machine runs.")
 
 # %% [markdown]
 # ## 6. Many workers behind a router
@@ -280,9 +296,13 @@ display(show(pd.DataFrame({c: {"hit rate": x["hit_rate"], "mean TTFT (s)": x["tt
 measured = ch11.routers_measured(smol, S)
 simulated = ch11.routers_simulated(S)
 fig_routers = ch11.plot_routers(measured, simulated)
-display(show(pd.DataFrame({p: {"hit rate": x["hit_rate"], "mean TTFT (ms)": 1e3 * x["ttft_s"],
-                               "imbalance": x["imbalance"]} for p, x in measured.items()}).T
+display(show(pd.DataFrame({ch11.ROUTER_NAMES[p]: {"hit rate": x["hit_rate"], "mean TTFT (ms)": 1e3 * x["ttft_s"],
+                                                 "imbalance": x["imbalance"]} for p, x in measured.items()}).T
              .rename_axis("2 workers, measured"), percent=["hit rate"]))
+m |= dict(routers=measured, simulated=simulated)
+beside("ch11", "ch11.routers", "ch11.dynamo", values=ch11.values(m),
+       why=f"your run simulates up to {max(S['sim_workers'])} workers, the book up to "
+           f"{max(ch11.settings(False)['sim_workers'])}; Dynamo runs only in `make results`.")
 
 # %% [markdown]
 # The same router runs in front of the OpenAI server: `python -m lab.serve --workers 2 --router kv_aware`
@@ -319,17 +339,21 @@ except HandoffError as e:
 disagg = ch11.disaggregation(smol, S)
 fig_handoff = ch11.plot_handoff(disagg)
 display(show(pd.DataFrame({mode: {"mean TTFT (s)": d["ttft_mean_s"], "mean ITL (ms)": 1e3 * d["itl_mean_s"],
-                                  "tokens/s": d["tokens_per_s"], "bytes moved per request": d["bytes_per_request"]}
+                                  "p90 ITL (ms)": 1e3 * d["itl_p90_s"], "p99 ITL (ms)": 1e3 * d["itl_p99_s"],
+                                  "tokens/s": d["tokens_per_s"],
+                                  "MiB moved per request": d["bytes_per_request"] / 2**20}
                            for mode, d in disagg.items() if mode in ("colocated", "disaggregated")}).T
              .rename_axis("mode")))
+m["disagg"] = disagg
+beside("ch11", "ch11.disagg", values=ch11.values(m),
+       why=f"your run sends {S['disagg_requests']} prompts of {S['disagg_tokens']} tokens, the book "
+           f"{ch11.settings(False)['disagg_requests']} of {ch11.settings(False)['disagg_tokens']}: with few, short "
+           "prompts the decode worker rarely waits for room, and a hand-off costs little.")
 
 # %% [markdown]
 # ## Record
 
 # %%
-m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), tiers=tiers, tier_ttft=ttft,
-         restore=restore, breakeven=even, radix=radix, scheduling=sched, routers=measured, simulated=simulated,
-         disagg=disagg)
 ch11.record(m, drawn={"tiers": fig_tiers, "restore": fig_restore, "routers": fig_routers, "handoff": fig_handoff})
 print("wrote section ch11 to", results.results_path())
 

@@ -9,11 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from lab import data
 from lab.cache import ConcatCache, QuantizedCache
 from lab.cache.block_manager import NULL
 from lab.experiments import ch10_architecture as ch10
 from lab.models import load, random_model
-from lab.models.retrofit import latent_kv, local_layers
+from lab.models.retrofit import calibration_moments, latent_kv, local_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -73,9 +74,9 @@ def test_values_pick_the_best_kl_within_each_budget():
              threads=1, steps={512: {"original": dict(median=0.04, iqr=0.001, n=3),
                                      "absorbed r96": dict(median=0.05, iqr=0.001, n=3)}},
              spectra={96: {"keys": 0.9, "values": 0.7}},
-             hybrid=dict(context=8193, window=1024, global_every=6, page_size=16, layers={"full": 5, "local": 25},
-                         held={"full": 513, "local": 65}, hybrid_bytes=1.0, full_bytes=3.0, hit_pages=512,
-                         taken={"full": 512, "local": 64}))
+             hybrid=dict(prefill=8192, context=8193, window=1024, global_every=6, page_size=16,
+                         layers={"full": 5, "local": 25}, held={"full": 513, "local": 65}, hybrid_bytes=1.0,
+                         full_bytes=3.0, hit_pages=512, taken={"full": 512, "local": 64}))
     v = ch10.values(m)
     assert v["best"]["quarter"]["kl"]["value"] == 0.5                     # 4,000 bytes is under a quarter
     assert v["best"]["tenth"]["kl"]["value"] == 2.0                       # only rank 24 is under a tenth
@@ -85,6 +86,33 @@ def test_values_pick_the_best_kl_within_each_budget():
     assert v["spectra"]["rank_96"]["values"]["value"] == pytest.approx(70)
     fig = ch10.plot_kl_bytes(ch10.plot_points(m))
     assert fig.axes[0].get_xscale() == "log"
+    labels = {t.get_text() for t in fig.axes[0].texts}                  # every point of the chapter's designs
+    assert {"rank 96", "rank 24", "512, 1 in 6, KIVI-4"} <= labels
+
+
+def test_values_hold_only_the_parts_measured_so_far():
+    """A notebook sets a part's verdicts beside the book's before the later parts have run."""
+    m = dict(settings=dict(passages=1, tokens=64, decode=8), bf16_bytes=23040, threads=1,
+             hybrid=dict(prefill=8192, context=8193, window=1024, global_every=6, page_size=16,
+                         layers={"full": 5, "local": 25}, held={"full": 513, "local": 65}, hybrid_bytes=1.0,
+                         full_bytes=3.0, hit_pages=512, taken={"full": 512, "local": 64}))
+    assert set(ch10.values(m)) == {"hybrid"}
+
+
+def test_keys_before_rope_keep_more_energy_in_as_many_directions():
+    """RoPE turns each key by its position's angles: the same directions hold less of the keys' energy after it
+    (SmolLM2's shape, a few passages of the training plays)."""
+    smol = load("smollm2")
+    calibration = data.passages(smol.tokenizer, 128, 2, split="train")
+    after = calibration_moments(smol, calibration)
+    before = calibration_moments(smol, calibration, before_rope=True)
+    s = ch10.spectra(after, (96,), before)[96]
+    assert s["keys_before_rope"] > s["keys"]
+    assert all(torch.equal(after[j][1], before[j][1]) for j in after)      # the values are left as they are
+    # a rotation keeps every key's length, so the keys' total energy (the trace) is the same before and after;
+    # float32 keys, summed in float64: agreement to 1e-5 relative
+    for j in after:
+        assert torch.trace(before[j][0]) == pytest.approx(float(torch.trace(after[j][0])), rel=1e-5)
 
 
 def test_a_quality_map_case_runs_through_chapter_7s_protocol():

@@ -89,8 +89,8 @@ def test_values_record_what_was_measured(tiny, loads, tmp_path, monkeypatch):
              router_head=32, router_pages=12, sim_workers=(2,), sim_requests=20, sim_apps=4, sim_pages=128)
     chats = {"chats": loads["chats"]}
     restore = ch11.restore_times(tiny, 64, 1)
-    line = dict(requests=2, ttft_mean_s=0.5, ttft_p50_s=0.5, ttft_p90_s=0.6, itl_mean_s=0.02, itl_p90_s=0.03,
-                tokens_per_s=10.0, bytes_per_request=2**20)
+    line = dict(requests=2, ttft_mean_s=0.5, ttft_p50_s=0.5, ttft_p90_s=0.6, itl_mean_s=0.02, itl_gaps=40,
+                itl_p50_s=0.02, itl_p90_s=0.03, itl_p99_s=0.05, tokens_per_s=10.0, bytes_per_request=2**20)
     m = dict(settings=s, manifest=tiny.manifest, threads=1, tiers=ch11.tier_sweep(tiny, chats, (0.2,), 2),
              tier_ttft=ch11.tier_ttft(tiny, loads["chats"][:3], (0.5,), 2), restore=restore,
              breakeven=ch11.breakeven(restore, tiny), radix=ch11.radix_sweep(tiny, chats, (0.2,), (1, 16, 32)),
@@ -104,6 +104,7 @@ def test_values_record_what_was_measured(tiny, loads, tmp_path, monkeypatch):
     assert v["restore"]["disk_ms_per_page"]["value"] == pytest.approx(1e3 * restore["per_page"]["disk"])
     assert v["disagg"]["throughput_ratio"]["value"] == pytest.approx(1.2)
     assert v["disagg"]["bytes_per_request"]["value"] == 1.0
+    assert v["disagg"]["colocated"]["itl_p99_ms"]["value"] == pytest.approx(50)
     assert v["dynamo"]["kv"]["cached"]["value"] == "NOT_RUN"
     t = m["tier_ttft"]
     assert v["tier_ttft"]["ratio"]["value"] == pytest.approx(t["no tier"][0]["ttft_s"] / t["host tier"][0]["ttft_s"])

@@ -261,6 +261,8 @@ def test_summarize_exact():
     s = summarize(timeline)
     assert s["ttft_mean_s"] == 2.0 and s["ttft_p50_s"] == 2.0 and s["ttft_p90_s"] == pytest.approx(2.8)
     assert s["itl_mean_s"] == pytest.approx(4 / 3) and s["itl_p90_s"] == pytest.approx(1.8)  # gaps 1, 2, 1
+    # sorted gaps 1, 1, 2: the median is 1; p99 interpolates between 1 and 2 at 0.99 * 2 = 1.98 ranks
+    assert s["itl_p50_s"] == 1.0 and s["itl_p99_s"] == pytest.approx(1.98) and s["itl_gaps"] == 3
     assert s["tokens_per_s"] == 5 / 5.0 and s["bytes_per_request"] == 20.0      # 5 tokens from 0 s to 5 s
 
 

@@ -582,7 +582,7 @@ def entry(i, prompt, tokens, arrival, times, nbytes, t0) -> dict:
 
 
 def summarize(timeline) -> dict:
-    """TTFT (mean, p50, p90), ITL (mean, p90: gaps between a request's successive tokens), tokens/s (every
+    """TTFT (mean, p50, p90), ITL (mean, p50, p90, p99: gaps between a request's successive tokens), tokens/s (every
     output token over the span from the first arrival to the last token) and bytes moved per request."""
     ttft = np.array([r["ttft_s"] for r in timeline])
     itl = np.array([b - a for r in timeline for a, b in itertools.pairwise(r["token_s"])])
@@ -590,8 +590,8 @@ def summarize(timeline) -> dict:
     nan = float("nan")
     return dict(requests=len(timeline), ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
                 ttft_p90_s=float(np.percentile(ttft, 90)),
-                itl_mean_s=float(itl.mean()) if itl.size else nan,
-                itl_p90_s=float(np.percentile(itl, 90)) if itl.size else nan,
+                itl_mean_s=float(itl.mean()) if itl.size else nan, itl_gaps=int(itl.size),
+                **{f"itl_p{q}_s": float(np.percentile(itl, q)) if itl.size else nan for q in (50, 90, 99)},
                 tokens_per_s=sum(r["output_tokens"] for r in timeline) / span,
                 bytes_per_request=float(np.mean([r["bytes_moved"] for r in timeline])))
 

@@ -25,6 +25,8 @@ import torch
 
 from ..cache import CacheInputError
 
+REFUSED = object()          # what Tiers._load returns for a page file it will not serve
+
 
 def checksum(k: torch.Tensor, v: torch.Tensor) -> str:
     """sha256 of the raw bytes of a page's keys and values."""
@@ -95,30 +97,27 @@ class Tiers:
             return page, "host"
         if digest not in self.disk:
             return None
-        stored, path = self.disk.pop(digest)
-        if path is None:                                            # dry run: the name alone
-            return (None, "disk") if (stored[1], tuple(stored[2])) == (parent, tuple(tokens)) else None
-        page = self._load(path, key)
-        path.unlink(missing_ok=True)
-        if page is None:
-            self.corrupt += 1
-        return None if page is None else (page, "disk")
+        page = self._load(*self.disk.pop(digest), key)   # its name and bytes checked, its file deleted
+        return None if page is REFUSED else (page, "disk")
     # endregion
 
-    @staticmethod
-    def _load(path, key):
-        """The page in `path` if it loads and its name and checksum match `key` and its bytes; else None."""
+    def _load(self, stored, path, key):
+        """The page in `path` if it loads and its name and checksum match `key` and its bytes, else REFUSED (the
+        file is deleted either way). A dry run's entry has no file: None when its stored name matches."""
         digest, parent, tokens = key
+        if path is None:                                            # a dry run: the name alone
+            return None if (stored[1], tuple(stored[2])) == (parent, tuple(tokens)) else REFUSED
         try:
             d = torch.load(path, mmap=True, weights_only=True)
             k, v = d["k"], d["v"]
-            if (d["digest"], d["parent"], tuple(d["tokens"])) != (digest, parent, tuple(tokens)):
-                return None
-            if checksum(k, v) != d["sha256"]:
-                return None
-            return k.clone(), v.clone()
+            ok = (d["digest"], d["parent"], tuple(d["tokens"])) == (digest, parent, tuple(tokens)) and \
+                checksum(k, v) == d["sha256"]
+            page = (k.clone(), v.clone()) if ok else REFUSED
         except Exception:                                           # truncated, not a page file, unreadable
-            return None
+            page = REFUSED
+        path.unlink(missing_ok=True)
+        self.corrupt += page is REFUSED
+        return page
 
     def stats(self) -> dict:
         return dict(host_held=len(self.host), disk_held=len(self.disk), dropped=self.dropped, corrupt=self.corrupt)

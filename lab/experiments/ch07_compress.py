@@ -11,7 +11,6 @@ protocol, a context compressed once after its prefill and a continuation scored 
 repeats with an EvictingCache of the same size).
 """
 
-import math
 
 import matplotlib.ticker
 import torch
@@ -85,28 +84,26 @@ def kept_positions(model, ids: list, policy: str, budget: int, layer: int = 0, p
 
 def plot_kl_bytes(points: dict, path=None):
     """KL against bytes held (a share of the float32 cache's), one marker per family of points:
-    points {family: {name: (share, kl)}}. Labels alternate sides by family, so that families whose
-    points coincide (the lab's evicting cache and kvpress's) stay readable."""
+    points {family: {name: (share, kl)}}. Each point is labelled where its label overlaps no other
+    (plots.label_points), so that families whose points coincide (the lab's evicting cache and kvpress's)
+    stay readable."""
     fig, ax = plots.figure(height=4.0)
     styles = [dict(marker="o"), dict(marker="s"), dict(marker="^", markersize=12, markerfacecolor="none"),
               dict(marker="x", markersize=8)]
-    sides = [(5, 3, "left"), (-5, 3, "right"), (7, 4, "left"), (-7, -11, "right")]
-    for (family, named), style, (dx, dy, ha) in zip(points.items(), styles[:len(points)], sides[:len(points)],
-                                                    strict=True):
+    labels = []
+    for (family, named), style in zip(points.items(), styles[:len(points)], strict=True):
         xs, ys = zip(*[(share, max(kl, 1e-6)) for share, kl in named.values()], strict=True)
         ax.plot(xs, ys, ls="none", label=family, alpha=0.85, **style)
-        placed = []
-        for name, x, y in sorted(zip(named, xs, ys, strict=True), key=lambda t: -t[2]):
-            near = any(abs(math.log10(y / y0)) < 0.2 and abs(math.log10(x / x0)) < 0.1 for x0, y0 in placed)
-            ax.annotate(name.replace("_", " "), (x, y), textcoords="offset points", ha=ha,
-                        xytext=(dx, dy - 12 if near else dy))       # a label under a close neighbour's
-            placed.append((x, y))
+        labels += [(x, y, name.replace("_", " ")) for name, x, y in zip(named, xs, ys, strict=True)]
     ax.set(xscale="log", yscale="log", xlabel="bytes held / the float32 cache's",
            ylabel="KL to the uncompressed model (nats)", title="Quality against memory")
     ax.set_xlim(0.06, 0.8)                                                    # room for the labels
     ax.set_xticks([0.1, 0.2, 0.3, 0.5], ["0.1", "0.2", "0.3", "0.5"])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.margins(y=0.1)                                                         # room for labels below
     ax.legend(loc="lower left")
+    fig.tight_layout()
+    plots.label_points(ax, sorted(labels, key=lambda t: -t[1]))
     return finish(fig, path)
 
 

@@ -26,6 +26,7 @@ from .. import data
 from ..cache import EvictingCache, QuantizedCache, make_cache
 from ..engine import EarlyExit, PromptLookup, SelfDraft, ServingEngine, speculative_generate
 from ..engine.speculative import NoDraft
+from ..metrics import ratio_interval
 from ..models import forward_cached, load
 from ..models.load import smollm2_folder
 from ..peers import compare_vllm
@@ -39,15 +40,15 @@ PAGE = 16
 
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
-        return dict(passages=1, prompt=200, new=12, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
-                    budget_prompt=192, budgets=(64,), bits=(2,), contexts=(256, 1024), context_new=8, reps=1,
-                    rollback_context=256, rollback_reps=3, engine_levels=(1, 4), engine_prompt=96, engine_new=16,
-                    turns=2, hf=True, vllm=False, speed_drafts=("lookup", "window"))
-    return dict(passages=2, prompt=200, new=48, ks=(1, 2, 4, 8), drafts=("lookup", "window", "kivi2", "early20"),
-                budget_prompt=768, budgets=(64, 128, 256, 512), bits=(2, 4), contexts=(256, 512, 1024, 2048, 4096),
-                context_new=32, reps=2, rollback_context=1024, rollback_reps=30, engine_levels=(1, 16),
-                engine_prompt=160, engine_new=48, turns=3, hf=True, vllm=compare_vllm.available(),
-                speed_drafts=("lookup", "window", "kivi2", "early20"))
+        return dict(passages=2, prompt=200, new=12, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
+                    budget_prompt=192, budget_passages=1, budgets=(64, 128), bits=(2,), contexts=(256, 1024),
+                    context_new=8, reps=1, rollback_context=256, rollback_reps=3, engine_levels=(1, 4),
+                    engine_prompt=96, engine_new=16, turns=2, hf=True, vllm=False, speed_drafts=("lookup", "window"))
+    return dict(passages=8, prompt=200, new=48, ks=(1, 2, 4, 8), drafts=("lookup", "window", "kivi2", "early20"),
+                budget_prompt=768, budget_passages=4, budgets=(64, 128, 256, 512), bits=(2, 4),
+                contexts=(256, 512, 1024, 2048, 4096), context_new=32, reps=2, rollback_context=1024,
+                rollback_reps=30, engine_levels=(1, 16), engine_prompt=160, engine_new=48, turns=3, hf=True,
+                vllm=compare_vllm.available(), speed_drafts=("lookup", "window", "kivi2", "early20"))
 
 
 # ---- prompts and drafts -----------------------------------------------------------------------------------
@@ -110,14 +111,16 @@ def chunk_cost(model, context: int = 256, sizes=(1, 2, 5, 9), reps: int = 5) -> 
 # ---- acceptance -------------------------------------------------------------------------------------------
 
 def acceptance(model, s) -> dict:
-    """{workload: {draft: {k: summed proposed, accepted, steps, tokens, identical}}} over the prompts."""
+    """{workload: {draft: {k: summed proposed, accepted, steps, tokens, identical, and `passages`: each prompt's
+    (proposed, accepted)}}} over the prompts, for an interval over passages."""
     work, out = prompts(model, s["prompt"], s["passages"]), {}
     runs = [(w, d, k) for w in work for d in s["drafts"] for k in s["ks"]]
     want = {(w, i): plain_tokens(model, p, s["new"]) for w, ps in work.items() for i, p in enumerate(ps)}
     for w, d, k in tqdm(runs, desc="acceptance", leave=False):
-        tot = dict(proposed=0, accepted=0, steps=0, tokens=0, identical=True)
+        tot = dict(proposed=0, accepted=0, steps=0, tokens=0, identical=True, passages=[])
         for i, p in enumerate(work[w]):
             r = speculative_generate(model, p, s["new"], make_draft(model, d), k=k)
+            tot["passages"].append((r.proposed, r.accepted))
             tot["proposed"] += r.proposed
             tot["accepted"] += r.accepted
             tot["steps"] += r.steps - 1
@@ -130,7 +133,7 @@ def acceptance(model, s) -> dict:
 def budgets(model, s) -> dict:
     """SelfDraft's acceptance at k = 4 on held-out text of `budget_prompt` tokens, against the window's
     budget (to the full cache) and KIVI's bits."""
-    ps = data.passages(model.tokenizer, s["budget_prompt"], count=s["passages"], seed=1)
+    ps = data.passages(model.tokenizer, s["budget_prompt"], count=s["budget_passages"], seed=1)
     full = lambda: make_cache("static", model.config, s["budget_prompt"] + s["new"] + 8)  # noqa: E731
     cases = {f"window_{b}": make_draft(model, "window", b) for b in s["budgets"]}
     cases |= {f"kivi{b}": make_draft(model, f"kivi{b}") for b in s["bits"]} | {"full": SelfDraft(full)}
@@ -138,7 +141,47 @@ def budgets(model, s) -> dict:
     for name, draft in tqdm(cases.items(), desc="draft budgets", leave=False):
         rs = [speculative_generate(model, p, s["new"], draft, k=4) for p in ps]
         out[name] = dict(proposed=sum(r.proposed for r in rs), accepted=sum(r.accepted for r in rs),
-                         steps=sum(r.steps - 1 for r in rs), tokens=sum(len(r.tokens) - 1 for r in rs))
+                         steps=sum(r.steps - 1 for r in rs), tokens=sum(len(r.tokens) - 1 for r in rs),
+                         passages=[(r.proposed, r.accepted) for r in rs])
+    return out
+
+
+class SourcedLookup(PromptLookup):
+    """PromptLookup that notes, for every proposal, the context's length and whether the n-gram it matched lies
+    in the prompt or in the model's own output so far."""
+
+    def bind(self, model, prompt):
+        self.prompt_len, self.proposals = len(prompt), []
+
+    def propose(self, context: list, k: int) -> list:
+        n, tail = self.n, context[-self.n:]
+        for i in range(len(context) - n - 1, -1, -1):           # as PromptLookup: the latest match first
+            if context[i:i + n] == tail:
+                guess = context[i + n:i + n + k]
+                self.proposals.append((len(context), guess, i + n >= self.prompt_len))
+                return guess
+        return []
+
+
+def lookup_sources(model, s, k: int = 4) -> dict:
+    """Where prompt lookup's guesses come from, per workload: {workload: {"prompt" | "output": proposed,
+    accepted}}. A guess copied from the model's own output repeats what it already wrote. Accepted guesses are
+    counted against the tokens the run emitted, which are plain greedy decoding's: a proposal at context length
+    c keeps the longest run of its guesses that equals the tokens from c on."""
+    out = {}
+    for w, ps in prompts(model, s["prompt"], s["passages"]).items():
+        tally = {src: dict(proposed=0, accepted=0) for src in ("prompt", "output")}
+        for p in ps:
+            draft = SourcedLookup(3)
+            r = speculative_generate(model, p, s["new"], draft, k=k)
+            ids, accepted = p + r.tokens, 0
+            for c, guess, from_output in draft.proposals:
+                kept = next((i for i, g in enumerate(guess) if g != ids[c + i]), len(guess))
+                t = tally["output" if from_output else "prompt"]
+                t["proposed"], t["accepted"] = t["proposed"] + len(guess), t["accepted"] + kept
+                accepted += kept
+            assert accepted == r.accepted, f"{accepted} guesses kept by the count, {r.accepted} by the run"
+        out[w] = tally
     return out
 
 
@@ -257,22 +300,24 @@ def prefix_hits(model, s) -> dict:
     return out
 
 
-def verify_timeline(model) -> dict:
+def verify_timeline(model, n: int = 3, k: int = 4) -> dict:
     """One verify step of one request in the engine (pages of 16), drawn from a real run: a copy request,
-    prompt lookup with k = 8; the first step whose guesses were partly rejected and gave pages back."""
+    PromptLookup(n) with k guesses; the first step whose guesses were partly rejected and gave pages back.
+    `pages_held` counts the pages the sequence held during the step, the lookahead pages for its guesses
+    included: the crop then gave back `pages_freed` of them."""
     tok = model.tokenizer
     p = data.repeat_request(tok, data.passages(tok, 120, count=1, seed=5)[0])
-    eng = ServingEngine(model, 64, PAGE, 512, prefix_caching=True, draft=PromptLookup(2), k=8)
-    rid = eng.add_request(p, 48)
+    eng = ServingEngine(model, 64, PAGE, 512, prefix_caching=True, draft=PromptLookup(n), k=k)
+    rid = eng.add_request(p, 96)
     while not eng.requests[rid].done:
-        before = (eng.requests[rid].computed, len(eng.manager.block_table(eng.requests[rid].seq))
-                  if eng.requests[rid].seq is not None else 0)
+        start = eng.requests[rid].computed
         eng.step()
-        v = eng.requests[rid].events["verify"]
+        v, req = eng.requests[rid].events["verify"], eng.requests[rid]
         if v and v[-1][0] == eng.stats["steps"] - 1 and 0 < v[-1][2] < v[-1][1] and v[-1][3] > 0:
             step, guesses, accepted, freed = v[-1]
-            return dict(step=step, start=before[0], guesses=guesses, accepted=accepted, pages_freed=freed,
-                        pages_before=before[1], page_size=PAGE)
+            held = len(eng.manager.block_table(req.seq)) if req.seq is not None else 0
+            return dict(step=step, start=start, guesses=guesses, accepted=accepted, pages_freed=freed,
+                        pages_held=held + freed, page_size=PAGE, n=n, k=k)
     return {}
 
 
@@ -349,74 +394,129 @@ def measure(quick_mode=None) -> dict:
     m["engine"] = engine_runs(smol, s)
     m["prefix"] = prefix_hits(smol, s)
     m["timeline"] = verify_timeline(smol)
+    m["sources"] = lookup_sources(smol, s)
     m["transformers"] = transformers_lookup(smol, s) if s["hf"] else None
     m["vllm"] = vllm_ngram(smol, s) if s["vllm"] else None
     return m
 
 
 def _acceptance_values(r: dict) -> dict:
+    """Acceptance (pooled over the passages) with a 95% bootstrap interval over passages, and tokens per forward."""
+    lo, hi = ratio_interval([a for _, a in r["passages"]], [p for p, _ in r["passages"]])
+    interval = dict(passages=len(r["passages"]), note="95% bootstrap interval over passages")
     return {"acceptance": value(100 * r["accepted"] / max(r["proposed"], 1), "%", proposed=r["proposed"]),
+            "low": value(100 * lo, "%", **interval), "high": value(100 * hi, "%", **interval),
             "per_step": value(r["tokens"] / max(r["steps"], 1), "tokens", note="new tokens per target forward")}
 
 
+NAMES = {"plain": "plain decoding", "lookup": "prompt lookup", "window": "self-draft: 4 sinks + a 60-token window",
+         "kivi2": "self-draft: 2-bit KIVI cache", "kivi4": "self-draft: 4-bit KIVI cache",
+         "early20": "early exit: the first 20 layers", "heldout": "continuing a passage",
+         "copy": "repeating a passage"}                    # what a figure or a table calls each draft and workload
+
+
 def values(m: dict) -> dict:
-    s, a = m["settings"], m["acceptance"]
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    s = m["settings"]
     v = {"settings": value(s["passages"], "prompts", prompt_tokens=s["prompt"], new_tokens=s["new"],
                            threads=m["threads"], note="SmolLM2, float32, greedy, per workload")}
-    one = m["chunk"][1]
-    v["chunk"] = {f"n{n}": {"ms": value(t * 1e3, "ms"), "over_one": value(t / one, "x")} for n, t in m["chunk"].items()}
-    v["chunk"]["context"] = value(256, "tokens", note="a StaticCache holding this many positions")
-    v["acceptance"] = {w: {d: {f"k{k}": _acceptance_values(r) | {
-        "identical": value(r["identical"], None, note="tokens equal plain greedy decoding's")}
-        for k, r in ks.items()} for d, ks in ds.items()} for w, ds in a["runs"].items()}   # speed: see "speed"
-    v["acceptance"]["identical"] = value(all(r["identical"] for ds in a["runs"].values() for ks in ds.values()
-                                             for r in ks.values()), None, note="every draft, k and workload")
-    v["budgets"] = {n: _acceptance_values(r) for n, r in m["budgets"].items()}
-    v["budgets"]["prompt"] = value(s["budget_prompt"], "tokens", note="held-out passages, k = 4")
-    v["speed"] = {f"c{c}": {d: {"tok_s": value(r["tok_s"], "tokens/s", seconds=r["seconds"]),
-                                "per_step": value(r["per_step"], "tokens"),
-                                "identical": value(r["identical"], None)} | (
-        {"speedup": value(r["tok_s"] / x["plain"]["tok_s"], "x"),
-         "acceptance": value(100 * float(np.nan_to_num(r["acceptance"])), "%", note="0 where nothing was proposed")}
-        if d != "plain" else {})
-        for d, r in x.items()} | {"attention_share": value(100 * m["attention_share"][c], "%",
-                                                           note="the cache's share of a decode step's bytes")}
-        for c, x in m["speed"].items()}
-    v["rollback"] = {d: {"crop_us": value(r["crop_us"], "µs"), "step_ms": value(r["step_ms"], "ms"),
-                         "crop_share": value(100 * r["crop_us"] / 1e3 / r["step_ms"], "%", note="of one decode step"),
-                         "pages_freed": value(r["pages_freed"], "pages"),
-                         "pages_reserved": value(r["pages_reserved"], "pages")}
-                     for d, r in m["rollback"].items()}
-    v["rollback"]["context"] = value(s["rollback_context"], "tokens", note="8 of 9 verify positions taken back")
-    v["engine"] = {f"c{c}": {d: {"tok_s": value(r["tok_s"], "tokens/s")} | (
-        {"acceptance": value(100 * r["accepted"] / max(r["proposed"], 1), "%"),
-         "lookahead_pages": value(r["lookahead_pages"], "pages"), "rollback_pages": value(r["rollback_pages"], "pages"),
-         "identical": value(r["identical"], None), "speedup": value(r["tok_s"] / x["plain"]["tok_s"], "x")}
-        if d == "lookup" else {}) for d, r in x.items()} for c, x in m["engine"].items()}
-    p = m["prefix"]
-    v["prefix"] = {"plain_cached": value(p["plain"]["cached_tokens"], "tokens"),
-                   "lookup_cached": value(p["lookup"]["cached_tokens"], "tokens",
-                                          accepted=p["lookup"]["accepted"], proposed=p["lookup"]["proposed"]),
-                   "equal": value(p["equal"], None, turns=s["turns"]), "identical": value(p["identical"], None)}
-    t = m["timeline"]
-    v["timeline"] = {k: value(x, None) for k, x in t.items()}
-    h = m["transformers"]
-    v["transformers"] = not_run("quick settings without transformers") if h is None else {
-        **{k: value(x, "s") for k, x in h.items() if k.endswith("_s")},
-        "hf_speedup": value(h["hf_plain_s"] / h["hf_lookup_s"], "x"),
-        "lab_speedup": value(h["lab_plain_s"] / h["lab_lookup_s"], "x"),
-        "lab_over_hf": value(h["hf_lookup_s"] / h["lab_lookup_s"], "x", note="the lab's lookup speed / transformers'"),
-        "same_tokens": value(h["same_tokens"], None), "agreement": value(100 * h["agreement"], "%")}
-    r = m["vllm"]
-    v["vllm"] = not_run("vLLM's environment is not built (`make vllm`) or quick mode") if r is None else {
-        "acceptance": value(100 * r["k4"]["accepted_tokens"] / max(r["k4"]["draft_tokens"], 1), "%",
-                            draft_tokens=r["k4"]["draft_tokens"], vllm=r["k4"]["vllm"]),
-        "speedup": value(r["k0"]["seconds"] / r["k4"]["seconds"], "x", note="whole requests, plain / ngram"),
-        "lab_acceptance": value(100 * r["lab_accepted"] / max(r["lab_proposed"], 1), "%",
-                                proposed=r["lab_proposed"]),
-        "draft_tokens": value(r["k4"]["draft_tokens"], "tokens", note="guesses vLLM made on these prompts"),
-        "lab_draft_tokens": value(r["lab_proposed"], "tokens", note="the lab's prompt lookup's, the same prompts"),
-        "agreement": value(100 * r["agreement"], "%", note="tokens equal to the lab's, position by position")}
+    if "chunk" in m:
+        one = m["chunk"][1]
+        v["chunk"] = {f"n{n}": {"ms": value(t * 1e3, "ms"), "over_one": value(t / one, "x")}
+                      for n, t in m["chunk"].items()}
+        v["chunk"]["context"] = value(256, "tokens", note="a StaticCache holding this many positions")
+    if "acceptance" in m:
+        a = m["acceptance"]
+        v["acceptance"] = {w: {d: {f"k{k}": _acceptance_values(r) | {
+            "identical": value(r["identical"], None, note="tokens equal plain greedy decoding's")}
+            for k, r in ks.items()} for d, ks in ds.items()} for w, ds in a["runs"].items()}   # speed: see "speed"
+        v["acceptance"]["identical"] = value(all(r["identical"] for ds in a["runs"].values() for ks in ds.values()
+                                                 for r in ks.values()), None, note="every draft, k and workload")
+        for w, ds in a["runs"].items():                     # the ends of the sweep over k, whatever ks ran
+            for d, ks in ds.items():
+                for end, k in (("smallest_k", min(ks)), ("largest_k", max(ks))):
+                    r = ks[k]
+                    v["acceptance"][w][d][end] = value(100 * r["accepted"] / max(r["proposed"], 1), "%", k=k)
+    if "sources" in m:
+        share = lambda x, n: 100 * x["output"][n] / max(x["output"][n] + x["prompt"][n], 1)   # noqa: E731
+        v["sources"] = {w: {src: {"proposed": value(t["proposed"], "tokens"),
+                                  "acceptance": value(100 * t["accepted"] / max(t["proposed"], 1), "%")}
+                            for src, t in x.items()} | {
+            "output_share": value(share(x, "proposed"), "%",
+                                  note="prompt lookup's guesses (k = 4) copied from the model's own output"),
+            "output_accepted_share": value(share(x, "accepted"), "%",
+                                           note="of the accepted guesses, those copied from the model's output")}
+            for w, x in m["sources"].items()}
+    if "budgets" in m:
+        v["budgets"] = {n: _acceptance_values(r) for n, r in m["budgets"].items()}
+        v["budgets"]["prompt"] = value(s["budget_prompt"], "tokens", note="held-out passages, k = 4")
+        v["budgets"]["passages"] = value(s["budget_passages"], "passages")
+    if "speed" in m:
+        v["speed"] = {f"c{c}": {d: {"tok_s": value(r["tok_s"], "tokens/s", seconds=r["seconds"]),
+                                    "per_step": value(r["per_step"], "tokens"),
+                                    "identical": value(r["identical"], None)} | (
+            {"speedup": value(r["tok_s"] / x["plain"]["tok_s"], "x"),
+             "acceptance": value(100 * float(np.nan_to_num(r["acceptance"])), "%", note="0 where nothing was proposed")}
+            if d != "plain" else {})
+            for d, r in x.items()} | {"attention_share": value(100 * m["attention_share"][c], "%",
+                                                               note="the cache's share of a decode step's bytes")}
+            for c, x in m["speed"].items()}
+        drafts = [d for d in s["speed_drafts"] if d != "lookup"]            # the drafts that run the model
+        gains = {d: [x[d]["tok_s"] / x["plain"]["tok_s"] for x in m["speed"].values()] for d in s["speed_drafts"]}
+        v["speed"]["lookup_min_speedup"] = value(min(gains["lookup"]), "x", contexts=list(m["speed"]),
+                                                 note="prompt lookup's smallest speedup over the contexts measured")
+        v["speed"]["model_drafts_max_speedup"] = value(max(g for d in drafts for g in gains[d]), "x", drafts=drafts,
+                                                       contexts=list(m["speed"]),
+                                                       note="the largest speedup of any draft that runs the model")
+    if "rollback" in m:
+        v["rollback"] = {d: {"crop_us": value(r["crop_us"], "µs"), "step_ms": value(r["step_ms"], "ms"),
+                             "crop_share": value(100 * r["crop_us"] / 1e3 / r["step_ms"], "%",
+                                                 note="of one decode step"),
+                             "pages_freed": value(r["pages_freed"], "pages"),
+                             "pages_reserved": value(r["pages_reserved"], "pages")}
+                         for d, r in m["rollback"].items()}
+        v["rollback"]["context"] = value(s["rollback_context"] - 4, "tokens", note="the prefill; then 9 verify "
+                                         "positions cross a page boundary and 8 of them are taken back")
+    if "engine" in m:
+        v["engine"] = {f"c{c}": {d: {"tok_s": value(r["tok_s"], "tokens/s")} | (
+            {"acceptance": value(100 * r["accepted"] / max(r["proposed"], 1), "%"),
+             "lookahead_pages": value(r["lookahead_pages"], "pages"),
+             "rollback_pages": value(r["rollback_pages"], "pages"),
+             "identical": value(r["identical"], None), "speedup": value(r["tok_s"] / x["plain"]["tok_s"], "x")}
+            if d == "lookup" else {}) for d, r in x.items()} for c, x in m["engine"].items()}
+        for end, c in (("one", min(m["engine"])), ("many", max(m["engine"]))):   # the ends, whatever levels ran
+            v["engine"][end] = {"requests": value(c, "requests"), "speedup": v["engine"][f"c{c}"]["lookup"]["speedup"],
+                                "identical": v["engine"][f"c{c}"]["lookup"]["identical"]}
+    if "prefix" in m:
+        p = m["prefix"]
+        v["prefix"] = {"plain_cached": value(p["plain"]["cached_tokens"], "tokens"),
+                       "lookup_cached": value(p["lookup"]["cached_tokens"], "tokens",
+                                              accepted=p["lookup"]["accepted"], proposed=p["lookup"]["proposed"]),
+                       "equal": value(p["equal"], None, turns=s["turns"]), "identical": value(p["identical"], None)}
+    if "timeline" in m:
+        t = m["timeline"]
+        v["timeline"] = {k: value(x, "pages" if k.startswith("pages") else None) for k, x in t.items()}
+    if "transformers" in m:
+        h = m["transformers"]
+        v["transformers"] = not_run("quick settings without transformers") if h is None else {
+            **{k: value(x, "s") for k, x in h.items() if k.endswith("_s")},
+            "hf_speedup": value(h["hf_plain_s"] / h["hf_lookup_s"], "x"),
+            "lab_speedup": value(h["lab_plain_s"] / h["lab_lookup_s"], "x"),
+            "lab_over_hf": value(h["hf_lookup_s"] / h["lab_lookup_s"], "x",
+                                 note="the lab's lookup speed / transformers'"),
+            "same_tokens": value(h["same_tokens"], None), "agreement": value(100 * h["agreement"], "%")}
+    if "vllm" in m:
+        r = m["vllm"]
+        v["vllm"] = not_run("vLLM's environment is not built (`make vllm`) or quick mode") if r is None else {
+            "acceptance": value(100 * r["k4"]["accepted_tokens"] / max(r["k4"]["draft_tokens"], 1), "%",
+                                draft_tokens=r["k4"]["draft_tokens"], vllm=r["k4"]["vllm"]),
+            "speedup": value(r["k0"]["seconds"] / r["k4"]["seconds"], "x", note="whole requests, plain / ngram"),
+            "lab_acceptance": value(100 * r["lab_accepted"] / max(r["lab_proposed"], 1), "%",
+                                    proposed=r["lab_proposed"]),
+            "draft_tokens": value(r["k4"]["draft_tokens"], "tokens", note="guesses vLLM made on these prompts"),
+            "lab_draft_tokens": value(r["lab_proposed"], "tokens", note="the lab's prompt lookup's, the same prompts"),
+            "agreement": value(100 * r["agreement"], "%", note="tokens equal to the lab's, position by position")}
     return v
 
 
@@ -431,13 +531,14 @@ def plot_acceptance(runs: dict, path=None):
     for ax, (w, ds) in zip(axes, runs.items(), strict=True):
         for d, ks in ds.items():
             xs = sorted(ks)
-            ax.plot(xs, [100 * ks[k]["accepted"] / max(ks[k]["proposed"], 1) for k in xs], marker="o", label=d,
-                    color=COLORS.get(d))
-        ax.set(xscale="log", xlabel="k (guesses per step)", title=w)
+            ax.plot(xs, [100 * ks[k]["accepted"] / max(ks[k]["proposed"], 1) for k in xs], marker="o",
+                    label=NAMES.get(d, d), color=COLORS.get(d))
+        ax.set(xscale="log", xlabel="k (guesses per step)", title=NAMES.get(w, w))
         ax.set_xticks(xs, [str(k) for k in xs])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].set(ylabel="guesses accepted (%)", ylim=(0, 105))
-    axes[0].legend()
+    axes[0].legend(loc="upper center", bbox_to_anchor=(0.5 * len(axes) + 0.05 * (len(axes) - 1), -0.2), ncols=2,
+                   frameon=False)
     return finish(fig, path)
 
 
@@ -446,11 +547,11 @@ def plot_speed(speed: dict, path=None):
     fig, ax = plots.figure()
     cs = sorted(speed)
     for d in speed[cs[0]]:
-        ax.plot(cs, [speed[c][d]["tok_s"] for c in cs], marker="o", label=d, color=COLORS.get(d))
+        ax.plot(cs, [speed[c][d]["tok_s"] for c in cs], marker="o", label=NAMES.get(d, d), color=COLORS.get(d))
     ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens / s", title="Speculative and plain")
     ax.set_xticks(cs, [f"{c:,}" for c in cs])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2, frameon=False)
     return finish(fig, path)
 
 

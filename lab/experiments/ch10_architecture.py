@@ -14,6 +14,8 @@ reconstructing forms beside the original model at two contexts, and the hybrid p
 arrangement (5 local layers to 1 global, window 1,024) holds at 8k positions.
 """
 
+import re
+
 import matplotlib.patches
 import matplotlib.ticker
 import torch
@@ -159,16 +161,17 @@ def step_times(smol, latent, s) -> dict:
 
 
 @torch.inference_mode()
-def spectra(moments, ranks) -> dict:
+def spectra(moments, ranks, before_rope=None) -> dict:
     """How much of the keys' (after RoPE) and of the values' energy the top rank / 2 directions of each hold,
-    on the calibration text, the mean over layers: {rank: {"keys": share, "values": share}}. The latent
-    keeps exactly those directions, so this is what it keeps of each before any quality is measured."""
-    eigen = [[torch.linalg.eigvalsh(m).flip(0) for m in pair] for pair in moments.values()]  # K^T K, V^T V
-    out = {}
-    for r in ranks:
-        keep = [[float(e[: r // 2].sum() / e.sum()) for e in pair] for pair in eigen]       # [layers][k, v]
-        out[r] = {"keys": sum(k for k, _ in keep) / len(keep), "values": sum(v for _, v in keep) / len(keep)}
-    return out
+    on the calibration text, the mean over layers: {rank: {"keys": share, "values": share}}; with
+    `before_rope` (calibration_moments(..., before_rope=True)), also "keys_before_rope". The latent keeps
+    exactly those directions, so this is what it keeps of each before any quality is measured."""
+    parts = {"keys": [k for k, _ in moments.values()], "values": [v for _, v in moments.values()]}
+    if before_rope is not None:
+        parts["keys_before_rope"] = [k for k, _ in before_rope.values()]
+    eigen = {part: [torch.linalg.eigvalsh(m).flip(0) for m in ms] for part, ms in parts.items()}   # per layer
+    return {r: {part: sum(float(e[: r // 2].sum() / e.sum()) for e in es) / len(es) for part, es in eigen.items()}
+            for r in ranks}
 
 
 # ---- the pages a hybrid model holds ----------------------------------------------------------------------
@@ -195,7 +198,7 @@ def hybrid_pool(smol, s, window=1024, global_every=6, page_size=16, chunk=512) -
     HybridBlockManager's; no tensor is allocated."""
     cfg, T = local_layers(smol, window, global_every).config, s["hybrid_context"]
     per_page_layer = page_size * 2 * cfg.n_kv_heads * cfg.head_dim * 2              # bf16 bytes, K and V
-    pages = pages_for(T, page_size)
+    pages = pages_for(T + 1, page_size)
     manager = HybridBlockManager.for_model(cfg, num_pages=pages + 1, page_size=page_size)
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0)).tolist()
     grow(manager, "first", ids, chunk)
@@ -209,7 +212,7 @@ def hybrid_pool(smol, s, window=1024, global_every=6, page_size=16, chunk=512) -
     taken = {g: manager.held_pages(g, "second") for g in manager.groups}
     manager.release("second")
     manager.check()
-    return dict(context=T, window=window, global_every=global_every, page_size=page_size, layers=layers,
+    return dict(prefill=T, context=T + 1, window=window, global_every=global_every, page_size=page_size, layers=layers,
                 held=held, hybrid_bytes=hybrid, full_bytes=everything, hit_pages=hit, taken=taken)
 
 
@@ -235,7 +238,7 @@ def measure(quick_mode=None) -> dict:
     m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
              bf16_bytes=smol.config.kv_bytes_per_position(BF16))
     m["quality"] = quality_map(smol, cases, ids, prefill, ref)
-    m["spectra"] = spectra(moments, s["ranks"])
+    m["spectra"] = spectra(moments, s["ranks"], calibration_moments(smol, calibration, before_rope=True))
     m["steps"] = step_times(smol, latent, s)
     m["hybrid"] = hybrid_pool(smol, s)
     m["tables"] = hybrid_tables(smol)
@@ -254,47 +257,56 @@ def key(name: str) -> str:
 
 
 def values(m: dict) -> dict:
-    s, bf16 = m["settings"], m["bf16_bytes"]
-    ref_loss = next(iter(next(iter(m["quality"].values())).values()))["ref_loss"]
-    v = {"passages": value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"], decoded=s["decode"],
-                           note="held-out Shakespeare, SmolLM2 in float32, no training"),
-         "bf16_bytes": value(bf16, "bytes", note="per position, the original model's keys and values in bfloat16"),
-         "ref_loss": value(ref_loss, "nats"), "quality": {}}
-    points = []
-    for family, named in m["quality"].items():
-        fam = v["quality"][key(family)] = {}
-        for name, r in named.items():
-            fam[key(name)] = {"kl": value(r["kl"], "nats", positions=r["positions"]),
-                              "delta_ppl": value(r["delta_ppl"], None, loss=r["loss"], ref_loss=r["ref_loss"]),
-                              "top1": value(100 * r["top1"], "%"),
-                              "bytes": value(r["bytes"], "bytes", note="per position, as served (bf16 or codes)"),
-                              "share": value(100 * r["bytes"] / bf16, "%", note="of the original bf16 cache")}
-            points.append((r["bytes"] / bf16, r["kl"], family, name))
-    v["best"] = {}
-    for label, limit in (("quarter", 0.25), ("tenth", 0.10)):
-        inside = [p for p in points if p[0] <= limit + 1e-9]
-        share, kl, family, name = min(inside, key=lambda p: p[1])
-        v["best"][label] = {"kl": value(kl, "nats", design=f"{family}: {name}", limit=f"{limit:.0%} of bf16"),
-                            "share": value(100 * share, "%", design=f"{family}: {name}")}
-    v["steps"] = {}
-    for T, times in m["steps"].items():
-        base = times["original"]["median"]
-        v["steps"][f"T{T}"] = {key(n): {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
-                                        "over_original": value(t["median"] / base, "x")}
-                               for n, t in times.items()}
-    v["steps"]["threads"] = value(m["threads"], "threads")
-    v["spectra"] = {f"rank_{r}": {part: value(100 * x, "%", note=f"of the {part}' energy the latent keeps, "
-                                                              "mean over layers, calibration text")
-                                  for part, x in kv.items()} for r, kv in m["spectra"].items()}
-    h = m["hybrid"]
-    v["hybrid"] = {"context": value(h["context"], "positions", window=h["window"], global_every=h["global_every"],
-                                    page_size=h["page_size"], note="SmolLM2's shape, every 6th layer global"),
-                   "held_pages": {g: value(n, "pages", layers=h["layers"][g]) for g, n in h["held"].items()},
-                   "hybrid_mib": value(h["hybrid_bytes"] / 2**20, "MiB", note="bf16, one sequence"),
-                   "full_mib": value(h["full_bytes"] / 2**20, "MiB", note="every layer keeps every page"),
-                   "saved": value(100 * (1 - h["hybrid_bytes"] / h["full_bytes"]), "%"),
-                   "hit_pages": value(h["hit_pages"], "pages", note="a second request with the same prompt"),
-                   "taken_pages": {g: value(n, "pages") for g, n in h["taken"].items()}}
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    s, bf16, v = m["settings"], m["bf16_bytes"], {}
+    if "quality" in m:
+        ref_loss = next(iter(next(iter(m["quality"].values())).values()))["ref_loss"]
+        v |= {"passages": value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"],
+                                decoded=s["decode"], note="held-out Shakespeare, SmolLM2 in float32, no training"),
+              "bf16_bytes": value(bf16, "bytes", note="per position, the original model's keys and values in bfloat16"),
+              "ref_loss": value(ref_loss, "nats"), "quality": {}}
+        points = []
+        for family, named in m["quality"].items():
+            fam = v["quality"][key(family)] = {}
+            for name, r in named.items():
+                fam[key(name)] = {"kl": value(r["kl"], "nats", positions=r["positions"]),
+                                  "delta_ppl": value(r["delta_ppl"], None, loss=r["loss"], ref_loss=r["ref_loss"]),
+                                  "top1": value(100 * r["top1"], "%"),
+                                  "bytes": value(r["bytes"], "bytes", note="per position, as served (bf16 or codes)"),
+                                  "share": value(100 * r["bytes"] / bf16, "%", note="of the original bf16 cache")}
+                points.append((r["bytes"] / bf16, r["kl"], family, name))
+        v["best"] = {}
+        for label, limit in (("quarter", 0.25), ("tenth", 0.10)):
+            inside = [p for p in points if p[0] <= limit + 1e-9]
+            share, kl, family, name = min(inside, key=lambda p: p[1])
+            v["best"][label] = {"kl": value(kl, "nats", design=f"{family}: {name}", limit=f"{limit:.0%} of bf16"),
+                                "share": value(100 * share, "%", design=f"{family}: {name}")}
+    if "steps" in m:
+        v["steps"] = {}
+        for T, times in m["steps"].items():
+            base = times["original"]["median"]
+            v["steps"][f"T{T}"] = {key(n): {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
+                                            "over_original": value(t["median"] / base, "x")}
+                                   for n, t in times.items()}
+        v["steps"]["threads"] = value(m["threads"], "threads")
+    if "spectra" in m:
+        v["spectra"] = {f"rank_{r}": {part: value(100 * x, "%", note=f"of the {part.replace('_', ' ')}' energy the "
+                                                                  "latent's directions keep, mean over layers, "
+                                                                  "calibration text")
+                                      for part, x in kv.items()} for r, kv in m["spectra"].items()}
+    if "hybrid" in m:
+        h = m["hybrid"]
+        v["hybrid"] = {"context": value(h["context"], "positions", window=h["window"], global_every=h["global_every"],
+                                        page_size=h["page_size"], note="SmolLM2's shape, every 6th layer global: "
+                                        "the prefill and one decoded token"),
+                       "prefill": value(h["prefill"], "positions", note="grown in chunks of 512"),
+                       "held_pages": {g: value(n, "pages", layers=h["layers"][g]) for g, n in h["held"].items()},
+                       "hybrid_mib": value(h["hybrid_bytes"] / 2**20, "MiB", note="bf16, one sequence"),
+                       "full_mib": value(h["full_bytes"] / 2**20, "MiB", note="every layer keeps every page"),
+                       "saved": value(100 * (1 - h["hybrid_bytes"] / h["full_bytes"]), "%"),
+                       "hit_pages": value(h["hit_pages"], "pages", note="a second request with the same prompt"),
+                       "taken_pages": {g: value(n, "pages") for g, n in h["taken"].items()}}
     return v
 
 
@@ -302,30 +314,54 @@ FAMILY_STYLE = {"chapter 7, quantized": dict(marker="s", color="tab:gray"),
                 "chapter 7, sinks eviction": dict(marker="x", color="tab:gray"),
                 "fewer KV heads": dict(marker="D", color="tab:purple"),
                 "latent": dict(marker="o", color="tab:blue"),
-                "local layers": dict(marker="^", color="tab:orange"),
+                "local layers, 4 sinks": dict(marker="^", color="tab:orange"),
+                "local layers, no sinks": dict(marker="^", color="tab:orange", markerfacecolor="none"),
                 "shared layers": dict(marker="v", color="tab:red"),
                 "combined": dict(marker="*", color="tab:green", markersize=11)}
+LABELLED = ("fewer KV heads", "latent", "local layers, 4 sinks", "local layers, no sinks", "shared layers", "combined")
+
+
+def in_words(name: str) -> str:
+    """A case's name as a figure's label says it: "w512 g6 s4 kivi4" -> "512, 1 in 6, KIVI-4" (the window, one
+    global layer in g; whether it has sinks, the legend says), "rank 96 int8" -> "rank 96, INT8", "every 2" ->
+    "share by 2"."""
+    text = re.sub(r"w(\d+) g(\d+)(?: s\d+)?", lambda m: f"{int(m[1]):,}, 1 in {m[2]}", name)
+    return text.replace(" int8", ", INT8").replace(" kivi4", ", KIVI-4").replace("every ", "share by ")
 
 
 def plot_kl_bytes(q: dict, path=None, floor=1e-6):
     """KL to the original model against bytes per position (a share of its bf16 cache's), every case;
-    q: {family: {name: {"kl", "bytes"}}} (m["quality"]) with bytes as a share in "share". A KL under
-    `floor` (the identity settings: float rounding) is drawn at the floor."""
-    fig, ax = plots.figure(height=5.6)
+    q: {family: {name: {"kl", "share"}}} (plot_points). Local layers with sinks and without are drawn apart.
+    A KL under `floor` (the identity settings: float rounding) is drawn at the floor. Every point of this
+    chapter's designs is labelled in words (plots.label_points), chapter 7's are the legend's."""
+    fig, ax = plots.figure(height=6.0)
+    families = {}
     for family, named in q.items():
+        for name, r in named.items():
+            sinks = "local layers, 4 sinks" if " s" in name else "local layers, no sinks"
+            families.setdefault(sinks if family == "local layers" else family, {})[name] = r
+    labels, identity = [], []
+    for family, named in families.items():
         xs = [r["share"] for r in named.values()]
         ys = [max(r["kl"], floor) for r in named.values()]
-        ax.plot(xs, ys, ls="none", label=family, alpha=0.85, **FAMILY_STYLE.get(family, dict(marker="o")))
-        if family in ("latent", "combined", "shared layers", "fewer KV heads"):
-            left = family == "shared layers"                 # beside the pooled head, on the other side
-            for name, x, y in zip(named, xs, ys, strict=True):
-                ax.annotate(name.replace("rank ", "r"), (x, y), textcoords="offset points",
-                            xytext=(-6, -12) if left else (5, 3), ha="right" if left else "left")
+        shown = {"local layers, 4 sinks": "local layers with 4 sinks (window, 1 global layer in g)",
+                 "local layers, no sinks": "local layers without sinks"}.get(family, family)
+        ax.plot(xs, ys, ls="none", label=shown, alpha=0.85, **FAMILY_STYLE.get(family, dict(marker="o")))
+        for name, x, y in zip(named, xs, ys, strict=True):
+            if y <= floor:
+                identity.append((x, y))
+            elif family in LABELLED:
+                labels.append((x, y, in_words(name)))
+    if identity:
+        labels.append((*identity[0], "the model itself"))
     ax.set(xscale="log", yscale="log", xlabel="bytes per position / the original bf16 cache's",
            ylabel="KL to the original model (nats)", title="Quality against memory, chapters 7 and 10")
     ax.set_xticks([0.05, 0.1, 0.25, 0.5, 1], ["0.05", "0.1", "0.25", "0.5", "1"])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=2, frameon=False)
+    ax.margins(x=0.08, y=0.08)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2, frameon=False)
+    fig.tight_layout()
+    plots.label_points(ax, sorted(labels, key=lambda t: -t[1]), fontsize=8.5)
     return finish(fig, path)
 
 

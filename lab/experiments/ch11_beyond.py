@@ -45,10 +45,12 @@ TIER_CASES = ("no tier", "host tier", "host + disk")
 
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
-        return dict(scale=0.1, fractions=(0.1, 0.4), host_factor=4, radix_pages=(1, 16, 32),
-                    ttft_scale=0.05, ttft_requests=3, ttft_fractions=(0.3,), restore_tokens=128, restore_rounds=1,
-                    sched_requests=10, sched_head=160, sched_pool=24,
-                    sched_new=4, router_requests=12, router_head=128, router_pages=24,
+        # quick: the smallest sweeps that keep the book's verdicts (a scale of 0.3 is the least at which the
+        # agent's disk tier still adds to its host tier; 16 requests on 20 pages make the scheduling pressure)
+        return dict(scale=0.3, fractions=(0.05, 0.4), host_factor=4, radix_pages=(1, 16, 32),
+                    ttft_scale=0.05, ttft_requests=12, ttft_fractions=(0.3,), restore_tokens=128, restore_rounds=1,
+                    sched_requests=16, sched_head=128, sched_pool=20,
+                    sched_new=4, router_requests=16, router_head=256, router_pages=40,
                     sim_workers=(2, 4, 8), sim_requests=200, sim_apps=16, sim_pages=256,
                     disagg_requests=4, disagg_tokens=96, disagg_new=8)
     return dict(scale=1.0, fractions=(0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0), host_factor=4, radix_pages=(1, 16, 32),
@@ -379,19 +381,23 @@ def plot_restore(r: dict, path=None):
     return finish(fig, path)
 
 
+ROUTER_NAMES = {"round_robin": "round robin", "least_loaded": "least loaded", "kv_aware": "KV-aware (Dynamo's cost)"}
+
+
 def plot_routers(measured: dict, simulated: dict, path=None):
     fig, ax = plots.figure(height=4.2)
     for i, (policy, runs) in enumerate(simulated.items()):
+        name = ROUTER_NAMES.get(policy, policy)
         ax.plot([x["workers"] for x in runs], [100 * x["hit_rate"] for x in runs], "o-", color=f"C{i}",
-                label=f"{policy} (simulated)")
+                label=f"{name}, simulated")
         ax.plot([2], [100 * measured[policy]["hit_rate"]], "*", color=f"C{i}", markersize=12,
-                label=f"{policy} (measured: 2 workers, a smaller trace)")
+                label=f"{name}, measured (2 workers, a smaller trace)")
     ax.set(xscale="log", xlabel="workers", ylabel="hit rate (%)", ylim=(0, 100),
            title="Routers: prompt tokens from cache")
     workers = [x["workers"] for x in next(iter(simulated.values()))]
     ax.set_xticks(workers, [str(w) for w in workers])
     ax.minorticks_off()
-    ax.legend(fontsize=8, ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    ax.legend(ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     return finish(fig, path)
 
 
@@ -419,85 +425,97 @@ def key(name: str) -> str:
 
 
 def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
     s, v = m["settings"], {}
-    v["tiers"] = {}
-    for name, r in m["tiers"].items():
-        i = 0                                                           # the smallest pool
-        v["tiers"][key(name)] = {
-            "requests": value(r["shape"]["requests"], "requests", note=SYNTHETIC),
-            "distinct_pages": value(r["shape"]["distinct_pages"], "pages"),
-            "pool_pages": value(r["sizes"][i], "pages", note="the smallest pool, where the leaves below are"),
-            **{key(c): value(100 * r[c][i]["hit_rate"], "%", pool_pages=r["sizes"][i]) for c in TIER_CASES},
-            "by_pool": {f"p{n}": {key(c): value(100 * r[c][j]["hit_rate"], "%") for c in TIER_CASES}
-                        for j, n in enumerate(r["sizes"])}}
-    v["tiers"]["host_factor"] = value(s["host_factor"], "x", note="host tier pages over pool pages")
-    t = m["tier_ttft"]
-    v["tier_ttft"] = {f"p{n}": {key(c): value(1e3 * t[c][j]["ttft_s"], "ms", hit_rate=100 * t[c][j]["hit_rate"])
-                                for c in ("no tier", "host tier")} for j, n in enumerate(t["sizes"])}
-    v["tier_ttft"]["requests"] = value(t["requests"], "requests", distinct_pages=t["distinct_pages"],
-                                       note="multi-turn chats, SmolLM2 float32, this CPU")
-    v["tier_ttft"]["pool_pages"] = value(t["sizes"][0], "pages", note="the pool of `ratio`")
-    v["tier_ttft"]["ratio"] = value(t["no tier"][0]["ttft_s"] / t["host tier"][0]["ttft_s"], "x",
-                                    note="mean time to first token, no tier over host tier")
-    r, b = m["restore"], m["breakeven"]
-    v["restore"] = {
-        **{f"{c}_ms_per_page": value(1e3 * r["per_page"][c], "ms", note="SmolLM2 float32, this CPU")
-           for c in ("host", "disk", "recompute")},
-        **{f"ttft_{c}_ms": value(1e3 * r["median"][c], "ms", rounds=r["rounds"]) for c in r["median"]},
-        **{f"{t}_store_ms_per_page": value(1e3 * r["per_page"][f"{t}_store"], "ms") for t in ("host", "disk")},
-        "tokens": value(r["tokens"], "tokens"), "page_kib": value(r["page_bytes"] / 2**10, "KiB"),
-        "disk_over_recompute": value(r["per_page"]["disk"] / r["per_page"]["recompute"], "x"),
-        "host_over_recompute": value(r["per_page"]["host"] / r["per_page"]["recompute"], "x"),
-        "model_flops_per_byte": value(b["model_flops_per_byte"], "FLOP/B"),
-        "cpu_gflops": value(b["cpu_flops"] / 1e9, "GFLOP/s", note="achieved in prefill"),
-        **{f"{t}_gb_s": value(b[t]["bandwidth"] / 1e9, "GB/s", note="achieved restore") for t in ("host", "disk")},
-        **{f"{t}_machine_flops_per_byte": value(b[t]["machine_flops_per_byte"], "FLOP/B") for t in ("host", "disk")}}
-    v["radix"] = {}
-    for name, r in m["radix"].items():
-        v["radix"][key(name)] = {
-            "smallest_positions": value(r["positions"][0], "positions"),
-            **{key(c): value(100 * r[c][0], "%") for c in r if c != "positions"},
-            "gain_16": value(100 * (r["radix"][0] - r["hash 16"][0]), "points"),
-            "gain_32": value(100 * (r["radix"][0] - r["hash 32"][0]), "points"),
-            "granularity": value(100 * (r["hash 1"][0] - r["hash 16"][0]), "points",
-                                 note="pages of 1 against pages of 16, both hash chains"),
-            "leaf_eviction": value(100 * (r["radix"][0] - r["hash 1"][0]), "points",
-                                   note="the tree against pages of 1: whole leaves evicted, not pages"),
-            "by_pool": {f"n{n}": {key(c): value(100 * r[c][j], "%") for c in r if c != "positions"}
-                        for j, n in enumerate(r["positions"])}}
-    sc = m["scheduling"]
-    v["scheduling"] = {key(c): {"hit_rate": value(100 * x["hit_rate"], "%"),
-                                "ttft_s": value(x["ttft_s"], "s", p90=x["ttft_p90_s"]),
-                                "ttft_steps": value(x["ttft_steps"], "steps"), "seconds": value(x["seconds"], "s"),
-                                "preemptions": value(x["preemptions"], "preemptions")}
-                       for c, x in sc.items() if c != "prompt_tokens"}
-    v["scheduling"]["requests"] = value(s["sched_requests"], "requests")
-    v["scheduling"]["pool_pages"] = value(s["sched_pool"], "pages", page_size=PAGE)
-    v["routers"] = {"measured": {p: {"hit_rate": value(100 * x["hit_rate"], "%", workers=2),
-                                     "simulated_hit_rate": value(100 * x["simulated_hit_rate"], "%",
-                                                                 note="lab.fleet.simulate on the same trace"),
-                                     "ttft_ms": value(1e3 * x["ttft_s"], "ms"),
-                                     "imbalance": value(x["imbalance"], "x")} for p, x in m["routers"].items()},
-                    "simulated": {p: {f"w{x['workers']}": {"hit_rate": value(100 * x["hit_rate"], "%"),
-                                                           "imbalance": value(x["imbalance"], "x")} for x in runs}
-                                  for p, runs in m["simulated"].items()}}
-    v["routers"]["measured"]["workers"] = value(2, "workers", requests=s["router_requests"])
-    v["routers"]["trace"] = {"requests": value(s["sim_requests"], "requests", note="simulation: lab.fleet.simulate"),
-                             "apps": value(s["sim_apps"], "system prompts"),
-                             "pages_per_worker": value(s["sim_pages"], "pages")}
-    d = m["disagg"]
-    v["disagg"] = {mode: {"ttft_s": value(d[mode]["ttft_mean_s"], "s", p50=d[mode]["ttft_p50_s"],
-                                          p90=d[mode]["ttft_p90_s"]),
-                          "itl_ms": value(1e3 * d[mode]["itl_mean_s"], "ms"),
-                          "itl_p90_ms": value(1e3 * d[mode]["itl_p90_s"], "ms"),
-                          "tokens_per_s": value(d[mode]["tokens_per_s"], "tok/s")}
-                   for mode in ("colocated", "disaggregated")}
-    v["disagg"] |= {"bytes_per_request": value(d["disaggregated"]["bytes_per_request"] / 2**20, "MiB"),
-                    "prompt_tokens": value(s["disagg_tokens"], "tokens"),
-                    "requests": value(s["disagg_requests"], "requests"),
-                    "same_tokens": value(d["same_tokens"], None),
-                    "throughput_ratio": value(d["disaggregated"]["tokens_per_s"] / d["colocated"]["tokens_per_s"],
-                                              "x", note="disaggregated over co-located, same load and memory")}
+    if "tiers" in m:
+        v["tiers"] = {}
+        for name, r in m["tiers"].items():
+            i = 0                                                           # the smallest pool
+            v["tiers"][key(name)] = {
+                "requests": value(r["shape"]["requests"], "requests", note=SYNTHETIC),
+                "distinct_pages": value(r["shape"]["distinct_pages"], "pages"),
+                "pool_pages": value(r["sizes"][i], "pages", note="the smallest pool, where the leaves below are"),
+                **{key(c): value(100 * r[c][i]["hit_rate"], "%", pool_pages=r["sizes"][i]) for c in TIER_CASES},
+                "by_pool": {f"p{n}": {key(c): value(100 * r[c][j]["hit_rate"], "%") for c in TIER_CASES}
+                            for j, n in enumerate(r["sizes"])}}
+        v["tiers"]["host_factor"] = value(s["host_factor"], "x", note="host tier pages over pool pages")
+    if "tier_ttft" in m:
+        t = m["tier_ttft"]
+        v["tier_ttft"] = {f"p{n}": {key(c): value(1e3 * t[c][j]["ttft_s"], "ms", hit_rate=100 * t[c][j]["hit_rate"])
+                                    for c in ("no tier", "host tier")} for j, n in enumerate(t["sizes"])}
+        v["tier_ttft"]["requests"] = value(t["requests"], "requests", distinct_pages=t["distinct_pages"],
+                                           note="multi-turn chats, SmolLM2 float32, this CPU")
+        v["tier_ttft"]["pool_pages"] = value(t["sizes"][0], "pages", note="the pool of `ratio`")
+        v["tier_ttft"]["ratio"] = value(t["no tier"][0]["ttft_s"] / t["host tier"][0]["ttft_s"], "x",
+                                        note="mean time to first token, no tier over host tier")
+    if "restore" in m:
+        r, b = m["restore"], m["breakeven"]
+        v["restore"] = {
+            **{f"{c}_ms_per_page": value(1e3 * r["per_page"][c], "ms", note="SmolLM2 float32, this CPU")
+               for c in ("host", "disk", "recompute")},
+            **{f"ttft_{c}_ms": value(1e3 * r["median"][c], "ms", rounds=r["rounds"]) for c in r["median"]},
+            **{f"{t}_store_ms_per_page": value(1e3 * r["per_page"][f"{t}_store"], "ms") for t in ("host", "disk")},
+            "tokens": value(r["tokens"], "tokens"), "page_kib": value(r["page_bytes"] / 2**10, "KiB"),
+            "disk_over_recompute": value(r["per_page"]["disk"] / r["per_page"]["recompute"], "x"),
+            "host_over_recompute": value(r["per_page"]["host"] / r["per_page"]["recompute"], "x"),
+            "model_flops_per_byte": value(b["model_flops_per_byte"], "FLOP/B"),
+            "cpu_gflops": value(b["cpu_flops"] / 1e9, "GFLOP/s", note="achieved in prefill"),
+            **{f"{t}_gb_s": value(b[t]["bandwidth"] / 1e9, "GB/s", note="achieved restore") for t in ("host", "disk")},
+            **{f"{t}_machine_flops_per_byte": value(b[t]["machine_flops_per_byte"], "FLOP/B")
+               for t in ("host", "disk")}}
+    if "radix" in m:
+        v["radix"] = {}
+        for name, r in m["radix"].items():
+            v["radix"][key(name)] = {
+                "smallest_positions": value(r["positions"][0], "positions"),
+                **{key(c): value(100 * r[c][0], "%") for c in r if c != "positions"},
+                "gain_16": value(100 * (r["radix"][0] - r["hash 16"][0]), "points"),
+                "gain_32": value(100 * (r["radix"][0] - r["hash 32"][0]), "points"),
+                "granularity": value(100 * (r["hash 1"][0] - r["hash 16"][0]), "points",
+                                     note="pages of 1 against pages of 16, both hash chains"),
+                "leaf_eviction": value(100 * (r["radix"][0] - r["hash 1"][0]), "points",
+                                       note="the tree against pages of 1: whole leaves evicted, not pages"),
+                "by_pool": {f"n{n}": {key(c): value(100 * r[c][j], "%") for c in r if c != "positions"}
+                            for j, n in enumerate(r["positions"])}}
+    if "scheduling" in m:
+        sc = m["scheduling"]
+        v["scheduling"] = {key(c): {"hit_rate": value(100 * x["hit_rate"], "%"),
+                                    "ttft_s": value(x["ttft_s"], "s", p90=x["ttft_p90_s"]),
+                                    "ttft_steps": value(x["ttft_steps"], "steps"), "seconds": value(x["seconds"], "s"),
+                                    "preemptions": value(x["preemptions"], "preemptions")}
+                           for c, x in sc.items() if c != "prompt_tokens"}
+        v["scheduling"]["requests"] = value(s["sched_requests"], "requests")
+        v["scheduling"]["pool_pages"] = value(s["sched_pool"], "pages", page_size=PAGE)
+    if "routers" in m:
+        v["routers"] = {"measured": {p: {"hit_rate": value(100 * x["hit_rate"], "%", workers=2),
+                                         "simulated_hit_rate": value(100 * x["simulated_hit_rate"], "%",
+                                                                     note="lab.fleet.simulate on the same trace"),
+                                         "ttft_ms": value(1e3 * x["ttft_s"], "ms"),
+                                         "imbalance": value(x["imbalance"], "x")} for p, x in m["routers"].items()},
+                        "simulated": {p: {f"w{x['workers']}": {"hit_rate": value(100 * x["hit_rate"], "%"),
+                                                               "imbalance": value(x["imbalance"], "x")} for x in runs}
+                                      for p, runs in m["simulated"].items()}}
+        v["routers"]["measured"]["workers"] = value(2, "workers", requests=s["router_requests"])
+        v["routers"]["trace"] = {"requests": value(s["sim_requests"], "requests",
+                                                   note="simulation: lab.fleet.simulate"),
+                                 "apps": value(s["sim_apps"], "system prompts"),
+                                 "pages_per_worker": value(s["sim_pages"], "pages")}
+    if "disagg" in m:
+        d = m["disagg"]
+        v["disagg"] = {mode: {"ttft_s": value(d[mode]["ttft_mean_s"], "s", p50=d[mode]["ttft_p50_s"],
+                                              p90=d[mode]["ttft_p90_s"]),
+                              "itl_ms": value(1e3 * d[mode]["itl_mean_s"], "ms"),
+                              **{f"itl_p{q}_ms": value(1e3 * d[mode][f"itl_p{q}_s"], "ms", gaps=d[mode]["itl_gaps"])
+                                 for q in (50, 90, 99)},
+                              "tokens_per_s": value(d[mode]["tokens_per_s"], "tok/s")}
+                       for mode in ("colocated", "disaggregated")}
+        v["disagg"] |= {"bytes_per_request": value(d["disaggregated"]["bytes_per_request"] / 2**20, "MiB"),
+                        "prompt_tokens": value(s["disagg_tokens"], "tokens"),
+                        "requests": value(s["disagg_requests"], "requests"),
+                        "same_tokens": value(d["same_tokens"], None),
+                        "throughput_ratio": value(d["disaggregated"]["tokens_per_s"] / d["colocated"]["tokens_per_s"],
+                                                  "x", note="disaggregated over co-located, same load and memory")}
     dy = m.get("dynamo", "not measured")
     if isinstance(dy, str):                      # the same keys, NOT_RUN with the reason
         v["dynamo"] = {r: {"cached": not_run(dy, "%"), "ttft_ms": not_run(dy, "ms")} for r in ("kv", "round_robin")}

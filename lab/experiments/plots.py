@@ -209,10 +209,67 @@ def tick_problems(fig, overlap_pt=OVERLAP_PT) -> list[str]:
     return problems
 
 
+def label_problems(fig, overlap_pt=OVERLAP_PT) -> list[str]:
+    """The labels placed on the data of fig (ax.annotate, ax.text) that overlap each other, described."""
+    fig.canvas.draw()
+    renderer, tolerance, problems = fig.canvas.get_renderer(), overlap_pt * fig.dpi / 72, []
+    for ax in fig.axes:
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts
+                 if t.get_visible() and t.get_text().strip()]
+        for i, (a, ca) in enumerate(boxes):
+            problems += [f"{_axes_name(fig, ax)}: labels {a!r} and {b!r} overlap" for b, cb in boxes[i + 1:]
+                         if overlap_px(ca, cb) > tolerance]
+    return problems
+
+
+# where label_points tries a label, in points from its point: right, left, above, below, then the corners
+LABEL_OFFSETS = ((5, -3, "left"), (-5, -3, "right"), (0, 6, "center"), (0, -13, "center"), (5, 5, "left"),
+                 (-5, 5, "right"), (5, -12, "left"), (-5, -12, "right"), (8, -3, "left"), (-8, -3, "right"))
+
+
+def label_points(ax, points, **text):
+    """Label each (x, y, words) of `points` beside its point, at the first of LABEL_OFFSETS where it overlaps no
+    label placed before it and stays inside the axes (else where it overlaps least). Lay the figure out first
+    (fig.tight_layout()): the labels keep their offsets in points when it moves, and check_legible refuses a
+    figure whose labels overlap."""
+    fig = ax.figure
+    if not hasattr(fig.canvas, "get_renderer"):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    renderer, frame = fig.canvas.get_renderer(), ax.get_window_extent()
+    r = 4 * fig.dpi / 72                                    # a marker's half width, in pixels
+    marks = [ax.transData.transform(xy) for line in ax.lines for xy in line.get_xydata()]
+    placed = [matplotlib.transforms.Bbox([[px - r, py - r], [px + r, py + r]]) for px, py in marks]
+    placed += [ax.get_legend().get_window_extent(renderer)] if ax.get_legend() else []
+    for x, y, words in points:
+        best = None
+        for dx, dy, ha in LABEL_OFFSETS:
+            label = ax.annotate(words, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, **text)
+            box = label.get_window_extent(renderer)
+            clash = sum(max(0.0, overlap_px(box, b)) for b in placed) + (
+                0.0 if frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1) else 1.0)
+            if best is None or clash < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (clash, label, box)
+            else:
+                label.remove()
+            if clash == 0:
+                break
+        placed.append(best[2])
+
+
 def check_legible(fig, name="figure", dpi=DPI, column_px=COLUMN_PX, min_pt=MIN_PT):
     """Raise FigureLegibilityError, naming the figure and the texts, if any visible text of fig would read
-    under min_pt points where the book shows it, if tick labels overlap, or if an axis labels one tick."""
-    ticks = tick_problems(fig)
+    under min_pt points where the book shows it, if tick labels or labels on the data overlap, or if an axis
+    labels one tick."""
+    ticks = tick_problems(fig)                     # first: it gives a shown figure a canvas that draws
+    labels = label_problems(fig)
+    if labels:
+        raise FigureLegibilityError(f"{name}: {'; '.join(labels)}. Place them with plots.label_points, label "
+                                    f"fewer points, or say in the legend what they are.")
     if ticks:
         raise FigureLegibilityError(f"{name}: {'; '.join(ticks)}. Label fewer ticks or shorter labels, or choose "
                                     f"the ticks (ax.set_xticks) so that at least two are labelled and none collide.")

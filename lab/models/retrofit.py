@@ -243,9 +243,10 @@ def check_latent(model, rank):
 
 
 @torch.inference_mode()
-def calibration_moments(model, calibration_ids) -> dict:
-    """{cache layer: (K^T K, V^T V)} over every position of `calibration_ids`, keys after RoPE, every KV
-    head side by side `[H_kv D, H_kv D]`, in float64."""
+def calibration_moments(model, calibration_ids, before_rope: bool = False) -> dict:
+    """{cache layer: (K^T K, V^T V)} over every position of `calibration_ids`, keys after RoPE (before it, with
+    `before_rope`: each key turned back by its position's angles), every KV head side by side `[H_kv D, H_kv D]`,
+    in float64."""
     if isinstance(calibration_ids, torch.Tensor):
         calibration_ids = calibration_ids.tolist() if calibration_ids.dim() == 2 else [calibration_ids.tolist()]
     seqs = list(calibration_ids) if isinstance(calibration_ids, (list, tuple)) else []
@@ -255,6 +256,9 @@ def calibration_moments(model, calibration_ids) -> dict:
     for s in seqs:
         held = {}
         forward(torch.tensor([list(s)]), model.weights, model.config, last_only=True, held=held)
+        if before_rope:                                 # RoPE is a rotation: the opposite angles undo it
+            cos, sin = rope_tables(torch.arange(len(s)), model.config.head_dim, model.config.rope_theta, torch.float32)
+            held = {j: (rope(k, cos, -sin), v) for j, (k, v) in held.items()}
         for j, kv in held.items():
             x = [t[0].transpose(0, 1).flatten(1).double() for t in kv]          # [T, H_kv D] each
             old = moments.get(j, (0, 0))
