@@ -72,12 +72,13 @@ results: setup vllm peers
 	$(PY) -m lab.readme
 	$(MAKE) book
 
-# build/book/index.html, a page per chapter and print.html, from the committed results (any mode).
+# build/book/: a page per chapter, index.html, glossary.html, next.html and print.html, from the committed results
+# (any mode).
 book: setup
 	$(PY) -m lab.book
 
 # The book in headless Chromium (installed from Debian's `chromium` if missing): build/book/screens/*.png, one per
-# chapter and one of print.html; fails if a table of any page is wider than the text column.
+# page (chapters, index, glossary, next, print.html); fails if a table of any page is wider than the text column.
 book-check: setup
 	$(PY) -m lab.book --screens
 

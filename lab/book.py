@@ -1,13 +1,18 @@
 """
 The manuscript renderer: book/chNN_name.md -> build/book/chNN_name.html, every number filled in from
-results.json, plus index.html (the contents) and print.html (the whole book on one page, for printing).
+results.json, plus index.html (book/index.md: who the book is for, the path through it, a generated table of
+the chapters), glossary.html (book/glossary.md), next.html (book/next.md, after the last chapter) and
+print.html (the whole book on one page, for printing). See "the pages around the chapters" below for the
+layout every chapter follows (a summary under the title, fixed closing sections) and "the glossary" for how
+the first use of a term in a chapter links to its entry.
 
     python -m lab.book                       # render from the committed results/results.json
     python -m lab.book --results PATH --out build/book
     python -m lab.book --check               # list problems (missing notebook, key, figure, listing), render nothing
-    python -m lab.book --screens             # render, then a PNG of every chapter and of print.html in
-                                             # headless Chromium (build/book/screens/; installs Debian's
-                                             # chromium if missing); exit 1 if a table is wider than the column
+    python -m lab.book --screens             # render, then a PNG of every page (chapters, index, glossary,
+                                             # next, print.html) in headless Chromium (build/book/screens/;
+                                             # installs Debian's chromium if missing); exit 1 if a table is
+                                             # wider than the column
 
 The book shows the full measurements, so it renders from the committed results by default, whatever the
 mode; `--results` renders another file (e.g. a quick run's /tmp/lab-quick/results.json).
@@ -62,6 +67,7 @@ import tempfile
 import textwrap
 import time
 import xml.etree.ElementTree as etree
+from dataclasses import dataclass
 from pathlib import Path
 
 import markdown
@@ -117,12 +123,16 @@ nav.chapters.bottom {{ border-bottom: none; border-top: 1px solid #ddd; padding-
 div.toc {{ font-size: 0.92em; background: #f8f8f6; border-left: 3px solid #ccc; padding: 0.3rem 1rem;
           margin-bottom: 1.5rem; }}
 div.toc ul {{ margin: 0.2rem 0; padding-left: 1.2rem; }}
+p.summary {{ background: #f2f6fb; border: 1px solid #d6e2ef; border-left: 4px solid #1a5b9c; border-radius: 4px;
+            padding: 0.6rem 0.9rem; margin: 0.8rem 0 1.2rem; }}
+p.also {{ margin-top: -0.6rem; font-size: 0.9em; color: #555; }}
+a.term {{ color: inherit; text-decoration: underline dotted #1a5b9c; text-underline-offset: 2px; }}
 @media print {{
   body {{ max-width: none; margin: 0; font-size: 10.5pt; }}
   nav.chapters, div.toc {{ display: none; }}
   section.chapter {{ break-before: page; }}
   pre {{ white-space: pre-wrap; font-size: 8pt; }}
-  figure, pre, table {{ break-inside: avoid; }}
+  figure, pre, table, p.summary {{ break-inside: avoid; }}
   a {{ color: inherit; text-decoration: none; }}
 }}
 """
@@ -384,15 +394,35 @@ def _caption(prefix, alt):
     return caption
 
 
+class _Marked(Treeprocessor):
+    """The paragraphs with a fixed form get a class for the CSS: a chapter's summary (`**In short.** ...`,
+    class "summary") and a glossary entry's aliases (`*Also:* ...`, class "also")."""
+
+    FORMS = (("strong", "In short.", "summary"), ("em", "Also:", "also"))
+
+    def run(self, root):
+        for p in root.iter("p"):
+            first = p[0] if len(p) else None
+            if first is None or (p.text or "").strip():
+                continue
+            for tag, text, cls in self.FORMS:
+                if first.tag == tag and (first.text or "").strip() == text:
+                    p.set("class", cls)
+
+
 class _BookExtension(Extension):
-    def __init__(self, chapter_no, **kwargs):
+    def __init__(self, chapter_no, links=None, **kwargs):
         self.chapter_no = chapter_no
+        self.links = links
         super().__init__(**kwargs)
 
     def extendMarkdown(self, md):
         md.ESCAPED_CHARS.append("$")
         md.inlinePatterns.register(_Math(MATH, md), "math", 185)  # after backtick (190), before escape (180)
         md.treeprocessors.register(_Figures(md, self.chapter_no), "figures", 15)  # after inline (20)
+        md.treeprocessors.register(_Marked(md), "marked", 14)
+        if self.links is not None:
+            md.treeprocessors.register(_FirstUses(md, self.links), "glossary", 13)  # after figures: no captions
 
 
 def _chapter_no(chapter: Path, default: int) -> int:
@@ -400,20 +430,116 @@ def _chapter_no(chapter: Path, default: int) -> int:
     return int(m[1]) if m else default
 
 
-def to_html(text, chapter_no=1, id_prefix="") -> tuple[str, str]:
+def to_html(text, chapter_no=1, id_prefix="", links=None) -> tuple[str, str]:
     """Markdown (references and listings already filled) -> (body HTML, table of contents HTML).
 
-    id_prefix keeps heading ids unique when several chapters share a page (print.html).
+    id_prefix keeps heading ids unique when several chapters share a page (print.html). links: the glossary's
+    terms (a list of Term); the first use of each in the running text links to glossary.html#<slug>.
     """
     def slug(value, separator):
         return f"{id_prefix}{slugify(value, separator)}"
 
     md = markdown.Markdown(
-        extensions=["tables", "fenced_code", "codehilite", "toc", _BookExtension(chapter_no)],
+        extensions=["tables", "fenced_code", "codehilite", "toc", _BookExtension(chapter_no, links)],
         extension_configs={"codehilite": {"guess_lang": False},
                            "toc": {"toc_depth": "2-3", "slugify": slug}})
     body = md.convert(text)
     return body, md.toc
+
+
+# -----------------------------------------------------------------------------
+# the glossary: its terms, read from book/glossary.md, and their first uses in a chapter linked to it
+#
+# An entry of glossary.md is a `### Headword` heading, optionally followed on the next line by
+# `*Also:* alias, alias`, then its definition. The first use in a chapter's running text of the headword or an
+# alias (case-insensitive, whole words) links to glossary.html#<slug>, the heading's id. Headings, code,
+# existing links, figure captions and math are never linked.
+
+GLOSSARY_ENTRY = re.compile(r"^### +(?P<head>[^\n]+?)[ \t]*\n(?:\*Also:\*[ \t]*(?P<also>[^\n]*?)[ \t]*\n)?",
+                            re.MULTILINE)
+NOT_LINKED = {"h1", "h2", "h3", "h4", "h5", "h6", "pre", "code", "a", "figcaption", "math", "script", "style"}
+
+
+@dataclass(frozen=True)
+class Term:
+    """A glossary entry: its headword, the id of its heading on glossary.html, and every phrase that names it."""
+    head: str
+    slug: str
+    phrases: tuple
+
+
+def glossary_terms(text) -> list[Term]:
+    """The entries of glossary.md, in order; BookError on two entries with the same slug or phrase."""
+    terms, seen = [], {}
+    for m in GLOSSARY_ENTRY.finditer(text):
+        head = m["head"].strip()
+        aliases = [a.strip() for a in (m["also"] or "").split(",") if a.strip()]
+        term = Term(head, slugify(head, "-"), tuple(dict.fromkeys([head, *aliases])))
+        for phrase in (term.slug, *(p.lower() for p in term.phrases)):
+            if phrase in seen and seen[phrase] != head:
+                raise BookError(f"glossary: {phrase!r} names both {seen[phrase]!r} and {head!r}")
+            seen[phrase] = head
+        terms.append(term)
+    return terms
+
+
+def _phrase_pattern(terms) -> re.Pattern:
+    """One pattern for every phrase of terms, longest first, whole words (a hyphen joins words), any case;
+    a space in a phrase matches any run of white space (a line break of the source)."""
+    phrases = sorted({p for t in terms for p in t.phrases}, key=len, reverse=True)
+    alternatives = "|".join(r"\s+".join(map(re.escape, p.split())) for p in phrases)
+    return re.compile(rf"(?<![\w-])(?:{alternatives})(?![\w-])", re.IGNORECASE)
+
+
+class _FirstUses(Treeprocessor):
+    """Links the first use of each glossary term in the running text of one page to its entry."""
+
+    def __init__(self, md, terms, href="glossary.html#"):
+        super().__init__(md)
+        self.href = href
+        self.pattern = _phrase_pattern(terms)
+        self.slug = {" ".join(p.lower().split()): t.slug for t in terms for p in t.phrases}
+
+    def run(self, root):
+        self.linked = set()
+        self._walk(root)
+
+    def _walk(self, elem):
+        """elem's own text, then each child's subtree and its tail (which is elem's text): document order."""
+        children = list(elem)
+        elem.text, links = self._split(elem.text)
+        for k, a in enumerate(links):
+            elem.insert(k, a)
+        for child in children:
+            if child.tag not in NOT_LINKED:
+                self._walk(child)
+            child.tail, links = self._split(child.tail)
+            at = list(elem).index(child) + 1
+            for k, a in enumerate(links):
+                elem.insert(at + k, a)
+
+    def _split(self, text):
+        """text before the first new term, and an <a> per new term with the text up to the next as its tail."""
+        if not text:
+            return text, []
+        head, links, last = None, [], 0
+        for m in self.pattern.finditer(text):
+            slug = self.slug[" ".join(m[0].lower().split())]
+            if slug in self.linked:
+                continue
+            self.linked.add(slug)
+            a = etree.Element("a", {"href": f"{self.href}{slug}", "class": "term"})
+            a.text = m[0]
+            if links:
+                links[-1].tail = text[last:m.start()]
+            else:
+                head = text[:m.start()]
+            links.append(a)
+            last = m.end()
+        if not links:
+            return text, []
+        links[-1].tail = text[last:]
+        return head, links
 
 
 # -----------------------------------------------------------------------------
@@ -486,7 +612,8 @@ def check(book_dir, notebooks_dir, results_path, root=REPO_ROOT) -> list[str]:
 
     A chapter book/chNN_name.md without notebooks/chNN_name.py, a reference that does not resolve in
     results_path (or a bare boolean), a listing that is missing, too long or too wide, an image link to a
-    missing file or without alt text, TeX that does not convert.
+    missing file or without alt text, TeX that does not convert; the same in the pages around the chapters,
+    and glossary entries that clash. A chapter's layout (layout_problems) is checked by the tests, not here.
     """
     results_path = Path(results_path)
     problems = []
@@ -502,7 +629,124 @@ def check(book_dir, notebooks_dir, results_path, root=REPO_ROOT) -> list[str]:
                             f"{Path(notebooks_dir).name}/{notebook.name} for this chapter")
         if doc is not None:
             problems += _chapter_problems(chapter, chapter.read_text(), doc, results_path, root)
+    if doc is not None:
+        problems += _around_problems(book_dir, around(book_dir), doc, results_path, root)
     return problems
+
+
+# -----------------------------------------------------------------------------
+# the pages around the chapters: book/index.md (who the book is for, the path through it, and a generated
+# table of what each chapter takes), book/glossary.md (terms and notation) and book/next.md (where to go
+# next). Each is optional; none is a chapter.
+#
+# A chapter opens with its summary, one paragraph right under the `# Chapter N — Title` line that starts
+# `**In short.**`, and closes with `## N. What the numbers do not show`, `## N+1. Exercises` and
+# `## References`, in that order, every section before References numbered 1, 2, 3, ... (layout_problems).
+
+FRONT, GLOSSARY, NEXT = "index.md", "glossary.md", "next.md"
+CHAPTER_TABLE = re.compile(r"^::: chapters[ \t]*$", re.MULTILINE)  # in index.md: where the table goes
+READING_WPM = 200  # words a minute, for reading time: a careful pace for technical prose (the index says so)
+SUMMARY = "**In short.**"
+CLOSING = ("What the numbers do not show", "Exercises")
+
+
+def around(book_dir) -> dict:
+    """The pages around the chapters that book_dir holds: {file name: markdown}."""
+    return {name: (Path(book_dir) / name).read_text() for name in (FRONT, GLOSSARY, NEXT)
+            if (Path(book_dir) / name).is_file()}
+
+
+def _around_problems(book_dir, extra, doc, results_path, root) -> list[str]:
+    """What would break the pages around the chapters: the same problems as a chapter's, and a glossary
+    whose entries clash."""
+    problems = []
+    for name, text in extra.items():
+        problems += _chapter_problems(Path(book_dir) / name, CHAPTER_TABLE.sub("", text), doc, results_path, root)
+    if GLOSSARY in extra:
+        try:
+            glossary_terms(extra[GLOSSARY])
+        except BookError as e:
+            problems.append(f"{Path(book_dir).name}/{GLOSSARY}: {e}")
+    return problems
+
+
+def summary(text) -> str | None:
+    """A chapter's summary: the paragraph right under its title line, starting **In short.**, on one line;
+    None when there is none."""
+    m = re.search(r"\A(?:[ \t]*\n)*# [^\n]*\n[ \t]*\n((?:[^\n]*\S[^\n]*\n?)+)", text)
+    return " ".join(m[1].split()) if m and m[1].startswith(SUMMARY) else None
+
+
+def first_sentence(text) -> str:
+    """The first sentence of a summary, without its **In short.** (a sentence ends at a full stop and a space)."""
+    text = text.removeprefix(SUMMARY).strip()
+    m = re.match(r"(.+?[.!?])(?:\s|$)", text)
+    return m[1] if m else text
+
+
+def _sections(text) -> list[str]:
+    """The `## ` headings of a markdown page, in order, outside fenced code."""
+    heads, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## "):
+            heads.append(line[3:].strip())
+    return heads
+
+
+def layout_problems(text) -> list[str]:
+    """How a chapter departs from the book's fixed layout: the summary under the title, the sections numbered
+    1, 2, 3, ..., the last two numbered ones "What the numbers do not show" and "Exercises", then References
+    last. An empty list when it follows it."""
+    problems = []
+    if summary(text) is None:
+        problems.append(f"no summary: the paragraph right under the `# ` title line must start `{SUMMARY}`")
+    heads = _sections(text)
+    if not heads or heads[-1] != "References":
+        problems.append(f"the last section must be `## References`, not {heads[-1:] or 'none'}")
+    body = heads[:-1] if heads[-1:] == ["References"] else heads
+    numbered = [re.match(r"(\d+)\. (.+)$", h) for h in body]
+    if not all(numbered):
+        loose = [h for h, m in zip(body, numbered, strict=True) if not m]
+        problems.append(f"sections before References must be numbered `## N. Title`: {loose}")
+    elif [int(m[1]) for m in numbered] != list(range(1, len(numbered) + 1)):
+        problems.append(f"sections are numbered {[int(m[1]) for m in numbered]}, not 1, 2, 3, ...")
+    titles = tuple(m[2] if m else h for h, m in zip(body[-2:], numbered[-2:], strict=True))
+    if titles != CLOSING:
+        problems.append(f"the sections before References must be `## N. {CLOSING[0]}` then "
+                        f"`## N+1. {CLOSING[1]}`, not {list(titles)}")
+    return problems
+
+
+def reading_minutes(body_html) -> int:
+    """Minutes to read a rendered page at READING_WPM: the words of its text, code listings and math excluded."""
+    text = html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<(pre|math)\b[\s\S]*?</\1>", " ", body_html)))
+    return max(1, round(sum(1 for w in text.split() if re.search(r"\w", w)) / READING_WPM))
+
+
+def chapter_table(pages, doc) -> str:
+    """Markdown: a row per chapter (its number, its title linked, the first sentence of its summary, its
+    reading time and its notebook's quick-mode run time as a reference into results.json), then a note that
+    says how both times were counted and on what machine the notebooks ran."""
+    rows = ["| | chapter | what it does | reading | notebook |", "|---|---|---|---|---|"]
+    for p in pages:
+        title = re.sub(r"^Chapter \d+ — ", "", p["title"])
+        what = first_sentence(p["summary"]) if p["summary"] else "—"
+        key = f"notebooks.seconds.{p['stem']}"
+        try:
+            lookup(doc, key)
+            run = f"{{{{{key}:.0f}}}}"
+        except ResultsError:
+            run = "—"
+        rows.append(f"| {p['number']} | [{title}]({p['stem']}.html) | {what} | {p['minutes']} min | {run} |")
+    machine = (doc["sections"].get("notebooks") or {}).get("provenance", {}).get("machine", {})
+    where = (f"measured on {machine['processor']} ({machine.get('cpu_count', '?')} CPUs)" if machine.get("processor")
+             else "not measured yet")
+    note = (f"Reading time counts the words of each chapter's text, code listings excluded, at {READING_WPM} words "
+            f"a minute, a careful pace for technical prose. Notebook time is one run of the chapter's notebook "
+            f"in quick mode, every cell, from a fresh kernel, {where}.")
+    return "\n".join(rows) + "\n\n" + note + "\n"
 
 
 # -----------------------------------------------------------------------------
@@ -521,17 +765,35 @@ def _page(title, body) -> str:
             f"{body}\n</body>\n</html>\n")
 
 
-def _nav(prev, nxt, where) -> str:
-    """Previous / contents / next links; prev and nxt are (file name, title) or None."""
+def _nav(prev, nxt, where, glossary=False) -> str:
+    """Previous / contents (and glossary) / next links; prev and nxt are (file name, title) or None."""
     left = f'<a href="{prev[0]}">← {html.escape(prev[1])}</a>' if prev else "<span></span>"
     right = f'<a href="{nxt[0]}">{html.escape(nxt[1])} →</a>' if nxt else "<span></span>"
-    return f'<nav class="chapters {where}">{left}<a href="index.html">Contents</a>{right}</nav>'
+    middle = '<a href="index.html">Contents</a>' + (' · <a href="glossary.html">Glossary</a>' if glossary else "")
+    return f'<nav class="chapters {where}">{left}<span>{middle}</span>{right}</nav>'
 
 
 def _after_h1(body, insert) -> str:
     """insert placed right after the page's first </h1> (at the top when there is none)."""
     i = body.find("</h1>")
     return f"{insert}\n{body}" if i < 0 else f"{body[:i + 5]}\n{insert}{body[i + 5:]}"
+
+
+def _after_summary(body, insert) -> str:
+    """insert placed after the summary paragraph right under the title, or right after the title."""
+    m = re.search(r'</h1>\s*<p class="summary">[\s\S]*?</p>', body)
+    return f"{body[:m.end()]}\n{insert}{body[m.end():]}" if m else _after_h1(body, insert)
+
+
+def _print_links(body, stems) -> str:
+    """Links to the book's own pages (ch05_paged.html, glossary.html#page, next.html) rewritten to anchors of
+    print.html, where each page is a section whose id is its stem and whose heading ids carry it as a prefix."""
+    def local(m):
+        if m["stem"] not in stems:
+            return m[0]
+        return f'href="#{m["stem"]}-{m["frag"]}"' if m["frag"] else f'href="#{m["stem"]}"'
+
+    return re.sub(r'href="(?P<stem>[\w-]+)\.html(?:#(?P<frag>[^"]*))?"', local, body)
 
 
 def _shown(path: Path, book_dir: Path) -> str:
@@ -579,56 +841,89 @@ def chapter_html(chapter, doc, results_path, marks=None, root=REPO_ROOT) -> str:
 
 
 def render(book_dir, out_dir, results_path, root=REPO_ROOT) -> list[Path]:
-    """Render every book/ch*.md to out_dir/chNN_name.html, plus index.html and print.html; return the files
-    written. Nothing is written unless the whole book renders."""
+    """Render every book/ch*.md to out_dir/chNN_name.html, the pages around them that exist (index.md, next.md,
+    glossary.md), index.html and print.html; return the files written. Nothing is written unless the whole
+    book renders."""
     book_dir, out_dir, results_path = Path(book_dir), Path(out_dir), Path(results_path)
     doc = read(results_path)
     texts = {chapter: chapter.read_text() for chapter in chapters(book_dir)}
+    extra = around(book_dir)
     problems = [p for chapter, text in texts.items()
                 for p in _chapter_problems(chapter, text, doc, results_path, root)]
+    problems += _around_problems(book_dir, extra, doc, results_path, root)
     if problems:
         raise BookError("cannot render the book:\n  " + "\n  ".join(problems))
+    terms = glossary_terms(extra[GLOSSARY]) if GLOSSARY in extra else None
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    pages = []  # (chapter, title, body, toc, print body)
+    pages = []  # one dict per chapter, then next.md: stem, title, body, toc, print body, minutes, summary
     for no, (chapter, text) in enumerate(texts.items(), 1):
-        text = _prepare(chapter, text, doc, results_path, out_dir, root)
-        number = _chapter_no(chapter, no)
-        body, toc = to_html(text, number)
-        print_body, _ = to_html(text, number, id_prefix=f"{chapter.stem}-")
-        pages.append((chapter, _title(text, chapter.stem), body, toc, print_body))
+        pages.append(_render_page(chapter, text, _chapter_no(chapter, no), doc, results_path, out_dir, root, terms))
+    chapter_pages = list(pages)
+    if NEXT in extra:
+        pages.append(_render_page(book_dir / NEXT, extra[NEXT], 0, doc, results_path, out_dir, root, None))
 
     written = []
-    links = [(f"{c.stem}.html", title) for c, title, *_ in pages]
-    for i, (chapter, title, body, toc, _) in enumerate(pages):
+    links = [(f"{p['stem']}.html", p["title"]) for p in pages]
+    for i, p in enumerate(pages):
         prev = links[i - 1] if i > 0 else None
         nxt = links[i + 1] if i + 1 < len(links) else None
-        contents = f'<div class="toc"><strong>In this chapter</strong>\n{_strip_div(toc)}</div>' if toc else ""
-        page = out_dir / f"{chapter.stem}.html"
-        page.write_text(_page(title, f"{_nav(prev, nxt, 'top')}\n{_after_h1(body, contents)}\n"
-                                     f"{_nav(prev, nxt, 'bottom')}"))
+        label = "In this chapter" if p in chapter_pages else "On this page"
+        contents = f'<div class="toc"><strong>{label}</strong>\n{_strip_div(p["toc"])}</div>' if p["toc"] else ""
+        page = out_dir / f"{p['stem']}.html"
+        nav = (_nav(prev, nxt, where, terms is not None) for where in ("top", "bottom"))
+        page.write_text(_page(p["title"], f"{next(nav)}\n{_after_summary(p['body'], contents)}\n{next(nav)}"))
         written.append(page)
 
     book_title = "Inference Lab: the KV cache"
     source = f"Numbers from {html.escape(_shown(results_path, book_dir))} ({html.escape(_measured(doc))})."
-    items = "\n".join(f'<li><a href="{name}">{html.escape(title)}</a></li>' for name, title in links)
+    printing = 'The whole book on one page, for printing: <a href="print.html">print.html</a>.'
+    extras = []  # (stem, title, print body) of the pages printed around the chapters
+    if GLOSSARY in extra:
+        glossary = _prepare(book_dir / GLOSSARY, extra[GLOSSARY], doc, results_path, out_dir, root)
+        body, _ = to_html(glossary, 0)
+        page = out_dir / "glossary.html"
+        nav = (_nav(None, None, where, True) for where in ("top", "bottom"))
+        page.write_text(_page(_title(glossary, "Glossary"), f"{next(nav)}\n{body}\n{next(nav)}"))
+        written.append(page)
+        extras.append(("glossary", _title(glossary, "Glossary"), to_html(glossary, 0, id_prefix="glossary-")[0]))
+
     index = out_dir / "index.html"
-    index.write_text(_page(book_title, f"<h1>{book_title}</h1>\n<p>{source}</p>\n"
-                                       f"<ol>\n{items or '<li>(no chapters yet)</li>'}\n</ol>\n"
-                                       f'<p>The whole book on one page, for printing: '
-                                       f'<a href="print.html">print.html</a>.</p>'))
+    if FRONT in extra:
+        front = CHAPTER_TABLE.sub(lambda m: chapter_table(chapter_pages, doc), extra[FRONT])
+        if not CHAPTER_TABLE.search(extra[FRONT]):
+            front += "\n\n" + chapter_table(chapter_pages, doc)
+        front = _prepare(book_dir / FRONT, front, doc, results_path, out_dir, root)
+        body = to_html(front, 0)[0] + f"\n<p>{source} {printing}</p>"
+        index.write_text(_page(_title(front, book_title), f"{_nav(None, None, 'top', terms is not None)}\n{body}"))
+        head = to_html(front, 0, id_prefix="index-")[0] + f"\n<p>{source}</p>"
+    else:
+        items = "\n".join(f'<li><a href="{name}">{html.escape(title)}</a></li>' for name, title in links)
+        index.write_text(_page(book_title, f"<h1>{book_title}</h1>\n<p>{source}</p>\n"
+                                           f"<ol>\n{items or '<li>(no chapters yet)</li>'}\n</ol>\n<p>{printing}</p>"))
+        head = f"<h1>{book_title}</h1>\n<p>{source}</p>"
     written.append(index)
 
-    toc = "\n".join(f'<li><a href="#{c.stem}">{html.escape(title)}</a></li>' for c, title, *_ in pages)
-    sections = "\n".join(f'<section class="chapter" id="{c.stem}">\n{print_body}\n</section>'
-                         for c, _, _, _, print_body in pages)
+    printed = [(p["stem"], p["title"], p["print_body"]) for p in pages] + extras
+    stems = {stem for stem, *_ in printed} | {"index"}
+    toc = "\n".join(f'<li><a href="#{stem}">{html.escape(title)}</a></li>' for stem, title, _ in printed)
+    sections = "\n".join(f'<section class="chapter" id="{stem}">\n{body}\n</section>' for stem, _, body in printed)
     whole = out_dir / "print.html"
-    whole.write_text(_page(book_title, f"<h1>{book_title}</h1>\n<p>{source}</p>\n"
-                                       f'<div class="toc"><ol>\n{toc}\n</ol></div>\n{sections}'))
+    whole.write_text(_page(book_title, _print_links(f'<section id="index">\n{head}\n</section>\n'
+                                                    f'<div class="toc"><ol>\n{toc}\n</ol></div>\n{sections}', stems)))
     written.append(whole)
     for path in written:
         print(f"wrote {_console(path)}")
     return written
+
+
+def _render_page(path, text, number, doc, results_path, out_dir, root, terms) -> dict:
+    """One chapter (or next.md) rendered for its own page and for print.html, with what the index shows of it."""
+    text = _prepare(path, text, doc, results_path, out_dir, root)
+    body, toc = to_html(text, number, links=terms)
+    print_body, _ = to_html(text, number, id_prefix=f"{path.stem}-", links=terms)
+    return dict(stem=path.stem, number=number, title=_title(text, path.stem), body=body, toc=toc,
+                print_body=print_body, minutes=reading_minutes(body), summary=summary(text))
 
 
 def _console(path) -> str:
@@ -750,7 +1045,7 @@ def wide_tables(browser, page: Path, width=1280) -> list[str]:
 
 
 def screens(pages, out_dir, width=1280) -> list[Path]:
-    """A full-page screenshot of each page (the chapters, print.html), out_dir/NAME.png."""
+    """A full-page screenshot of each page (every page render() wrote), out_dir/NAME.png."""
     browser = chromium()
     shots = []
     for page in pages:
@@ -781,7 +1076,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "book", help="output folder")
     parser.add_argument("--check", action="store_true", help="only list problems; exit 1 if any")
     parser.add_argument("--screens", action="store_true",
-                        help="render, then save a full-page PNG of every chapter and of print.html to OUT/screens/ "
+                        help="render, then save a full-page PNG of every page (chapters, index, glossary, next, "
+                             "print.html) to OUT/screens/ "
                              "(headless Chromium); exit 1 if a table is wider than the text column")
     args = parser.parse_args(argv)
     if args.check:
@@ -792,9 +1088,12 @@ def main(argv=None) -> int:
         return 1 if problems else 0
     try:
         written = render(args.book, args.out, args.results)
+        for chapter in chapters(args.book):
+            for problem in layout_problems(chapter.read_text()):
+                print(f"note: {args.book.name}/{chapter.name}: {problem}", file=sys.stderr)
         if args.screens:
             t0 = time.perf_counter()
-            shown = [p for p in written if p.name.startswith("ch") or p.name == "print.html"]
+            shown = [p for p in written if p.suffix == ".html"]
             screens(shown, args.out / "screens")
             print(f"{len(shown)} screenshot(s) in {time.perf_counter() - t0:.0f} s")
             browser = chromium()

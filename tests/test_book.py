@@ -397,6 +397,193 @@ def test_main_renders_the_committed_results_by_default(monkeypatch):
 
 
 # -----------------------------------------------------------------------------
+# the pages around the chapters: the layout of a chapter, the glossary and its links, index, next, print
+
+GLOSSARY = """# Glossary
+
+## Terms
+
+### Page
+*Also:* pages
+
+A run of positions. Built in [chapter 1](ch01_recompute.html).
+
+### Block table
+
+A list of pages.
+
+### KV cache
+*Also:* key-value cache
+
+What is kept.
+
+## Notation
+
+| symbol | meaning |
+|---|---|
+| $P$ | page size |
+"""
+
+SUMMARIZED = """# Chapter 1 — The cost of recomputation
+
+**In short.** A cache saves work. It costs memory.
+
+Without a cache the model computes {{ch01.positions.uncached}}.
+
+## 1. The problem
+
+Pages hold a KV cache; a block table lists the pages.
+
+## 2. What the numbers do not show
+
+One machine.
+
+## 3. Exercises
+
+1. Count.
+
+## References
+
+- A paper.
+"""
+
+
+def test_glossary_terms_are_headwords_and_aliases():
+    terms = book.glossary_terms(GLOSSARY)
+    assert [(t.head, t.slug, t.phrases) for t in terms] == [
+        ("Page", "page", ("Page", "pages")), ("Block table", "block-table", ("Block table",)),
+        ("KV cache", "kv-cache", ("KV cache", "key-value cache"))]
+    with pytest.raises(book.BookError, match="'pages' names both 'Page' and 'Pages'"):
+        book.glossary_terms(GLOSSARY + "\n### Pages\n\nx\n")
+
+
+def test_glossary_entry_ids_are_the_slugs():
+    body, _ = book.to_html(GLOSSARY)
+    for term in book.glossary_terms(GLOSSARY):
+        assert f'<h3 id="{term.slug}">{term.head}</h3>' in body
+    assert '<p class="also"><em>Also:</em> pages</p>' in body
+
+
+def test_first_use_of_a_term_links_to_the_glossary():
+    text = ("# Pages and the KV cache\n\n"
+            "A `page` in code, [a page](elsewhere.html), and $page$ in math are not uses. The Page\nsize and more "
+            "pages follow.\n\n## The block table\n\nA key-value\ncache holds a block table; the block table "
+            "again, and KV caches.\n\n![A page in a caption.](figure.png)\n\n"
+            "| page | KV cache |\n|---|---|\n| x | y |\n")
+    body, _ = book.to_html(text, links=book.glossary_terms(GLOSSARY))
+    links = re.findall(r'<a class="term" href="glossary.html#([\w-]+)">([^<]*)</a>', body)
+    assert links == [("page", "Page"), ("kv-cache", "key-value\ncache"), ("block-table", "block table")]
+    assert "<h1 id=\"pages-and-the-kv-cache\">Pages and the KV cache</h1>" in body  # headings: never
+    assert "<code>page</code>" in body and '<a href="elsewhere.html">a page</a>' in body
+    assert "<figcaption>Figure 1.1. A page in a caption.</figcaption>" in body
+    assert body.count('class="term"') == 3  # the first use only, of each term; "KV caches" is no use of it
+
+
+def test_a_term_in_a_table_or_a_list_is_running_text():
+    body, _ = book.to_html("| a | b |\n|---|---|\n| the pages | x |\n\n- a block table\n",
+                           links=book.glossary_terms(GLOSSARY))
+    assert '<td>the <a class="term" href="glossary.html#page">pages</a></td>' in body
+    assert '<li>a <a class="term" href="glossary.html#block-table">block table</a></li>' in body
+
+
+def test_summary_is_found_and_styled():
+    assert book.summary(SUMMARIZED) == "**In short.** A cache saves work. It costs memory."
+    assert book.first_sentence(book.summary(SUMMARIZED)) == "A cache saves work."
+    assert book.summary(CHAPTER) is None
+    assert book.summary(SUMMARIZED.replace("\n\n**In short.**", "\n\nIntro.\n\n**In short.**")) is None
+    body, _ = book.to_html(SUMMARIZED)
+    assert '<p class="summary"><strong>In short.</strong> A cache saves work.' in body
+
+
+def test_layout_problems_name_each_departure():
+    assert book.layout_problems(SUMMARIZED) == []
+    assert book.layout_problems(CHAPTER) == [
+        "no summary: the paragraph right under the `# ` title line must start `**In short.**`",
+        "the last section must be `## References`, not none",
+        "the sections before References must be `## N. What the numbers do not show` then `## N+1. Exercises`, "
+        "not []"]
+    unnumbered = SUMMARIZED.replace("## 3. Exercises", "## Exercises")
+    assert any("must be numbered" in p and "'Exercises'" in p for p in book.layout_problems(unnumbered))
+    skipped = SUMMARIZED.replace("## 3. Exercises", "## 4. Exercises")
+    assert book.layout_problems(skipped) == ["sections are numbered [1, 2, 4], not 1, 2, 3, ..."]
+    swapped = SUMMARIZED.replace("2. What the numbers do not show", "2. X").replace("3. Exercises", "3. Y")
+    assert "not ['X', 'Y']" in book.layout_problems(swapped)[0]
+    late = SUMMARIZED.replace("## References\n", "## References\n\n## 4. Later\n")
+    assert "the last section must be `## References`" in book.layout_problems(late)[0]
+    fenced = SUMMARIZED.replace("One machine.", "```\n## not a section\n```")
+    assert book.layout_problems(fenced) == []
+
+
+@pytest.fixture
+def whole_book(lab_dir):
+    """The tiny repository with a summarized chapter, a second one, a glossary, an index and a next page, and
+    the notebooks' run times in its results."""
+    write_chapter(lab_dir, SUMMARIZED)
+    write_chapter(lab_dir, "# Chapter 2 — Paging\n\n**In short.** Pages. More.\n\nThe pages again.\n", "ch02_paging")
+    (lab_dir / "notebooks" / "ch02_paging.py").write_text("# %%\n")
+    (lab_dir / "book" / "glossary.md").write_text(GLOSSARY)
+    (lab_dir / "book" / "index.md").write_text("# The book\n\nFor engineers.\n\n::: chapters\n\nRead [the "
+                                               "glossary](glossary.html#page) and [next](next.html).\n")
+    (lab_dir / "book" / "next.md").write_text("# Where to go next\n\n## vLLM\n\nSee [chapter 1]"
+                                              "(ch01_recompute.html#1-the-problem).\n")
+    write_section("notebooks", {"seconds": {"ch01_recompute": value(30.4, "s")}}, PROVENANCE,
+                  path=lab_dir / "results" / "results.json")
+    return lab_dir
+
+
+def test_render_writes_the_pages_around_the_chapters(whole_book):
+    out = whole_book / "out"
+    written = book.render(whole_book / "book", out, args(whole_book)[2])
+    names = [p.name for p in written]
+    assert names == ["ch01_recompute.html", "ch02_paging.html", "next.html", "glossary.html", "index.html",
+                     "print.html"]
+    pages = {p.name: p.read_text() for p in written}
+    first, second = pages["ch01_recompute.html"], pages["ch02_paging.html"]
+    assert '<a class="term" href="glossary.html#page">Pages</a>' in first  # its first use, in running text
+    assert first.count('<a href="glossary.html">Glossary</a>') == 2   # in both navigation bars
+    assert second.count('<a href="next.html">Where to go next →</a>') == 2
+    assert pages["next.html"].count('<a href="ch02_paging.html">← Chapter 2 — Paging</a>') == 2
+    assert first.index('<p class="summary">') < first.index('<div class="toc">')  # the box, then the contents
+    assert 'class="term"' not in pages["next.html"] + pages["index.html"]           # only chapters link terms
+    index = pages["index.html"]
+    assert re.search(r'<td class="num">1</td>\s*<td><a href="ch01_recompute.html">The cost of recomputation</a>'
+                     r'</td>\s*<td>A cache saves work.</td>\s*<td class="num">1 min</td>\s*'
+                     r'<td class="num">30 s</td>', index), index
+    assert re.search(r'<td><a href="ch02_paging.html">Paging</a></td>\s*<td>Pages.</td>\s*'
+                     r'<td class="num">1 min</td>\s*<td class="num">—</td>', index)
+    assert "at 200 words a minute" in index and "measured on test CPU (2 CPUs)." in index
+    assert "Numbers from results/results.json" in index and 'href="print.html"' in index
+    for name, page in pages.items():
+        assert _dangling(page, pages) == [], name
+
+
+def test_print_keeps_every_link_on_its_own_page(whole_book):
+    out = whole_book / "out"
+    book.render(whole_book / "book", out, args(whole_book)[2])
+    printed = (out / "print.html").read_text()
+    ids = set(re.findall(r'\bid="([^"]+)"', printed))
+    hrefs = re.findall(r'href="([^"]*)"', printed)
+    assert hrefs and all(h.startswith("#") or h == "print.html" for h in hrefs), hrefs
+    assert {h[1:] for h in hrefs if h.startswith("#")} <= ids
+    assert '<a class="term" href="#glossary-page">Pages</a>' in printed   # a term's anchor is the glossary's
+    assert 'href="#ch01_recompute-1-the-problem"' in printed and 'href="#ch01_recompute"' in printed
+    assert printed.index('id="index"') < printed.index('id="ch01_recompute"') < printed.index('id="next"') \
+        < printed.index('id="glossary"')
+
+
+def test_book_renders_without_the_pages_around_the_chapters(lab_dir):
+    written = book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2])
+    assert [p.name for p in written] == ["ch01_recompute.html", "index.html", "print.html"]
+    assert "Glossary" not in (lab_dir / "out" / "ch01_recompute.html").read_text()
+
+
+def test_a_bad_reference_around_the_chapters_is_a_problem(whole_book):
+    (whole_book / "book" / "next.md").write_text("# Next\n\n{{ch01.nothing}}\n")
+    (problem,) = book.check(*args(whole_book))
+    assert problem.startswith("book/next.md:3:") and "ch01.nothing" in problem
+
+
+# -----------------------------------------------------------------------------
 # figures: lab.experiments.plots
 
 
@@ -536,7 +723,39 @@ def test_committed_book_references_resolve():
 
 def test_committed_book_renders_whole(tmp_path, committed):
     written = book.render(REPO_ROOT / "book", tmp_path, COMMITTED)
-    assert [p.name for p in written] == [f"{n}.html" for n in CHAPTERS] + ["index.html", "print.html"]
+    assert [p.name for p in written] == [f"{n}.html" for n in CHAPTERS] + \
+        ["next.html", "glossary.html", "index.html", "print.html"]
+    pages = {p.name: p.read_text() for p in written}
+    for name, page in pages.items():
+        assert _dangling(page, pages) == [], f"{name} links to what the book does not have"
+        assert not book.REF.search(page) and "{{" not in _prose(page), f"{name}: an unresolved reference"
+        assert [p for p in MACHINE_PATHS if p in page] == [], f"{name} shows a path of this machine"
+        assert "<script" not in page, f"{name} has a script; the book needs none"
+    index = pages["index.html"]
+    for n in CHAPTERS:  # the generated table: every chapter, linked, with its reading and notebook times
+        row = re.search(rf'<tr>\s*<td class="num">\d+</td>\s*<td><a href="{n}.html">[\s\S]*?</tr>', index)
+        assert row, f"index.html has no row for {n}"
+        assert re.search(r'<td class="num">\d+ min</td>', row[0]), row[0]
+    assert f"at {book.READING_WPM} words a minute" in index and "measured on " in index
+    last = pages[f"{CHAPTERS[-1]}.html"]
+    assert last.count('<a href="next.html">Where to go next →</a>') == 2  # the last chapter leads to next.html
+    printed = pages["print.html"]
+    assert printed.index(f'id="{CHAPTERS[-1]}"') < printed.index('id="next"') < printed.index('id="glossary"')
+
+
+def _dangling(page, pages) -> list[str]:
+    """The links of a rendered page to a page of the book that was not written, or to an id that page (or this
+    one, for a bare #anchor) does not have."""
+    wrong = []
+    ids = {name: set(re.findall(r'\bid="([^"]+)"', text)) for name, text in pages.items()}
+    own = set(re.findall(r'\bid="([^"]+)"', page))
+    for target in re.findall(r'href="([^"]+)"', page):
+        if re.match(r"[a-z]+:", target):
+            continue
+        name, _, frag = target.partition("#")
+        if not (frag in own if not name else name in pages and (not frag or frag in ids[name])):
+            wrong.append(target)
+    return wrong
 
 
 @pytest.mark.parametrize("name", CHAPTERS)
@@ -660,3 +879,27 @@ def test_committed_results_units_make_the_vocabulary():
     vocabulary = _vocabulary()
     assert {"tokens", "token", "positions", "position", "ms", "steps", "step"} <= vocabulary
     assert json.loads(COMMITTED.read_text())  # the file the vocabulary was read from
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_committed_chapter_has_the_books_layout(name):
+    """A summary (`**In short.** ...`) right under the title; sections numbered 1, 2, 3, ... whose last two are
+    "What the numbers do not show" and "Exercises"; then `## References`, last."""
+    problems = book.layout_problems((REPO_ROOT / "book" / f"{name}.md").read_text())
+    assert problems == [], f"book/{name}.md:\n  " + "\n  ".join(problems)
+
+
+def test_committed_glossary_defines_the_books_terms():
+    terms = book.glossary_terms((REPO_ROOT / "book" / "glossary.md").read_text())
+    slugs = {t.slug for t in terms}
+    for needed in ("prefill", "decode", "page", "slot", "block-table", "slot-mapping", "lookahead", "state-identity",
+                   "prefix-caching", "copy-on-write", "kl-divergence", "perplexity", "top-1-agreement", "ttft", "itl",
+                   "goodput", "throughput", "roofline", "gqa-and-mqa", "rope", "quantization", "int8", "kivi",
+                   "eviction", "window", "attention-sinks", "h2o", "snapkv", "speculative-decoding", "draft",
+                   "target", "acceptance", "radix-tree", "tier", "disaggregation", "quick-mode-and-full-mode",
+                   "resultsjson-reference"):
+        assert needed in slugs, f"the glossary has no entry {needed!r}"
+    text = (REPO_ROOT / "book" / "glossary.md").read_text()
+    assert "## Notation" in text
+    for symbol in ("$B$", "$T$", "$D$", "$H_q$", "$H_{kv}$", "$L$", "$P$", "$k$", "$n$", "$w$", "$s$", "$r$"):
+        assert symbol in text, f"the notation has no {symbol}"
