@@ -34,6 +34,7 @@ from lab.results import COMMITTED, NOT_RUN, REPO_ROOT, ResultsError, format_valu
 BOOK = REPO_ROOT / "book"
 HEADING = re.compile(r"^(#{2,3}) +(.+?)\s*$", re.MULTILINE)
 MISSING = "not measured in this run"
+BOOK_MISSING = "not in its results"                 # the committed results lack a key (a new claim, not yet run)
 WIDTH = 100                                      # the printed lines, as wide as the book's listings
 
 
@@ -123,7 +124,7 @@ def verdicts(chapter, *prefixes, values=None, mine=None, book=COMMITTED, book_di
             continue
         said = _render(claims.sentence(text, m.start(), m.end(), keep=True), book_doc, str(book))
         out.append(Verdict(section=_section_at(text, m.start()), sentence=said, kind=m["kind"], expr=m["expr"],
-                           book=_judge(m, book_doc, str(book)).replace(MISSING, "not in its results"),
+                           book=_judge(m, book_doc, str(book)).replace(MISSING, BOOK_MISSING),
                            yours=_judge(m, mine_doc, str(mine)),
                            values=[(k, _shown(book_doc, k, str(book)), _shown(mine_doc, k, str(mine)))
                                    for k in dict.fromkeys(keys)]))
@@ -139,7 +140,7 @@ def beside(chapter, *prefixes, why="", values=None, mine=None, book=COMMITTED, b
         raise ValueError(f"no claim or verdict of {chapter} reads a key under {', '.join(prefixes) or '(any)'}")
     if not quick():
         print("A full run: its verdicts are measured as the book's were, on this machine.")
-    judged = [r for r in rows if r.yours != MISSING]
+    judged = [r for r in rows if MISSING != r.yours and r.book != BOOK_MISSING]
     differ = [r for r in judged if r.yours != r.book]
     for r in rows:
         print(textwrap.shorten(f"§{r.section.split('.')[0]} \u201c{r.sentence}\u201d", WIDTH, placeholder=" ...\u201d"))

@@ -215,8 +215,9 @@ beside("ch10", "ch10.hybrid", values=ch10.values(m))
 
 # %% [markdown]
 # The serving engine runs such a model on a pool of its own per group (`HybridPool`), and gives every
-# request the tokens of the model's uncached forward; `stats["peak_held_pages"]` shows what the window
-# gave back.
+# request the tokens of the model's uncached forward. `stats["peak_held_pages"]` counts the most pages each
+# group held at once: here that is during the prefill, when a local layer still needs every page of the
+# chunk it computes; the window gives pages back as decoding moves it on.
 
 # %%
 from lab.engine import ServingEngine  # noqa: E402
@@ -231,7 +232,9 @@ with torch.inference_mode():
         for _ in range(8):
             want.append(int(forward(torch.tensor([ids + want]), local.weights, local.config)[0, -1].argmax()))
         assert o == want
-print("the engine's tokens equal the uncached forward's; most pages held:", engine.stats["peak_held_pages"])
+peak = engine.stats["peak_held_pages"]
+print(f"the engine's tokens equal the uncached forward's; most pages held at once: {peak['full']} in the full "
+      f"group, {peak['local']} in the local one")
 
 # %% [markdown]
 # ## 5. What each design costs in quality

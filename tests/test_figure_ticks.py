@@ -146,3 +146,28 @@ def test_finish_relabels_colliding_labels_matplotlib_chose(tmp_path):
     plots.finish(fig, tmp_path / "minor.png")                      # no FigureLegibilityError
     assert plots.tick_problems(fig) == []
     assert all(len({t.get_text() for side in plots.tick_labels(ax.xaxis) for t in side}) >= 2 for ax in axes)
+
+
+def test_labels_on_the_data_that_overlap_are_refused(tmp_path):
+    # chapter 10's first KL figure: "1 KV head", "every 2" and "every 3" written over one another
+    fig, ax = plots.figure()
+    ax.plot([0.33, 0.5, 0.34], [6.3, 8.9, 6.4], "o")
+    ax.set(xlim=(0.1, 1), ylim=(1, 20))
+    for x, y, words in [(0.33, 6.3, "1 KV head"), (0.5, 8.9, "share by 2"), (0.34, 6.4, "share by 3")]:
+        ax.annotate(words, (x, y), textcoords="offset points", xytext=(5, 3))
+    assert any("'1 KV head' and 'share by 3' overlap" in p for p in plots.label_problems(fig))
+    with pytest.raises(plots.FigureLegibilityError, match="labels '1 KV head' and 'share by 3' overlap"):
+        plots.finish(fig, tmp_path / "kl.png")
+
+
+def test_label_points_places_close_labels_apart(tmp_path):
+    """Three labels for points a few pixels apart, and a legend: label_points finds a place for each."""
+    fig, ax = plots.figure()
+    ax.plot([0.33, 0.5, 0.34], [6.3, 8.9, 6.4], "o", label="points")
+    ax.set(xlim=(0.1, 1), ylim=(1, 20))
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    plots.label_points(ax, [(0.33, 6.3, "1 KV head"), (0.5, 8.9, "share by 2"), (0.34, 6.4, "share by 3")])
+    assert len(ax.texts) == 3 and plots.label_problems(fig) == []
+    plots.finish(fig, tmp_path / "kl.png")                       # the whole check passes, and the PNG is saved
+    assert (tmp_path / "kl.png").exists()
