@@ -38,13 +38,14 @@ from lab import results
 from lab.experiments import ch01_recompute as ch01
 from lab.experiments.tables import show
 from lab.models import forward, load
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"matplotlib {matplotlib.__version__}, pandas {pd.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
 print("lab from", lab.__file__)
 QUICK = results.quick()
-S = ch01.settings(QUICK)
+S, FULL = ch01.settings(QUICK), ch01.settings(False)      # FULL: the book's settings, to say what quick mode skips
 print("quick mode" if QUICK else "full mode", "-> results written to", results.results_path())
 
 # %% [markdown]
@@ -61,7 +62,9 @@ print("quick mode" if QUICK else "full mode", "-> results written to", results.r
 # %%
 smol = load("smollm2")
 cfg = smol.config
-print(cfg)
+print(f"{cfg.name}: {cfg.n_layers} layers of width {cfg.d_model}, {cfg.n_heads} query heads sharing {cfg.n_kv_heads} "
+      f"key/value heads of {cfg.head_dim} dimensions, an MLP of {cfg.d_ff:,}, a vocabulary of {cfg.vocab_size:,}, "
+      f"RoPE base {cfg.rope_theta:,.0f}, up to {cfg.max_positions:,} positions, in {cfg.dtype}")
 print(f"{smol.n_params() / 1e6:.1f} M parameters, manifest {smol.manifest[:16]}…")
 
 # %% [markdown]
@@ -81,8 +84,9 @@ prompt = "The capital of France is"
 ids = torch.tensor([smol.tokenizer.encode(prompt)])          # [1, T]
 with torch.inference_mode():
     logits = forward(ids, smol.weights, cfg)                  # [1, T, vocab]
-print(ids.shape, "->", logits.shape)
-print(repr(prompt), "->", repr(smol.tokenizer.decode([logits[0, -1].argmax()])))
+print(f"ids [batch, T] = [{ids.shape[0]}, {ids.shape[1]}] -> logits [batch, T, vocab] = "
+      f"[{logits.shape[0]}, {logits.shape[1]}, {logits.shape[2]:,}]")
+print(f"“{prompt}” -> the top next token: “{smol.tokenizer.decode([logits[0, -1].argmax()])}”")
 
 # %% [markdown]
 # ## Build it: greedy decoding without a cache
@@ -115,10 +119,14 @@ hamlet = ch01.heldout_prompt(smol, P)
 mine, my_positions = greedy_no_cache(hamlet, N)
 loop = ch01.naive_loop(smol, prompt_len=P, new_tokens=N)      # generate(RecomputeBackend(smol), ...)
 assert mine == loop["tokens"], "the hand-written loop and lab's loop disagree"
-print("prompt:", repr(loop["prompt_text"]))
-print("greedy:", repr(loop["text"]))
+print(f"prompt: “{loop['prompt_text']}”")
+print(f"greedy: “{loop['text']}”")
 print(f"same {N} tokens from both loops; positions: ours {my_positions:,}, "
       f"RecomputeBackend {loop['positions']:,} in {loop['calls']} calls")
+
+# %% [markdown]
+# The greedy text soon repeats itself: a small model decoding greedily falls into a loop, which is greedy
+# decoding's fault, not the loop's. What matters here is that the two loops agree token for token.
 
 # %% [markdown]
 # ## Why the work grows with the square of the output
@@ -155,7 +163,8 @@ show(pd.DataFrame([{"new tokens": n, "positions, no cache": positions_uncached(P
 # The mask itself is a lower triangle: row $t$ (a query) may see column $j$ (a key) when $j \le t$.
 
 # %%
-print(torch.ones(5, 5).tril().int())   # row = query position, column = key position; 1 = may attend
+mask = torch.ones(5, 5).tril().int()   # row = query position, column = key position; 1 = may attend
+show(pd.DataFrame(mask.numpy(), index=pd.Index(range(5), name="query t"), columns=pd.Index(range(5), name="key j")))
 
 # %% [markdown]
 # We test the guarantee on the real model: take 64 tokens of held-out text, change only the last token,
@@ -213,6 +222,21 @@ for name, by_T in times.items():
               f"{'less than' if grow < b / a else 'at least'} in proportion")
 
 # %% [markdown]
+# Every measuring section of the book's notebooks ends like this: each sentence of the manuscript that
+# compares these measurements, judged on the book's results and on your run's (`lab.verdicts.beside`).
+# Quick mode runs shorter sweeps, so some sentences go unjudged and a few may come out otherwise; where one
+# does, the last line says what your run does differently.
+
+# %%
+m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, loop=loop, causal=causal,
+         bidirectional=unmasked, times=times)
+beside("ch01", "ch01.step_ms", values=ch01.values(m),
+       why=f"your run times contexts {', '.join(map(str, S['contexts']['smollm2']))} with {S['reps']} repetitions "
+           f"each, the book {', '.join(map(str, FULL['contexts']['smollm2']))} with {FULL['reps']}: the sentences "
+           "about the contexts your run skips stay unjudged, and a median of few repetitions moves with whatever "
+           "else the machine runs.")
+
+# %% [markdown]
 # ## Prefill and decode, timed separately
 #
 # Time to first token (TTFT) is the prefill: one pass over the prompt. Time per output token (TPOT) is
@@ -230,6 +254,14 @@ low, name, P = min((r["tpot"] / r["ttft"], name, P) for name, by_P in pdt.items(
 print(f"smallest TPOT/TTFT in this run: {low:.2f} ({name}, prompt of {P} tokens); "
       + ("no decode step was cheaper than its prefill" if low >= 1 else
          "within timing noise of 1" if low > 0.9 else "far below 1: more than timing noise"))
+
+# %%
+m["prefill_decode"] = pdt
+beside("ch01", "ch01.prefill_decode", values=ch01.values(m),
+       why=f"your run decodes {S['decode_tokens']} tokens after prompts of "
+           f"{', '.join(map(str, S['prefill_prompts']))} tokens, the book {FULL['decode_tokens']} after "
+           f"{', '.join(map(str, FULL['prefill_prompts']))}: a TPOT of few steps moves with whatever else the machine "
+           "runs, and TPOT/TTFT differs from 1 by a few percent at most.")
 
 # %% [markdown]
 # ## Bytes per cached position
@@ -270,7 +302,7 @@ show(pd.DataFrame({dt: {"bytes / position": r["bytes"], "GiB at 4,096 tokens": r
 # %%
 par = ch01.parity(["tiny-gpt2", "tiny-llama", "gpt2-random", "smollm2"], S["parity_tokens"])
 ppl = ch01.perplexities(smol, S["ppl_passages"], S["ppl_tokens"])
-print(f"perplexity on held-out Shakespeare {ppl['heldout']:.1f}, same words shuffled {ppl['shuffled']:.1f}")
+print(f"perplexity on held-out Shakespeare {ppl['heldout']:.3g}, the same words shuffled {ppl['shuffled']:.3g}")
 show(pd.DataFrame({name: {"max |Δ logit|": r["max"], "median |Δ logit|": r["median"], "largest |logit|": r["scale"]}
                    for name, r in par.items()}).T, digits={"max |Δ logit|": 2, "median |Δ logit|": 2})
 
@@ -281,9 +313,7 @@ show(pd.DataFrame({name: {"max |Δ logit|": r["max"], "median |Δ logit|": r["me
 # The figures drawn above are saved as they are, not drawn again.
 
 # %%
-m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest},
-         load=ch01.load_seconds("smollm2"), parity=par, causal=causal, bidirectional=unmasked, loop=loop,
-         times=times, prefill_decode=pdt, bytes=rows, dtype_bytes=dt_bytes, perplexity=ppl)
+m |= dict(load=ch01.load_seconds("smollm2"), parity=par, bytes=rows, dtype_bytes=dt_bytes, perplexity=ppl)
 values = ch01.record(m, drawn={"step_time": fig_step, "causal_mask": fig_causal, "bytes_per_position": fig_bytes})
 print("wrote section ch01 to", results.results_path())
 

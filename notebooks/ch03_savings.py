@@ -42,12 +42,13 @@ from lab.experiments import ch03_savings as ch03
 from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
 from lab.peers import hf_generate
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
 print(lab.threads.describe())
 QUICK = results.quick()
-S = ch03.settings(QUICK)
+S, FULL = ch03.settings(QUICK), ch03.settings(False)      # FULL: the book's settings, to say what quick mode skips
 FIGS = results.figures_dir()
 print("quick mode (short sweeps; a temporary results file)" if QUICK else "full mode",
       "-> results in", results.results_path())
@@ -138,9 +139,16 @@ show(pd.DataFrame(rows).set_index(["model", "T"]))
 for name, by_T in times.items():
     sp = ch03.speedups(by_T)
     Ts = list(sp)
-    print(f"{name}: speedup {sp[Ts[0]]['static']['median']:.2g}x at T = {Ts[0]}, "
+    print(f"{name}: speedup {sp[Ts[0]]['static']['median']:.3g}x at T = {Ts[0]}, "
           f"{sp[Ts[-1]]['static']['median']:.3g}x at T = {Ts[-1]}: "
           + ("it grows with T" if sp[Ts[-1]]["static"]["median"] > sp[Ts[0]]["static"]["median"] else "no growth"))
+
+# %%
+m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times)
+beside("ch03", "ch03.speedup", "ch03.pays_from", values=ch03.values(m),
+       why=f"your run times {S['rounds']} rounds at each context, the book {FULL['rounds']}: with few rounds one "
+           "slow spell of the machine moves a median, most of all at the shortest contexts, where the cache "
+           "saves least.")
 
 # %% [markdown]
 # What to read in the table: the speedup should grow about in proportion to $T$, because the uncached
@@ -189,7 +197,18 @@ show(pd.DataFrame([{"model": name, "T": T} | {k: f(r, predicted[name][T]) for k,
                    for name, by_T in shares.items() for T, r in by_T.items()]).set_index(["model", "T"]),
      caption="attention's share of a cached decode step", percent=list(shown))
 
+# %%
+m |= dict(shares=shares, predicted=predicted)
+beside("ch03", "ch03.attention_share", "ch03.attention_flop_share", "ch03.attention_byte_share",
+       values=ch03.values(m),
+       why=f"your run measures the share in {S['share_rounds']} rounds, the book in {FULL['share_rounds']}; the "
+           "FLOPs and bytes predicted are counted, not timed, and agree with the book's wherever a context was run.")
+
 # %% [markdown]
+# A lowest round below zero is no negative cost: in that round the step without attention happened to take
+# longer than the step with it, because something else ran on the machine. At short contexts attention is
+# a few percent of the step, smaller than such noise; the median over rounds is the measurement.
+#
 # SmolLM2's 9 query heads share 3 key-value heads, so each cached key serves three queries: attention does
 # three multiply-adds per 4 bytes read where a weight matrix does one. Its FLOP share therefore overstates
 # its byte share; GPT-2's shape has one key-value head per query head, and the two predictions nearly
@@ -203,7 +222,8 @@ show(pd.DataFrame([{"model": name, "T": T} | {k: f(r, predicted[name][T]) for k,
 
 # %%
 e2e = {m.name: ch03.end_to_end(m, 17, S["e2e_tokens"]) for m in (gpt2, smol)}
-print({name: e["tokens_identical"] for name, e in e2e.items()}, "<- identical tokens from all three backends")
+for name, e in e2e.items():
+    print(f"{name}: the three backends generate {'the same' if e['tokens_identical'] else 'DIFFERENT'} tokens")
 show(pd.DataFrame([{"model": name, "backend": b, "positions": e[b]["positions"], "TTFT (ms)": e[b]["ttft"] * 1e3,
                     "TPOT (ms)": e[b]["tpot"] * 1e3, "total (s)": e[b]["total"]}
                    for name, e in e2e.items() for b in ("recompute", "concat", "static")]
@@ -214,8 +234,12 @@ for name, e in e2e.items():
     gain = e["recompute"]["total"] / e["static"]["total"]
     longest = max(times[name])
     step = ch03.speedups(times[name])[longest]["static"]["median"]
-    print(f"{name}: the whole generation {gain:.2g}x faster with the static cache, one step at T = {longest} "
+    print(f"{name}: the whole generation {gain:.3g}x faster with the static cache, one step at T = {longest} "
           f"{step:.3g}x" + (": far less" if gain < step / 3 else ""))
+m["end_to_end"] = e2e
+beside("ch03", "ch03.end_to_end", values=ch03.values(m),
+       why=f"your run times each backend once over {S['e2e_tokens']} tokens, and its one-step speedup in "
+           f"{S['rounds']} rounds (the book: {FULL['rounds']}).")
 
 # %% [markdown]
 # The whole generation gains much less than a step at a long context: these contexts are short (17 to 49
@@ -253,6 +277,14 @@ show(pd.DataFrame([{"model": r["model"], "design": r["design"], "batch": r["batc
                     "peak extra (MiB)": r["peak_extra_bytes"] / 2**20, "formula (MiB)": r["cache_bytes"] / 2**20}
                    for r in mem]).set_index(["model", "design", "batch"]))
 
+# %%
+m |= dict(library=lib, memory=mem)
+beside("ch03", "ch03.memory", values=ch03.values(m),
+       why=f"your run decodes to {S['memory_tokens']} positions, the book to {FULL['memory_tokens']}: the step's "
+           "activations and the allocator's rounding take about the same memory at any length, and beside a cache "
+           f"{FULL['memory_tokens'] // S['memory_tokens']} times smaller they are a larger part of the peak, for the "
+           "static cache too.")
+
 # %% [markdown]
 # ## A busy machine
 #
@@ -274,7 +306,25 @@ show(pd.DataFrame({name: {f"{'idle' if n == 0 else f'{n} busy processes'} (ms)":
                           for n, r in by_load.items()} for name, by_load in busy.items()}).T.rename_axis("setting"))
 for name, by_load in busy.items():
     idle, loaded = by_load[min(by_load)]["median"], by_load[max(by_load)]["median"]
-    print(f"{name}: {loaded / idle:.1f}x slower with every core busy")
+    print(f"{name}: {loaded / idle:.3g}x slower with every core busy")
+
+# %% [markdown]
+# A slowdown of tens of times under OpenMP's defaults (the book's run) is no typo. Each of torch's threads
+# spins after every operator, waiting for the next; beside programs that want the same cores, the thread a
+# step waits for gets a core only now and then, hundreds of times a step. With the lab's setting the threads
+# sleep while they wait, and the step slows by about the share of the cores the others take. If the
+# defaults' *idle* step is itself several times the lab's, the machine was not idle: something else already
+# held the cores that the spinning threads wait for.
+
+# %%
+m["under_load"] = busy
+beside("ch03", "ch03.under_load", values=ch03.values(m),
+       why=f"your run compares {' and '.join(S['load_settings'])} with no other program and with the cores all "
+           f"busy, {S['load_rounds']} round{'s' if S['load_rounds'] > 1 else ''} of {S['load_reps']} steps, the "
+           f"book {len(FULL['load_settings'])} settings at every load, {FULL['load_rounds']} rounds of "
+           f"{FULL['load_reps']}, on an idle machine: these verdicts hold only where 'idle' is idle. If anything "
+           "else runs beside the notebook, the defaults' spinning threads lose their cores even in the idle case, "
+           "and the idle step under the defaults, not the lab's, is the slow one.")
 
 # %% [markdown]
 # ## In bfloat16
@@ -304,8 +354,7 @@ print(f"float32 step / bfloat16 step (median over rounds): {st['ratio']['median'
 # drawn, so this cell does not draw them again.
 
 # %%
-m = dict(settings=S, manifests={"smollm2": smol.manifest, "gpt2-random": gpt2.manifest}, times=times,
-         shares=shares, predicted=predicted, end_to_end=e2e, library=lib, memory=mem, under_load=busy, bf16=bf16)
+m["bf16"] = bf16
 ch03.record(m, draw=False)
 print("wrote section ch03 to", results.results_path())
 

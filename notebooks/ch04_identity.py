@@ -28,11 +28,13 @@
 # %%
 import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
 
+import dataclasses
 import platform
 
 import pandas as pd
 import torch
 import transformers
+from IPython.display import display
 
 from lab import results
 from lab.cache import CacheMismatchError, ConcatCache, StaticCache
@@ -44,12 +46,13 @@ from lab.models import load, owner
 from lab.models.checks import FINGERPRINT_RUN, FINGERPRINT_SAMPLES, weights_state
 from lab.models.load import scaled_copy
 from lab.models.updates import optimizer_step, private_copy, step_signs
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
 QUICK = results.quick()
-S = ch04.settings(QUICK)
+S, FULL = ch04.settings(QUICK), ch04.settings(False)      # FULL: the book's settings, to say what quick mode skips
 print("quick mode (short runs; a temporary results file)" if QUICK else "full mode",
       "-> results in", results.results_path())
 
@@ -92,7 +95,7 @@ smol = load("smollm2")
 tok = smol.tokenizer
 vocab_hash = hashlib.sha256(tok.tok.to_str().encode()).hexdigest()
 ids = tok.encode("To be, or not to be, that is the question")
-print(len(ids), "ids:", ids)
+print(f"{len(ids)} ids:", ", ".join(map(str, ids)))
 print("minimal key:", minimal_key(smol.manifest, vocab_hash, "torch.float32", ids))
 
 # %% [markdown]
@@ -183,7 +186,9 @@ show(pd.DataFrame(rows).set_index("change"))
 
 # %%
 identity = identity_of(smol, StaticCache(smol.config, 64))
-print(identity)
+fields = {k: f"{v[:16]}…" if isinstance(v, str) and len(v) == 64 else "none" if v is None else v   # sha256s cut
+          for k, v in dataclasses.asdict(identity).items()}
+display(show(pd.Series(fields, name="StateIdentity", dtype=object).rename_axis("field").to_frame()))
 assert key_for(identity, ids) == lab0
 assert key_for(identity_of(smol, ConcatCache(smol.config)), ids) != lab0     # another cache kind
 assert key_for(identity_of(smol, StaticCache(smol.config, 64), salt="tenant-b"), ids) != lab0
@@ -208,7 +213,8 @@ print("key_for(identity_of(model, cache), ids) == prefix_key(...):", lab0[:16], 
 eng = ch04.engine_check(smol, S["requests"], S["new_tokens"], S["prompt"])
 engine_rows = {"calls": "calls", "hits": "hits", "misses": "misses", "positions": "positions per request, cached",
                "recompute_positions": "positions per request, recomputed", "tokens_identical": "tokens"}
-show(pd.Series({label: eng[k] for k, label in engine_rows.items()}, name="engine check").to_frame(),
+show(pd.Series({label: ", ".join(map(str, eng[k])) if isinstance(eng[k], list) else eng[k]   # one a request
+                for k, label in engine_rows.items()}, name="engine check").to_frame(),
      words=("identical to recomputation", "different from recomputation"))
 
 # %%
@@ -262,8 +268,8 @@ assert policy.manifest != smol.manifest
 policy = private_copy(smol)
 cache = ch04.prefill(policy, ids)                    # filled by the policy before its update
 versions, printed = cache.owner[1]
-print("cache.owner: config", cache.owner[0].name, "and", len(versions), "(storage, version) pairs, and a",
-      len(printed), "byte fingerprint")
+print(f"cache.owner: config {cache.owner[0].name}, {len(versions)} (storage, version) pairs and a "
+      f"{len(printed):,}-byte fingerprint")
 assert cache.owner == owner(policy.weights, policy.config)
 optimizer_step(policy.weights, step_signs(policy.weights))
 assert cache.owner != owner(policy.weights, policy.config)   # the versions moved
@@ -389,8 +395,6 @@ print(f"from {T0} to {T1} ids the check's time grows {check_growth:.2g}x, the de
 # %%
 cc = weights_check_cost(smol, S["key_reps"], S["rehash_reps"])
 per_call = cc["manifest"]["median"] + cc["owner"]["median"]       # a hit reads the manifest once
-from IPython.display import display
-
 display(show(pd.DataFrame({"Model.manifest, weights unchanged (µs)": cc["manifest"]["median"] * 1e6,
                            "owner(weights, config) (µs)": cc["owner"]["median"] * 1e6,
                            "fingerprint alone (µs)": cc["fingerprint"]["median"] * 1e6,
@@ -404,6 +408,14 @@ show(pd.DataFrame({T: {"per call / decode step": per_call / c["step"]["median"],
 # %%
 print(f"on every call: {per_call * 1e6:.3g} µs; once after a change: {cc['rehash']['median']:.2g} s, "
       f"{cc['rehash']['median'] / per_call:,.0f} calls' worth")
+
+# %%
+m = dict(settings=S, manifest=smol.manifest, engine=eng, key_cost=kc, check_cost=cc)
+beside("ch04", "ch04.key_cost_us", "ch04.check_us", "ch04.weights_check", values=ch04.values(m),
+       why=f"your run times each key {S['key_reps']} times and each decode step {S['step_reps']} times, the book "
+           f"{FULL['key_reps']} and {FULL['step_reps']}: microseconds move with whatever else the machine runs. And "
+           "the check reads the fingerprint twice (in the manifest and in the owner), so one fingerprint is about "
+           "half of the check at 16 ids, in the book's run too: which side of half it falls is noise.")
 
 # %% [markdown]
 # Noticing changed weights costs the same on every call, whatever the context, most of it the fingerprint
@@ -465,6 +477,13 @@ changed = [n for n in haz if ch04.IDENTITY_CHANGES[n]]
 every = all(haz[n]["refused"] == haz[n]["backend_correct"] == haz[n]["trials"] for n in changed)
 print("every identity change refused by the backend, its scores then correct:", "yes" if every else "NO")
 
+# %%
+m["hazards"] = haz
+beside("ch04", "ch04.hazards", values=ch04.values(m),
+       why=f"your run makes {S['trials']} trials of each hazard, the book {FULL['trials']}: one trial is "
+           f"{100 / S['trials']:.0f}% of yours, so a trial or two decides the thresholds the sentences set (half "
+           "the trials, nine in ten).")
+
 # %% [markdown]
 # **Loud and quiet**, as the lines above classify them (loud: the top token moves in most trials).
 # Another prompt, a wrong position and draft tokens left behind move the top token in most trials: a
@@ -488,6 +507,13 @@ cost = refusal_cost(smol, S["prefix"])
 print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {cost['recompute'] * 1e3:.3g} ms, "
       f"a ratio of {cost['refused'] / cost['recompute']:.2f}")
 
+# %%
+m["refusal"] = cost
+beside("ch04", "ch04.refusal", values=ch04.values(m),
+       why="your run takes the medians of as many interleaved rounds as the book's, on another machine and "
+           "beside whatever else it runs: a refusal costs a recomputation and a little more, and how much more "
+           "moves with the machine.")
+
 # %% [markdown]
 # ## Record
 #
@@ -495,8 +521,7 @@ print(f"a refused call {cost['refused'] * 1e3:.3g} ms, a plain recomputation {co
 # saved, not drawn again.
 
 # %%
-ch04.record(dict(settings=S, manifest=smol.manifest, hazards=haz, refusal=cost, engine=eng, key_cost=kc,
-                 check_cost=cc), hazards_figure=fig)
+ch04.record(m, hazards_figure=fig)
 print("wrote section ch04 to", results.results_path())
 
 # %% [markdown]

@@ -43,12 +43,13 @@ import transformers
 from lab import data, results
 from lab.experiments import ch05_paged as ch05
 from lab.experiments.tables import show
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
 print(lab.threads.describe())
 QUICK = results.quick()
-S = ch05.settings(QUICK)
+S, FULL = ch05.settings(QUICK), ch05.settings(False)      # FULL: the book's settings, to say what quick mode skips
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
 
 # %% [markdown]
@@ -60,6 +61,10 @@ print("quick mode" if QUICK else "full mode", "-> results in", results.results_p
 # they grow step by step, so neither gets a contiguous run of pages.
 
 # %%
+def pages(ids):                               # [0, 2] -> "0, 2"
+    return ", ".join(map(str, ids))
+
+
 PAGE, NUM_PAGES, H, D = 4, 8, 2, 3
 free = list(range(NUM_PAGES))                 # page ids nobody holds
 tables = {"A": [], "B": []}                   # each sequence's block table: its pages, in order
@@ -69,7 +74,8 @@ for _turn in range(3):                        # A and B take pages in turns unti
     for seq in "AB":
         if len(tables[seq]) * PAGE < lengths[seq]:
             tables[seq].append(free.pop(0))
-print("block tables:", tables, "free pages:", free)
+print("block tables:", "; ".join(f"{seq} → pages {pages(t)}" for seq, t in tables.items()), "| free pages:",
+      pages(free))
 
 # %% [markdown]
 # Position `p` of a sequence lives in page `table[p // PAGE]` at offset `p % PAGE`. Flatten the pool to
@@ -99,7 +105,8 @@ for seq in "AB":
     k_pool.view(-1, H, D)[slot_mapping(tables[seq], 0, lengths[seq])] = keys[seq]  # scatter by slot
 
 gathered = k_pool[tables["B"]].flatten(0, 1)[: lengths["B"]]                 # [length, H, D]
-print("B's keys read back through its block table equal a contiguous copy:", torch.equal(gathered, keys["B"]))
+print("B's keys read back through its block table equal a contiguous copy:",
+      "yes" if torch.equal(gathered, keys["B"]) else "NO")
 
 # %% [markdown]
 # ### The same with `lab`
@@ -116,7 +123,8 @@ for p in range(max(lengths.values())):        # grow both one position at a time
     for seq in "AB":
         if p < lengths[seq]:
             bm.reserve(seq, 1)
-print({seq: bm.block_table(seq) for seq in "AB"}, "free:", bm.num_free)
+print("BlockManager:", "; ".join(f"{seq} → pages {pages(bm.block_table(seq))}" for seq in "AB"),
+      f"| {bm.num_free} pages free")
 for seq in "AB":
     assert bm.block_table(seq) == tables[seq], (seq, bm.block_table(seq), tables[seq])
     assert bm.slots(seq, 0, lengths[seq]) == slot_mapping(tables[seq], 0, lengths[seq])
@@ -130,8 +138,10 @@ print("BlockManager: same block tables and slot mapping as by hand")
 
 # %%
 bm.fork("A", "A2")
-print("A2 shares A's pages:", bm.block_table("A2"))
-print("copy on write (old page, new page):", bm.reserve("A2", 1), "-> A2:", bm.block_table("A2"))
+print("A2 shares A's pages:", pages(bm.block_table("A2")))
+(old, new), = bm.reserve("A2", 1)              # the copies made: one (old page, new page) pair
+print(f"copy on write: A2's next position goes to page {new}, a copy of page {old}; A2 → pages "
+      f"{pages(bm.block_table('A2'))}")
 try:
     bm.reserve("B", 100)
 except OutOfPagesError as e:
@@ -161,8 +171,8 @@ for row, ids in enumerate(prompts):
     table = paged.manager.block_table(paged.seqs[row])
     by_hand = paged.k_pool[0][table].flatten(0, 1)[: len(ids)]                 # [length, H_kv, D]
     want = contiguous.keys[0][0].transpose(0, 1)                               # [length, H_kv, D]
-    print(f"row {row}: {len(ids)} tokens in pages {table}; gathered keys equal the contiguous cache's:",
-          torch.equal(by_hand, want))
+    print(f"row {row}: {len(ids)} tokens in pages {pages(table)}; gathered keys equal the contiguous cache's:",
+          "yes" if torch.equal(by_hand, want) else "NO")
 
 # %% [markdown]
 # And the paged cache runs under the same forward as every other cache: greedy decoding through it
@@ -175,8 +185,8 @@ agree = ch05.token_agreement(smol, S["page_sizes"], 37, S["new_tokens"])
 ragged = ch05.ragged_batch(smol, new_tokens=S["new_tokens"] // 2)
 show(pd.DataFrame({f"pages of {ps}": {"tokens against ConcatCache": r["identical"], "largest |Δ logit|": r["max_diff"]}
                    for ps, r in agree.items()}
-                  | {f"ragged batch of {ragged['lengths']} tokens": {"tokens against ConcatCache": ragged["identical"],
-                                                                     "largest |Δ logit|": None}}).T,
+                  | {f"ragged batch of {pages(ragged['lengths'])} tokens": {
+                      "tokens against ConcatCache": ragged["identical"], "largest |Δ logit|": None}}).T,
      digits=2, words=("identical", "different"),
      note="— : the ragged batch is compared by its tokens only (each sequence against itself generated alone)")
 
@@ -241,7 +251,7 @@ for start in range(0, 37, PAGE):                           # one page at a time
     p = torch.exp(s - m_new)
     l, acc, m = l * alpha + p.sum(), acc * alpha + p @ v, m_new
 print("online softmax over pages equals the softmax of the whole row:",
-      torch.allclose(acc / l, torch.softmax(scores, 0) @ values, atol=1e-6))
+      "yes" if torch.allclose(acc / l, torch.softmax(scores, 0) @ values, atol=1e-6) else "NO")
 
 # %% [markdown]
 # `lab` has four versions of this attention, with one signature:
@@ -270,14 +280,14 @@ k_pool, v_pool = torch.randn(2, 12, 16, 3, 64, generator=g)            # [pages,
 block_tables = torch.tensor([[5, 2, 9, 0], [7, 1, 0, 0]], dtype=torch.int32)  # zero-padded
 lens = torch.tensor([40, 17], dtype=torch.int32)
 want = paged_attention_reference(q, k_pool, v_pool, block_tables, lens)
-print("gather version equals the reference:",
-      torch.allclose(paged_attention_gather(q, k_pool, v_pool, block_tables, lens), want, atol=1e-5))
-print("C++ kernel equals the reference:",
-      torch.allclose(paged_attention_cpu(q, k_pool, v_pool, block_tables, lens), want, atol=1e-5))
+for name, attend in (("gather version", paged_attention_gather), ("C++ kernel", paged_attention_cpu)):
+    same = torch.allclose(attend(q, k_pool, v_pool, block_tables, lens), want, atol=1e-5)
+    print(f"{name} equals the reference (within 1e-5):", "yes" if same else "NO")
 try:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     args = [t.to(dev) for t in (q, k_pool, v_pool, block_tables, lens)]
-    print(f"Triton kernel ({dev}) equals the reference:", torch.allclose(paged_attention(*args).cpu(), want, atol=1e-5))
+    same = torch.allclose(paged_attention(*args).cpu(), want, atol=1e-5)
+    print(f"Triton kernel ({dev}) equals the reference (within 1e-5):", "yes" if same else "NO")
 except Exception as e:  # no Triton, or the interpreter after torch._dynamo was imported
     print("Triton kernel not run here:", type(e).__name__, str(e)[:120])
 
@@ -308,6 +318,11 @@ show(pd.DataFrame({d: {"mean input (tokens)": i.mean(), "mean output (tokens)": 
 
 # %%
 fig_util = ch05.plot_utilization(util)
+means = {d: (float(i.mean()), float(o.mean())) for d, (i, o) in lengths.items()}
+m = dict(settings=S, manifest=smol.manifest, means=means, utilization=util, by_manager=by_manager)
+beside("ch05", "ch05.utilization", values=ch05.values(m),
+       why=f"your run draws {S['requests']:,} requests per trace, the book {FULL['requests']:,}: the same "
+           "distributions, fewer draws.")
 
 # %% [markdown]
 # How many requests, taken in arrival order, fit at once in 1 GiB of 16-bit SmolLM2 cache:
@@ -361,6 +376,10 @@ show(speed_table, caption="decode attention over pages against contiguous (ratio
 
 # %%
 fig_speed = ch05.plot_speed(speed)
+m |= dict(concurrency=conc, budget_positions=budget, speed=speed)
+beside("ch05", "ch05.speed", values=ch05.values(m),
+       why=f"your run takes medians of {S['reps']} rounds, {S['repeats']} times, the book {FULL['reps']} rounds, "
+           f"{FULL['repeats']} times: a ratio of two short times moves with whatever else the machine runs.")
 
 # %% [markdown]
 # Read the ratio with its spread: on a shared machine a single run can land anywhere in it. How much the
@@ -373,10 +392,7 @@ fig_speed = ch05.plot_speed(speed)
 # The figures drawn above are saved as they are, not drawn again.
 
 # %%
-means = {d: (float(i.mean()), float(o.mean())) for d, (i, o) in lengths.items()}
-m = dict(settings=S, manifest=smol.manifest, means=means,
-         utilization=util, by_manager=by_manager, concurrency=conc, budget_positions=budget, speed=speed,
-         agreement=agree, ragged=ragged)
+m |= dict(agreement=agree, ragged=ragged)
 ch05.record(m, drawn={"block_tables": fig_tables, "utilization": fig_util, "speed": fig_speed})
 print("wrote section ch05 to", results.results_path())
 

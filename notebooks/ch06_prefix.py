@@ -29,6 +29,7 @@
 # %%
 import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
 
+import math
 import platform
 import random
 
@@ -40,12 +41,13 @@ from IPython.display import display
 from lab import data, results, workloads
 from lab.experiments import ch06_prefix as ch06
 from lab.experiments.tables import show
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
 QUICK = results.quick()
-S = ch06.settings(QUICK)
+S, FULL = ch06.settings(QUICK), ch06.settings(False)      # FULL: the book's settings, to say what quick mode skips
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
 
 # %% [markdown]
@@ -236,7 +238,8 @@ show(pd.DataFrame(chat.turns).rename(columns={"prompt_tokens": "prompt (tokens)"
 # From the second turn on, the common prefix is the whole earlier conversation, the previous prompt and
 # its reply (the reply, decoded and rendered again, gives the same ids here), and the backend reuses it
 # rounded down to whole pages. Pages written while the reply was decoded are named too, so the reply
-# itself is reused.
+# itself is reused. (The replies are a 135M-parameter model's, cut at 24 tokens, and may repeat an earlier
+# one: what matters here is what each turn's prompt shares with the last.)
 #
 # ## 4. Measuring
 #
@@ -264,6 +267,11 @@ show(pd.DataFrame({name: r["shape"] for name, r in sweep.items()}).T.rename(colu
 
 # %%
 fig_hit_rate = ch06.plot_hit_rate(sweep)
+m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), sweep=sweep)
+beside("ch06", "ch06.workloads", values=ch06.values(m),
+       why=f"your run builds the workloads at {S['scale']:.0%} of the book's size and tries {len(S['pool_fractions'])} "
+           f"pool sizes, the book {len(FULL['pool_fractions'])}: the pools the book quotes by size are not in your "
+           "sweep.")
 
 # %% [markdown]
 # Even a pool that never evicts computes each distinct page once, and every request computes its own
@@ -287,9 +295,14 @@ fig_ttft = ch06.plot_ttft(ttft)
 
 # %%
 short, long_ = ttft[min(ttft)], ttft[max(ttft)]
-print(f"from {min(ttft)} to {max(ttft)} cached tokens, a hit's time grows "
+print(f"from {min(ttft):,} to {max(ttft):,} cached tokens, a hit's time grows "
       f"{long_['hit']['median'] / short['hit']['median']:.2f}x and a miss's "
       f"{long_['miss']['median'] / short['miss']['median']:.1f}x")
+m["ttft"] = ttft
+beside("ch06", "ch06.ttft", values=ch06.values(m),
+       why=f"your run times prefixes of {', '.join(map(str, S['prefixes']))} tokens in {S['ttft_rounds']} rounds, "
+           f"the book {', '.join(map(str, FULL['prefixes']))} in {FULL['ttft_rounds']}: a median of few rounds "
+           "moves with whatever else the machine runs.")
 
 # %% [markdown]
 # A hit still runs the 16 new tokens through every layer, and its attention reads the whole prefix, so
@@ -326,6 +339,17 @@ print(f"one cache for all: AUC {side['shared']['auc']:.2f}, "
       + ("the clock tells" if side["shared"]["auc"] > 0.75 else "the clock tells little in this run")
       + f"; a salt per tenant: AUC {side['salted']['auc']:.2f}, "
       + ("chance, within the noise of these trials" if abs(side["salted"]["auc"] - 0.5) < 0.1 else "off chance"))
+m |= dict(hashing=hashing, side_channel=side)
+
+
+def strays(trials, by=0.1):  # how often an AUC of pure chance (half the guesses right) lands `by` or more off 0.5
+    return math.erfc(by / math.sqrt((trials + 1) / (3 * trials**2)) / math.sqrt(2))
+
+
+beside("ch06", "ch06.side_channel", values=ch06.values(m),
+       why=f"your run makes {S['trials']} trials, the book {FULL['trials']}: with a salt the AUC is chance, and "
+           f"chance lands 0.1 or more off 0.5 in {strays(S['trials']):.0%} of runs of {S['trials']} trials "
+           f"({strays(FULL['trials']):.2%} of the book's); a busy machine can also hide a hit's head start.")
 
 # %% [markdown]
 # With one cache for all, the attacker's own clock reads the victim's prompt; with a salt per tenant the
@@ -353,6 +377,10 @@ show(pd.DataFrame({name: {"model": ch06.PRICES[name]["model"], "no cache (¢)": 
 fig_costs = ch06.plot_costs(econ)
 print(f"lab, pages of 16: {econ['lab_cached']:,} prompt tokens from cache, {econ['lab_computed']:,} computed; "
       f"{econ['compute_saved_s']:.0f} s of SmolLM2 compute saved on this CPU")
+m["economics"] = econ
+beside("ch06", "ch06.economics", "ch06.hashing_us_per_token", values=ch06.values(m),
+       why=f"your run hashes {S['hash_tokens']:,} tokens, the book {FULL['hash_tokens']:,}; the prices are "
+           "published figures, the same in both runs.")
 
 # %% [markdown]
 # ### Against vLLM
@@ -379,7 +407,8 @@ else:
                               ).T, caption="time to first token, the book's run"))
     print(f"cached tokens: {'identical' if same['value'] else 'different'}; greedy tokens: "
           f"{'identical' if book['tokens_identical']['value'] else 'different'}; the lab on "
-          f"{book['lab_threads']['value']} threads, vLLM's engine on cores {book['vllm_cores']['core_ids']}")
+          f"{book['lab_threads']['value']} threads, vLLM's engine on cores "
+          f"{' and '.join(map(str, book['vllm_cores']['core_ids']))}")
 
 # %% [markdown]
 # Both engines take whole pages of a prompt and always run its last token, which is why they can report
@@ -390,9 +419,7 @@ else:
 # The figures drawn above are saved as they are.
 
 # %%
-m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), sweep=sweep, ttft=ttft,
-         hashing=hashing, economics=econ, side_channel=side,
-         vllm="quick mode: vLLM takes about a minute to start; `make results` runs the comparison")
+m["vllm"] = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
 ch06.record(m, drawn={"hit_rate": fig_hit_rate, "ttft": fig_ttft, "roc": fig_roc, "costs": fig_costs})
 print("wrote section ch06 to", results.results_path())
 

@@ -36,14 +36,15 @@ from IPython.display import display
 
 from lab import data, metrics, results
 from lab.experiments import ch07_compress as ch07
-from lab.experiments.tables import show
+from lab.experiments.tables import show, number
 from lab.peers import hf_quantized
+from lab.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"threads {torch.get_num_threads()}")
 print(lab.threads.describe())
 QUICK = results.quick()
-S = ch07.settings(QUICK)
+S, FULL = ch07.settings(QUICK), ch07.settings(False)      # FULL: the book's settings, to say what quick mode skips
 print("quick mode" if QUICK else "full mode", "-> results in", results.results_path())
 
 # %% [markdown]
@@ -94,9 +95,9 @@ folded = (q @ codes.float().transpose(-1, -2)) * scale.transpose(-1, -2)       #
 dequantized_first = q @ k_hat.transpose(-1, -2)
 exact = q @ k.transpose(-1, -2)
 bound = q.abs().sum(-1, keepdim=True) * scale.transpose(-1, -2) / 2
-print(f"folded vs dequantized first: {float((folded - dequantized_first).abs().max()):.1e}")
-print(f"score error {float((folded - exact).abs().max()):.4f}, never above its bound: "
-      f"{bool(((folded - exact).abs() <= bound + 1e-5).all())}")
+print(f"folded vs dequantized first: largest difference {number(float((folded - dequantized_first).abs().max()), 2)}")
+print(f"score error {float((folded - exact).abs().max()):.3g}, never above its bound: "
+      f"{'yes' if ((folded - exact).abs() <= bound + 1e-5).all() else 'NO'}")
 
 # %% [markdown]
 # ### The same with `lab`
@@ -118,7 +119,7 @@ mine = forward_cached(next_token, smol.weights, cfg, by_hand)[0, -1]
 lab_cache = QuantizedCache(cfg, bits=8, scheme="per_token")
 forward_cached(prompt, smol.weights, cfg, lab_cache)
 theirs = forward_cached(next_token, smol.weights, cfg, lab_cache)[0, -1]
-print(f"largest |Δ logit|: {float((mine - theirs).abs().max()):.1e}")
+print(f"largest |Δ logit|: {number(float((mine - theirs).abs().max()), 2)}")
 assert torch.allclose(mine, theirs, atol=1e-3)      # float32, different summation order: ~1e-5 on logits ~10
 
 # %% [markdown]
@@ -216,8 +217,8 @@ table(bits["quantized"], lambda n, r: {"bytes / position, over bfloat16's (×)":
 # %%
 q = bits["quantized"]
 smoother = "lower" if q["per_token_8_smooth"]["kl"] < q["per_token_8"]["kl"] else "not lower"
-print(f"float cache KL {q['float']['kl']:.0e}; per-token INT8 {q['per_token_8']['kl']:.1e}, smoothed "
-      f"{q['per_token_8_smooth']['kl']:.1e} ({smoother}); "
+print(f"float cache KL {number(q['float']['kl'], 1)}; per-token INT8 {number(q['per_token_8']['kl'], 2)}, smoothed "
+      f"{number(q['per_token_8_smooth']['kl'], 2)} ({smoother}); "
       f"4-bit per-token {q['per_token_4']['kl']:.2g} against KIVI 4-bit {q['kivi_4']['kl']:.2g} "
       f"({q['per_token_4']['kl'] / q['kivi_4']['kl']:.0f}x); KIVI 2-bit {q['kivi_2']['kl']:.2g}")
 
@@ -227,6 +228,10 @@ print(f"float cache KL {q['float']['kl']:.0e}; per-token INT8 {q['per_token_8'][
 # float, before quantizing) takes a little more off. At 4 bits per-token keys fall apart, while
 # **KIVI** (keys quantized per *channel* over groups of 32 tokens, values per token, the newest 128
 # positions kept in float) holds at 4 bits and degrades at 2.
+#
+# A negative Δ perplexity is no better model: over a few dozen decoded positions a distorted distribution
+# can happen to put more weight on the actual next tokens. The KL, which compares whole distributions at
+# every position, is the measure to read; Δ perplexity says what the distortion costs on this text.
 #
 # ### One scale per tensor, and keys with outlier channels
 #
@@ -250,12 +255,12 @@ show(pd.DataFrame({"SmolLM2 (×)": bits["key_spread"], "with outlier channels (�
 
 # %%
 o = bits["outliers"]
-print(f"largest |Δ logit| against SmolLM2: {o['same_function']:.1e}")
+print(f"largest |Δ logit| against SmolLM2: {number(o['same_function'], 2)}")
 table({n: o[n] for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")})
 
 # %%
 print(f"with outlier channels: one scale per tensor KL {o['per_tensor_8']['kl']:.2g} (published: 0.030); "
-      f"per-token INT8 {o['per_token_8']['kl']:.1e}, {o['per_token_8']['kl'] / q['per_token_8']['kl']:.1f}x "
+      f"per-token INT8 {number(o['per_token_8']['kl'], 2)}, {o['per_token_8']['kl'] / q['per_token_8']['kl']:.1f}x "
       f"its KL on SmolLM2's own keys")
 
 # %% [markdown]
@@ -289,6 +294,25 @@ table({f"key group {g}, value group {vg}": r for (g, vg), r in bits["groups"].it
 hf = hf_quantized.quality(smol, ids, prefill, ref, hf_quantized.CASES)
 full_bytes = cache_bytes(cfg, 1) * ids.numel()
 table(hf, lambda n, r: {"bytes held / float32's": r["nbytes"] / full_bytes}, percent=["bytes held / float32's"])
+
+# %% [markdown]
+# The largest Δ perplexity here, transformers' 2-bit cache with keys grouped per token, is the next-token
+# distribution falling apart, not a typo: per-token groups at 2 bits leave each key a handful of levels, and
+# the top token changes at a large share of positions. Quick mode decodes few positions of short passages,
+# so its Δ perplexity can be several times the book's.
+
+# %%
+PASSAGES = (f"your run scores {S['passages']} passages of {S['tokens']:,} tokens ({S['decode']} decoded each), the "
+            f"book {FULL['passages']} of {FULL['tokens']:,} ({FULL['decode']} decoded)")
+m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
+         float_bytes=cache_bytes(cfg, 1), bf16_bytes=bf16, transformers=hf) | bits
+window = ch07.QUANTIZED["kivi_2"]["residual"]       # positions KIVI keeps in float
+beside("ch07", "ch07.quantized", "ch07.ref_loss", "ch07.outliers", "ch07.residual", "ch07.groups",
+       "ch07.transformers", values=ch07.values(m),
+       why=PASSAGES + f". KIVI keeps its newest {window} positions in float: {window / S['tokens']:.0%} of your "
+       f"passages, {window / FULL['tokens']:.0%} of the book's, while transformers' caches quantize the prompt "
+       f"whole, so a short run flatters KIVI against them. And a KL or a Δ perplexity over "
+       f"{S['passages'] * S['decode']} decoded positions moves by a factor of two with the text.")
 
 # %% [markdown]
 # ## 4. Keeping fewer positions
@@ -337,6 +361,13 @@ show(pd.DataFrame({b: {"original positions (nats)": positions["eviction"][f"sink
                        "re-rotated (nats)": r["loss"]} for b, r in positions["rerotate"].items()}
                   ).T.rename_axis("budget"), caption="sinks: held-out loss", digits=4)
 
+# %%
+m |= positions
+beside("ch07", "ch07.eviction", "ch07.rerotate", values=ch07.values(m),
+       why=PASSAGES + f", at budgets of {', '.join(map(str, S['budgets']))} positions, the book "
+       f"{', '.join(map(str, FULL['budgets']))}: the budgets the book quotes are not all in your run, and with a "
+       "short passage a budget holds a larger part of it.")
+
 # %% [markdown]
 # Re-rotation keeps every distance inside the cache within the range the model was trained on, but
 # tells the model that text far back was adjacent; keeping original positions tells the truth about
@@ -380,6 +411,10 @@ else:
     display(show(frame, percent=["kept positions shared"], note=f"— : {'; '.join(reasons)}" if reasons else None))
     print(book["versions"]["value"])
 
+# %%
+m["kvpress"] = ch07.kvpress_comparison(smol, ids, S)
+beside("ch07", "ch07.kvpress", values=ch07.values(m))
+
 # %% [markdown]
 # ## 5. The time a step takes
 
@@ -398,6 +433,11 @@ evicting = [n for n in steps if n.rsplit("_", 1)[0] in ch07.POLICIES]
 fastest_evicting = min(steps[n]["median"] for n in evicting) / steps["float"]["median"]
 print(f"the fastest quantized cache takes {fastest_quantized:.2f}x the float cache's step, "
       f"the fastest evicting one {fastest_evicting:.2f}x")
+m["steps"] = steps
+beside("ch07", "ch07.steps", values=ch07.values(m),
+       why=f"your run times a step after {S['step_context']:,} positions in {S['step_rounds']} rounds, the book after "
+           f"{FULL['step_context']:,} in {FULL['step_rounds']}: at a shorter context the cache is a smaller part of "
+           "a step, and a median of few rounds moves with whatever else the machine runs.")
 
 # %% [markdown]
 # On a CPU in PyTorch, a quantized cache is *slower* per step (when the first ratio above is over 1):
@@ -412,9 +452,6 @@ print(f"the fastest quantized cache takes {fastest_quantized:.2f}x the float cac
 # and eviction, the lab and its peers, on the same axes (quick mode has no kvpress points):
 
 # %%
-m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(), prefill=prefill,
-         float_bytes=cache_bytes(cfg, 1), bf16_bytes=bf16, transformers=hf, steps=steps,
-         kvpress=ch07.kvpress_comparison(smol, ids, S)) | bits | positions
 fig_kl_bytes = ch07.plot_kl_bytes(ch07.kl_bytes_points(ch07.values(m)))
 int8 = held_share(bits["quantized"]["per_token_8"])
 committed = results.read(results.COMMITTED)["sections"].get("ch07", {}).get("values", {})

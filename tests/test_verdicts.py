@@ -92,7 +92,14 @@ def beside_prefixes(notebook) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("chapter", ["ch09", "ch10", "ch11"])
+CHAPTERS = sorted(p.name[:4] for p in (REPO_ROOT / "book").glob("ch[0-9][0-9]_*.md"))
+
+
+def test_the_book_has_its_chapters():
+    assert CHAPTERS[:11] == [f"ch{n:02d}" for n in range(1, 12)]
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
 def test_every_claim_of_the_chapter_is_set_beside_the_readers_run(chapter):
     text = verdicts.chapter_file(chapter).read_text()
     notebook = next((REPO_ROOT / "notebooks").glob(f"{chapter}_*.py"))

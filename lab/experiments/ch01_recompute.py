@@ -282,6 +282,80 @@ def measure(quick_mode=None) -> dict:
     )
 
 
+def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    v = {}
+    if "load" in m:
+        v["load_seconds"] = value(m["load"]["median"], "s", max=m["load"]["max"], n=m["load"]["n"],
+                                  note="load('smollm2') from the converted folder, manifest included")
+    if "parity" in m:
+        v["parity"] = {n: {"max_abs": value(r["max"], "logit"), "median_abs": value(r["median"], "logit"),
+                           "identical": value(r["max"] == 0, None, note="every logit bit-identical"),
+                           "logit_scale": value(r["scale"], "logit", note="largest |logit| of the reference")}
+                       for n, r in m["parity"].items()}
+    if "causal" in m:
+        causal = m["causal"]
+        v["causal"] = {"earlier_max": value(causal["earlier_max"], "logit"), "last": value(causal["last"], "logit"),
+                       "earlier_identical": value(causal["earlier_max"] == 0, None,
+                                                  note="every earlier position's logits bit-identical"),
+                       "tokens": value(causal["tokens"], "tokens")}
+    if "loop" in m:
+        loop = m["loop"]
+        v["loop"] = {"prompt_tokens": value(len(loop["prompt"]), "tokens"),
+                     "new_tokens": value(len(loop["tokens"]), "tokens"),
+                     "calls": value(loop["calls"], "calls"),
+                     "positions_uncached": value(loop["positions"], "positions", note="counted by the backend"),
+                     "formula_uncached": value(loop["formula_uncached"], "positions"),
+                     "formula_cached": value(loop["formula_cached"], "positions"),
+                     "ratio": value(loop["positions"] / loop["formula_cached"], "x"),
+                     "count_matches_formula": value(loop["positions"] == loop["formula_uncached"], None)}
+    if "times" in m:
+        v["step_ms"] = {name: {f"T{T}": value(t["median"] * 1e3, "ms", min=t["min"] * 1e3, max=t["max"] * 1e3,
+                                              iqr=t["iqr"] * 1e3, n=t["n"], threads=t["threads"])
+                               for T, t in by_T.items()} for name, by_T in m["times"].items()}
+    if "prefill_decode" in m:
+        v["prefill_decode"] = {name: {f"P{P}": {"ttft_ms": value(r["ttft"] * 1e3, "ms"),
+                                                "tpot_ms": value(r["tpot"] * 1e3, "ms"),
+                                                "tpot_over_ttft": value(r["tpot"] / r["ttft"], "x")}
+                                      for P, r in by_P.items()} for name, by_P in m["prefill_decode"].items()}
+    if "bytes" in m:
+        v["bytes_per_position"] = {r["model"].replace(" ", "_").replace(".", "_"): {
+            "bytes": value(r["bytes"], "bytes"), "kib": value(r["bytes"] / 1024, "KiB"),
+            "mha_kib": value(r["mha_bytes"] / 1024, "KiB"), "gqa_saving": value(r["saving"], "x"),
+            "gib_at_4096": value(r["context_gib"], "GiB", note=f"one sequence of {r['context']} tokens, 16-bit")}
+            for r in m["bytes"]}
+    if "perplexity" in m:
+        ppl = m["perplexity"]
+        v["perplexity"] = {"heldout": value(ppl["heldout"], "perplexity"),
+                           "shuffled": value(ppl["shuffled"], "perplexity"),
+                           "passages": value(ppl["passages"], "passages"), "tokens": value(ppl["tokens"], "tokens")}
+    if "dtype_bytes" in m:  # the book's model's cache in float32 and in bfloat16
+        v["dtype_bytes"] = {dt: {
+            "bytes": value(r["bytes"], "bytes"), "kib": value(r["bytes"] / 1024, "KiB"),
+            "gib_at_4096": value(r["context_gib"], "GiB", note=f"one sequence of {r['context']} tokens of SmolLM2")}
+            for dt, r in m["dtype_bytes"].items()}
+    if "bidirectional" in m:  # the same experiment with the mask removed
+        b = m["bidirectional"]
+        v["bidirectional"] = {
+            "earlier_max": value(b["earlier_max"], "logit", note="max over earlier positions of max |Δ logit|"),
+            "earlier_median": value(b["earlier_median"], "logit"),
+            "last": value(b["last"], "logit"), "logit_scale": value(b["scale"], "logit"),
+            "top_changed": value(b["top_changed"], "positions", note="earlier positions whose argmax changed"),
+            "earlier_positions": value(b["earlier"], "positions")}
+    if "prefill_decode" in m:
+        ratios = [r["tpot"] / r["ttft"] for by_P in m["prefill_decode"].values() for r in by_P.values()]
+        v["prefill_decode"]["min_tpot_over_ttft"] = value(min(ratios), "x", note="over every model and prompt")
+    for name, by_T in m.get("times", {}).items():  # how the cost grows: the longest context over the shortest
+        Ts = sorted(by_T)
+        v["step_ms"][name]["longest_T"] = value(Ts[-1], "tokens", note="the longest context timed")
+        v["step_ms"][name]["longest_s"] = value(by_T[Ts[-1]]["median"], "s",
+                                                note=f"one uncached step at T={Ts[-1]}, in seconds")
+        v["step_ms"][name]["growth"] = value(by_T[Ts[-1]]["median"] / by_T[Ts[0]]["median"], "x",
+                                             note=f"T={Ts[-1]} over T={Ts[0]}")
+    return v
+
+
 def record(m: dict, drawn: dict | None = None):
     """Write the measurements and figures of `measure()` to results.json (a temporary file in quick mode).
 
@@ -298,63 +372,7 @@ def record(m: dict, drawn: dict | None = None):
         finish(fig, figs / f"ch01_{name}.png")
         if name not in drawn:
             plt.close(fig)  # drawn only to be saved: do not show it again in a notebook
-    loop, causal, ppl = m["loop"], m["causal"], m["perplexity"]
-    values = {
-        "load_seconds": value(m["load"]["median"], "s", max=m["load"]["max"], n=m["load"]["n"],
-                              note="load('smollm2') from the converted folder, manifest included"),
-        "parity": {n: {"max_abs": value(r["max"], "logit"), "median_abs": value(r["median"], "logit"),
-                       "identical": value(r["max"] == 0, None, note="every logit bit-identical"),
-                       "logit_scale": value(r["scale"], "logit", note="largest |logit| of the reference")}
-                   for n, r in m["parity"].items()},
-        "causal": {"earlier_max": value(causal["earlier_max"], "logit"), "last": value(causal["last"], "logit"),
-                   "earlier_identical": value(causal["earlier_max"] == 0, None,
-                                              note="every earlier position's logits bit-identical"),
-                   "tokens": value(causal["tokens"], "tokens")},
-        "loop": {"prompt_tokens": value(len(loop["prompt"]), "tokens"),
-                 "new_tokens": value(len(loop["tokens"]), "tokens"),
-                 "calls": value(loop["calls"], "calls"),
-                 "positions_uncached": value(loop["positions"], "positions", note="counted by the backend"),
-                 "formula_uncached": value(loop["formula_uncached"], "positions"),
-                 "formula_cached": value(loop["formula_cached"], "positions"),
-                 "ratio": value(loop["positions"] / loop["formula_cached"], "x"),
-                 "count_matches_formula": value(loop["positions"] == loop["formula_uncached"], None)},
-        "step_ms": {name: {f"T{T}": value(t["median"] * 1e3, "ms", min=t["min"] * 1e3, max=t["max"] * 1e3,
-                                          iqr=t["iqr"] * 1e3, n=t["n"], threads=t["threads"])
-                           for T, t in by_T.items()} for name, by_T in m["times"].items()},
-        "prefill_decode": {name: {f"P{P}": {"ttft_ms": value(r["ttft"] * 1e3, "ms"),
-                                            "tpot_ms": value(r["tpot"] * 1e3, "ms"),
-                                            "tpot_over_ttft": value(r["tpot"] / r["ttft"], "x")}
-                                  for P, r in by_P.items()} for name, by_P in m["prefill_decode"].items()},
-        "bytes_per_position": {r["model"].replace(" ", "_").replace(".", "_"): {
-            "bytes": value(r["bytes"], "bytes"), "kib": value(r["bytes"] / 1024, "KiB"),
-            "mha_kib": value(r["mha_bytes"] / 1024, "KiB"), "gqa_saving": value(r["saving"], "x"),
-            "gib_at_4096": value(r["context_gib"], "GiB", note=f"one sequence of {r['context']} tokens, 16-bit")}
-            for r in m["bytes"]},
-        "perplexity": {"heldout": value(ppl["heldout"], "perplexity"), "shuffled": value(ppl["shuffled"], "perplexity"),
-                       "passages": value(ppl["passages"], "passages"), "tokens": value(ppl["tokens"], "tokens")},
-    }
-    if "dtype_bytes" in m:  # the book's model's cache in float32 and in bfloat16
-        values["dtype_bytes"] = {dt: {
-            "bytes": value(r["bytes"], "bytes"), "kib": value(r["bytes"] / 1024, "KiB"),
-            "gib_at_4096": value(r["context_gib"], "GiB", note=f"one sequence of {r['context']} tokens of SmolLM2")}
-            for dt, r in m["dtype_bytes"].items()}
-    if "bidirectional" in m:  # the same experiment with the mask removed
-        b = m["bidirectional"]
-        values["bidirectional"] = {
-            "earlier_max": value(b["earlier_max"], "logit", note="max over earlier positions of max |Δ logit|"),
-            "earlier_median": value(b["earlier_median"], "logit"),
-            "last": value(b["last"], "logit"), "logit_scale": value(b["scale"], "logit"),
-            "top_changed": value(b["top_changed"], "positions", note="earlier positions whose argmax changed"),
-            "earlier_positions": value(b["earlier"], "positions")}
-    ratios = [r["tpot"] / r["ttft"] for by_P in m["prefill_decode"].values() for r in by_P.values()]
-    values["prefill_decode"]["min_tpot_over_ttft"] = value(min(ratios), "x", note="over every model and prompt")
-    for name, by_T in m["times"].items():  # how the cost grows: the longest context over the shortest
-        Ts = sorted(by_T)
-        values["step_ms"][name]["longest_T"] = value(Ts[-1], "tokens", note="the longest context timed")
-        values["step_ms"][name]["longest_s"] = value(by_T[Ts[-1]]["median"], "s",
-                                                     note=f"one uncached step at T={Ts[-1]}, in seconds")
-        values["step_ms"][name]["growth"] = value(by_T[Ts[-1]]["median"] / by_T[Ts[0]]["median"], "x",
-                                                  note=f"T={Ts[-1]} over T={Ts[0]}")
+    v = values(m)
     figures = {"step_time": {"path": figs / "ch01_step_time.png",
                              "caption": "Time of one uncached decode step against context length"},
                "causal_mask": {"path": figs / "ch01_causal_mask.png",
@@ -362,5 +380,5 @@ def record(m: dict, drawn: dict | None = None):
                                           "with and without the causal mask"},
                "bytes_per_position": {"path": figs / "ch01_bytes_per_position.png",
                                       "caption": "KV cache bytes per position for published model shapes"}}
-    write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
-    return values
+    write_section(SECTION, v, provenance(manifest=m["manifests"]), figures=figures)
+    return v

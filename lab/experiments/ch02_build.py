@@ -187,66 +187,76 @@ def measure(quick_mode=None) -> dict:
                 bf16=step_agreement(smol.to(dtype=torch.bfloat16), "static", s["prompt"], s["steps"]["smollm2"]))
 
 
-def record(m: dict, drawn: dict | None = None) -> dict:
-    """Write section ch02. `drawn` holds figures a notebook already drew ({"agreement": fig}): they are
-    saved as they are, not drawn a second time."""
+def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
     import statistics
 
-    figs = figures_dir()
-    if drawn and "agreement" in drawn:
-        drawn["agreement"].savefig(figs / "ch02_agreement.png", dpi=120)
-    else:
-        plot_agreement(m["runs"], figs / "ch02_agreement.png")
-    agree = {}
-    for (model, design), r in m["runs"].items():
-        agree.setdefault(model, {})[design] = {
-            "vs_recompute_max": value(max(r["vs_recompute"]), "logit"),
-            "vs_recompute_median": value(statistics.median(r["vs_recompute"]), "logit"),
-            "vs_library_max": value(max(r["vs_library"]), "logit"),
-            "vs_library_median": value(statistics.median(r["vs_library"]), "logit"),
-            "logit_scale": value(r["scale"], "logit"),
-            "steps": value(len(r["tokens"]), "steps"),
-            "tokens_identical": value(r["tokens_identical"], None)}
-    values = {
-        "agreement": agree,
-        "chunked_prefill": {**{d: {f"chunk{c}": value(x, "logit") for c, x in by_c.items()}
-                               for d, by_c in m["chunked"].items()},
-                            "tokens": value(m["settings"]["chunk_tokens"], "tokens")},
-        "fork": {d: {"parent_vs_recompute": value(r["parent_vs_recompute"], "logit"),
-                     "child_vs_recompute": value(r["child_vs_recompute"], "logit"),
-                     "parent_untouched": value(r["parent_untouched"], None),
-                     "shared_mib": value(r["shared_bytes"] / 2**20, "MiB", note="storage parent and child share"),
-                     "parent_mib": value(r["parent_bytes"] / 2**20, "MiB"),
-                     "prefix": value(m["settings"]["fork_prefix"], "tokens")} for d, r in m["fork"].items()},
-        "crop": {d: value(x, "logit") for d, x in m["crop"].items()},
-        "crop_positions": {"kept": value(m["settings"]["crop_keep"], "positions"),
-                           "dropped": value(m["settings"]["crop_drop"], "positions")},
-        "bytes": {d: {k: value(v, "bytes") for k, v in r.items()} for d, r in m["bytes"].items()},
-        "bytes_positions": {"tokens": value(m["settings"]["bytes_tokens"], "positions"),
-                            "batch": value(m["settings"]["bytes_batch"], "sequences")},
-    }
+    s, v = m["settings"], {}
+    if "runs" in m:
+        v["agreement"] = {}
+        for (model, design), r in m["runs"].items():
+            v["agreement"].setdefault(model, {})[design] = {
+                "vs_recompute_max": value(max(r["vs_recompute"]), "logit"),
+                "vs_recompute_median": value(statistics.median(r["vs_recompute"]), "logit"),
+                "vs_library_max": value(max(r["vs_library"]), "logit"),
+                "vs_library_median": value(statistics.median(r["vs_library"]), "logit"),
+                "logit_scale": value(r["scale"], "logit"),
+                "steps": value(len(r["tokens"]), "steps"),
+                "tokens_identical": value(r["tokens_identical"], None)}
+    if "chunked" in m:
+        v["chunked_prefill"] = {**{d: {f"chunk{c}": value(x, "logit") for c, x in by_c.items()}
+                                   for d, by_c in m["chunked"].items()},
+                                "tokens": value(s["chunk_tokens"], "tokens")}
+    if "fork" in m:
+        v["fork"] = {d: {"parent_vs_recompute": value(r["parent_vs_recompute"], "logit"),
+                         "child_vs_recompute": value(r["child_vs_recompute"], "logit"),
+                         "parent_untouched": value(r["parent_untouched"], None),
+                         "shared_mib": value(r["shared_bytes"] / 2**20, "MiB", note="storage parent and child share"),
+                         "parent_mib": value(r["parent_bytes"] / 2**20, "MiB"),
+                         "prefix": value(s["fork_prefix"], "tokens")} for d, r in m["fork"].items()}
+    if "crop" in m:
+        v["crop"] = {d: value(x, "logit") for d, x in m["crop"].items()}
+        v["crop_positions"] = {"kept": value(s["crop_keep"], "positions"),
+                               "dropped": value(s["crop_drop"], "positions")}
+    if "bytes" in m:
+        v["bytes"] = {d: {k: value(x, "bytes") for k, x in r.items()} for d, r in m["bytes"].items()}
+        v["bytes_positions"] = {"tokens": value(s["bytes_tokens"], "positions"),
+                                "batch": value(s["bytes_batch"], "sequences")}
     if "decode" in m:
         t = m["decode"]
-        values["decode_ms"] = {
+        v["decode_ms"] = {
             **{d: value(r["median"] * 1e3, "ms", iqr=r["iqr"] * 1e3, n=r["n"], threads=r["threads"],
                         note=f"median of {r['n']} decode steps in turns, SmolLM2") for d, r in t.items()},
-            "context": value(m["settings"]["decode_context"], "tokens"),
+            "context": value(s["decode_context"], "tokens"),
             "rounds": value(t["static"]["n"], "steps"),
             "static_over_concat": value(t["static"]["median"] / t["concat"]["median"], "x",
                                         note="median static step / median concat step")}
     if "bf16" in m:  # the same agreement, model and cache in bfloat16 (transformers' model too)
         r = m["bf16"]
-        values["agreement_bf16"] = {
+        v["agreement_bf16"] = {
             "vs_recompute_max": value(max(r["vs_recompute"]), "logit"),
             "vs_library_max": value(max(r["vs_library"]), "logit"),
             "logit_scale": value(r["scale"], "logit"), "steps": value(len(r["tokens"]), "steps"),
             "tokens_identical": value(r["tokens_identical"], None),
             "recompute_steps": value(max(r["vs_recompute"]) / (2 ** -8 * r["scale"]), "bfloat16 steps",
                                      note="largest difference in steps of 2^-8 of the largest logit")}
-    identical = all(r["tokens_identical"] for r in m["runs"].values())
-    values["all_tokens_identical"] = value(identical, None)
+    if "runs" in m:
+        v["all_tokens_identical"] = value(all(r["tokens_identical"] for r in m["runs"].values()), None)
+    return v
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch02. `drawn` holds figures a notebook already drew ({"agreement": fig}): they are
+    saved as they are, not drawn a second time."""
+    figs = figures_dir()
+    if drawn and "agreement" in drawn:
+        drawn["agreement"].savefig(figs / "ch02_agreement.png", dpi=120)
+    else:
+        plot_agreement(m["runs"], figs / "ch02_agreement.png")
+    v = values(m)
     figures = {"agreement": {"path": figs / "ch02_agreement.png",
                              "caption": "Largest logit difference of the cached forward from each oracle, "
                                         "per decode step"}}
-    write_section(SECTION, values, provenance(manifest=m["manifests"]), figures=figures)
-    return values
+    write_section(SECTION, v, provenance(manifest=m["manifests"]), figures=figures)
+    return v

@@ -260,18 +260,11 @@ def measure(quick_mode=None) -> dict:
                 engine=engine_check(smol, s["requests"], s["new_tokens"], s["prompt"]))
 
 
-def record(m: dict, hazards_figure=None) -> dict:
-    """Write section ch04 and its figure. A notebook passes the figure it already drew, which is saved
-    as it is rather than drawn a second time."""
-    import matplotlib.pyplot as plt
-
-    figs = figures_dir()
-    if hazards_figure is None:
-        plt.close(plot_hazards(m["hazards"], figs / "ch04_hazards.png"))
-    else:
-        finish(hazards_figure, figs / "ch04_hazards.png")
-    values = {"hazards": {}}
-    for name, r in m["hazards"].items():
+def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    values = {"hazards": {}} if "hazards" in m else {}
+    for name, r in m.get("hazards", {}).items():
         values["hazards"][name] = {
             "delta_median": value(r["delta_median"], "logit"), "delta_max": value(r["delta_max"], "logit"),
             "argmax_agree": value(r["argmax_agree"], None, note=f"trials of {r['trials']} with the same top token"),
@@ -289,20 +282,23 @@ def record(m: dict, hazards_figure=None) -> dict:
                                                 "matrix moves by it"),
                 "relative_update": value(r["relative_update"], None,
                                          note="median over matrices of |update| / |weight| (Frobenius norms)")}
-    e = m["engine"]
-    values["hazard_prefix"] = value(m["settings"]["prefix"], "tokens", note="held-out tokens before the next one")
-    values["engine"] = {"requests": value(m["settings"]["requests"], "requests"),
-                        "new_tokens": value(m["settings"]["new_tokens"], "tokens", note="greedy tokens a request"),
-                        "calls": value(e["calls"], "calls"), "hits": value(e["hits"], "calls"),
-                        "misses": value(e["misses"], "calls"),
-                        "positions_per_request": value(e["positions"], "positions"),
-                        "positions_per_request_median": value(statistics.median(e["positions"]), "positions"),
-                        "recompute_positions_per_request": value(e["recompute_positions"], "positions"),
-                        "tokens_identical": value(e["tokens_identical"], None)}
-    r = m["refusal"]
-    values["refusal"] = {"refused_ms": value(r["refused"] * 1e3, "ms"),
-                         "recompute_ms": value(r["recompute"] * 1e3, "ms"),
-                         "ratio": value(r["refused"] / r["recompute"], "x")}
+    if "hazards" in m:
+        values["hazard_prefix"] = value(m["settings"]["prefix"], "tokens", note="held-out tokens before the next one")
+    if "engine" in m:
+        e = m["engine"]
+        values["engine"] = {"requests": value(m["settings"]["requests"], "requests"),
+                            "new_tokens": value(m["settings"]["new_tokens"], "tokens", note="greedy tokens a request"),
+                            "calls": value(e["calls"], "calls"), "hits": value(e["hits"], "calls"),
+                            "misses": value(e["misses"], "calls"),
+                            "positions_per_request": value(e["positions"], "positions"),
+                            "positions_per_request_median": value(statistics.median(e["positions"]), "positions"),
+                            "recompute_positions_per_request": value(e["recompute_positions"], "positions"),
+                            "tokens_identical": value(e["tokens_identical"], None)}
+    if "refusal" in m:
+        r = m["refusal"]
+        values["refusal"] = {"refused_ms": value(r["refused"] * 1e3, "ms"),
+                             "recompute_ms": value(r["recompute"] * 1e3, "ms"),
+                             "ratio": value(r["refused"] / r["recompute"], "x")}
     if "key_cost" in m:
         kc = m["key_cost"]
         values["key_cost_us"] = {f"T{T}": timed(c["key"], 1e6, "µs", f"prefix_key over {T} ids") for T, c in kc.items()}
@@ -338,11 +334,25 @@ def record(m: dict, hazards_figure=None) -> dict:
         if kc:
             values["weights_check"] |= dict(share=share(per_call, "per_call_us"),
                                             fingerprint_share=share(c["fingerprint"]["median"], "one fingerprint"))
+    return values
+
+
+def record(m: dict, hazards_figure=None) -> dict:
+    """Write section ch04 and its figure. A notebook passes the figure it already drew, which is saved
+    as it is rather than drawn a second time."""
+    import matplotlib.pyplot as plt
+
+    figs = figures_dir()
+    if hazards_figure is None:
+        plt.close(plot_hazards(m["hazards"], figs / "ch04_hazards.png"))
+    else:
+        finish(hazards_figure, figs / "ch04_hazards.png")
+    v = values(m)
     figures = {"hazards": {"path": figs / "ch04_hazards.png",
                            "caption": "Wrong reuse of a cache, hazard by hazard: logit error and the fraction "
                                       "of trials whose top token is still right"}}
-    write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
-    return values
+    write_section(SECTION, v, provenance(manifest=m["manifest"]), figures=figures)
+    return v
 
 
 def timed(t: dict, scale: float, unit: str, note: str) -> dict:

@@ -263,28 +263,22 @@ def measure(quick_mode=None) -> dict:
     )
 
 
-def record(m: dict, drawn: dict | None = None) -> dict:
-    """Write section ch05 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
-    {"utilization": fig, "block_tables": fig, "speed": fig}."""
-    figs, drawn = figures_dir(), drawn or {}
-    plots = {"utilization": lambda path: plot_utilization(m["utilization"], path),
-             "block_tables": plot_block_tables, "speed": lambda path: plot_speed(m["speed"], path)}
-    for name, plot in plots.items():
-        path = figs / f"ch05_{name}.png"
-        if name in drawn:
-            finish(drawn[name], path)
-        else:
-            plot(path)
-    values = {"utilization": {}, "concurrency": {}, "speed": {}, "agreement": {}}
-    for d, u in m["utilization"].items():
-        values["utilization"][d] = {k: value(v * 100, "%") for k, v in u.items()}
+def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    values = {k: {} for k in ("utilization", "concurrency", "speed", "agreement") if k in m}
+    for d, u in m.get("utilization", {}).items():
+        values["utilization"][d] = {k: value(x * 100, "%") for k, x in u.items()}
         values["utilization"][d]["paged_16_by_manager"] = value(m["by_manager"][d] * 100, "%",
                                                                 note="through the real BlockManager")
         values["utilization"][d]["mean_input"] = value(m["means"][d][0], "tokens", note=SYNTHETIC)
         values["utilization"][d]["mean_output"] = value(m["means"][d][1], "tokens", note=SYNTHETIC)
-        values["concurrency"][d] = {k: value(v, "requests") for k, v in m["concurrency"][d].items()}
-    values["concurrency"]["budget_positions"] = value(m["budget_positions"], "positions",
-                                                      note="1 GiB of 16-bit SmolLM2 cache")
+    for d, c in m.get("concurrency", {}).items():
+        values["concurrency"][d] = {k: value(x, "requests") for k, x in c.items()}
+    if "concurrency" in m:
+        values["concurrency"]["budget_positions"] = value(m["budget_positions"], "positions",
+                                                          note="1 GiB of 16-bit SmolLM2 cache")
+
     def timing(r):
         return {"paged_ms": value(r["paged"]["median"] * 1e3, "ms", min=r["paged"]["min"] * 1e3, n=r["paged"]["n"]),
                 "gather_ms": value(r["gather"]["median"] * 1e3, "ms", min=r["gather"]["min"] * 1e3),
@@ -300,23 +294,40 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                 "ratio_lowest": value(r["ratio_range"][0], "x", n=r["repeats"]),
                 "ratio_highest": value(r["ratio_range"][1], "x", n=r["repeats"])}
 
-    for (B, L), r in m["speed"].items():
+    for (B, L), r in m.get("speed", {}).items():
         entry = values["speed"].setdefault(f"B{B}", {})[f"T{L}"] = timing(r)
         if "cold" in r:
             entry |= spread(r)
             for name in LONG_CASES:
                 entry[name] = timing(r[name]) | spread(r[name])
-    for ps, r in m["agreement"].items():
+    for ps, r in m.get("agreement", {}).items():
         values["agreement"][f"page{ps}"] = {"identical": value(r["identical"], None),
                                             "max_abs": value(r["max_diff"], "logit"),
                                             "median_abs": value(r["median_diff"], "logit")}
-    values["agreement"]["ragged_batch_identical"] = value(m["ragged"]["identical"], None,
-                                                          note=f"lengths {m['ragged']['lengths']}")
+    if "agreement" in m:
+        values["agreement"]["ragged_batch_identical"] = value(m["ragged"]["identical"], None,
+                                                              note=f"lengths {m['ragged']['lengths']}")
+    return values
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch05 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
+    {"utilization": fig, "block_tables": fig, "speed": fig}."""
+    figs, drawn = figures_dir(), drawn or {}
+    plots = {"utilization": lambda path: plot_utilization(m["utilization"], path),
+             "block_tables": plot_block_tables, "speed": lambda path: plot_speed(m["speed"], path)}
+    for name, plot in plots.items():
+        path = figs / f"ch05_{name}.png"
+        if name in drawn:
+            finish(drawn[name], path)
+        else:
+            plot(path)
+    v = values(m)
     figures = {"utilization": {"path": figs / "ch05_utilization.png",
                                "caption": "Share of reserved KV memory holding real tokens against page size"},
                "block_tables": {"path": figs / "ch05_block_tables.png",
                                 "caption": "A live cache's pages: page ids, owners and block tables"},
                "speed": {"path": figs / "ch05_speed.png",
                          "caption": "Decode attention over pages against a contiguous cache, CPU"}}
-    write_section(SECTION, values, provenance(manifest=m["manifest"]), figures=figures)
-    return values
+    write_section(SECTION, v, provenance(manifest=m["manifest"]), figures=figures)
+    return v

@@ -271,17 +271,11 @@ def measure(quick_mode=None) -> dict:
     return m
 
 
-def record(m: dict, drawn: dict | None = None) -> dict:
-    """Write section ch06 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
-    {"hit_rate": fig, "ttft": fig, "roc": fig, "costs": fig}."""
-    figs, drawn = figures_dir(), drawn or {}
-    draw = {"hit_rate": lambda p: plot_hit_rate(m["sweep"], p), "ttft": lambda p: plot_ttft(m["ttft"], p),
-            "roc": lambda p: plot_roc(m["side_channel"], p), "costs": lambda p: plot_costs(m["economics"], p)}
-    for name, plot in draw.items():
-        path = figs / f"ch06_{name}.png"
-        finish(drawn[name], path) if name in drawn else plot(path)
-    v = {"workloads": {}, "ttft": {}}
-    for name, r in m["sweep"].items():
+def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    v = {k: {} for k, part in (("workloads", "sweep"), ("ttft", "ttft")) if part in m}
+    for name, r in m.get("sweep", {}).items():
         key, sh = name.replace(" ", "_").replace("-", "_"), r["shape"]
         best = r["runs"][-1]
         v["workloads"][key] = {
@@ -293,48 +287,74 @@ def record(m: dict, drawn: dict | None = None) -> dict:
             "computed_best": value(best["computed_tokens"], "positions", of=sh["tokens"]),
             "by_pool": {f"p{x['num_pages']}": value(100 * x["hit_rate"], "%", computed=x["computed_tokens"],
                                                     evicted=x["evicted_pages"]) for x in r["runs"]}}
-    for L, r in m["ttft"].items():
+    for L, r in m.get("ttft", {}).items():
         v["ttft"][f"T{L}"] = {"hit_ms": value(r["hit"]["median"] * 1e3, "ms", iqr=r["hit"]["iqr"] * 1e3,
                                               n=r["hit"]["n"]),
                               "miss_ms": value(r["miss"]["median"] * 1e3, "ms", iqr=r["miss"]["iqr"] * 1e3),
                               "ratio": value(r["ratio"], "x"), "cached": value(r["cached"], "tokens")}
-    v["ttft"]["threads"] = value(m["threads"], "threads")
-    h = m["hashing"]
-    v["hashing_us_per_token"] = value(h["per_token"] * 1e6, "µs", tokens=h["tokens"], note="sha256, page 16")
-    e = m["economics"]
-    v["economics"] = {"seconds_per_token_ms": value(e["seconds_per_token"] * 1e3, "ms",
-                                                    note="SmolLM2 prefill time saved per cached token, this CPU"),
-                      "lab_cached_tokens": value(e["lab_cached"], "tokens"),
-                      "lab_computed_tokens": value(e["lab_computed"], "tokens"),
-                      "compute_saved_s": value(e["compute_saved_s"], "s", note="per conversation, this CPU")}
+    if "ttft" in m:
+        v["ttft"]["threads"] = value(m["threads"], "threads")
+    if "hashing" in m:
+        h = m["hashing"]
+        v["hashing_us_per_token"] = value(h["per_token"] * 1e6, "µs", tokens=h["tokens"], note="sha256, page 16")
+    if "economics" in m:
+        v["economics"] = economics_values(m["economics"])
+    if "side_channel" in m:
+        sc = m["side_channel"]
+        v["side_channel"] = {case: {"auc": value(sc[case]["auc"], None, trials=sc[case]["trials"]),
+                                    "right_ms": value(sc[case]["right_ms"], "ms"),
+                                    "wrong_ms": value(sc[case]["wrong_ms"], "ms")} for case in ("shared", "salted")}
+        v["side_channel"]["candidates"] = value(sc["candidates"], "prompts", page_size=sc["page_size"])
+    if "vllm" in m:
+        v["vllm"] = vllm_values(m["vllm"])
+    return v
+
+
+def economics_values(e: dict) -> dict:
+    """economics()'s output as results values."""
+    v = {"seconds_per_token_ms": value(e["seconds_per_token"] * 1e3, "ms",
+                                       note="SmolLM2 prefill time saved per cached token, this CPU"),
+         "lab_cached_tokens": value(e["lab_cached"], "tokens"),
+         "lab_computed_tokens": value(e["lab_computed"], "tokens"),
+         "compute_saved_s": value(e["compute_saved_s"], "s", note="per conversation, this CPU")}
     for name, c in e["costs"].items():
         key = name.split(",")[0].lower() + "_" + name.split(", ")[1].replace(" ", "_").replace("-", "_")
         source = "research/ch06/prices.md" + (", secondary sources" if PRICES[name].get("secondary") else "")
-        v["economics"][key] = {"without_cents": value(c["without"] * 100, "cents"),
-                               "cached_cents": value(c["cached"] * 100, "cents"),
-                               "saving": value(100 * (1 - c["cached"] / c["without"]), "%",
-                                               model=PRICES[name]["model"], note=source)}
-    sc = m["side_channel"]
-    v["side_channel"] = {case: {"auc": value(sc[case]["auc"], None, trials=sc[case]["trials"]),
-                                "right_ms": value(sc[case]["right_ms"], "ms"),
-                                "wrong_ms": value(sc[case]["wrong_ms"], "ms")} for case in ("shared", "salted")}
-    v["side_channel"]["candidates"] = value(sc["candidates"], "prompts", page_size=sc["page_size"])
-    vs = m["vllm"]
+        v[key] = {"without_cents": value(c["without"] * 100, "cents"),
+                  "cached_cents": value(c["cached"] * 100, "cents"),
+                  "saving": value(100 * (1 - c["cached"] / c["without"]), "%", model=PRICES[name]["model"],
+                                  note=source)}
+    return v
+
+
+def vllm_values(vs) -> dict:
+    """against_vllm()'s output as results values; NOT_RUN with the reason where `vs` is a string."""
     if isinstance(vs, str):
-        v["vllm"] = {"cached_identical": not_run(vs), "ttft_hit_ms": not_run(vs)}
-    else:
-        v["vllm"] = {"cached_identical": value(vs["cached_lab"] == vs["cached_vllm"], None,
-                                               lab=vs["cached_lab"], vllm=vs["cached_vllm"],
-                                               prompt_tokens=vs["prompt_tokens"]),
-                     "tokens_identical": value(vs["tokens_identical"], None, max_tokens=vs["max_tokens"]),
-                     "version": value(vs["vllm"], None), "lab_threads": value(vs["lab_threads"], "threads"),
-                     "vllm_cores": value(len(vs["core_ids"] or []), "cores", core_ids=vs["core_ids"])}
-        for side in ("lab", "vllm"):
-            t = vs["ttft"][side]
-            v["vllm"][side] = {"ttft_hit_ms": value(t["hit"] * 1e3, "ms", n=vs["rounds"]),
-                               "ttft_miss_ms": value(t["miss"] * 1e3, "ms", n=vs["rounds"]),
-                               "ratio": value(t["miss"] / t["hit"], "x"),
-                               "cached": value(vs["timing_cached"][side], "tokens", of=vs["prefix"])}
+        return {"cached_identical": not_run(vs), "ttft_hit_ms": not_run(vs)}
+    v = {"cached_identical": value(vs["cached_lab"] == vs["cached_vllm"], None, lab=vs["cached_lab"],
+                                   vllm=vs["cached_vllm"], prompt_tokens=vs["prompt_tokens"]),
+         "tokens_identical": value(vs["tokens_identical"], None, max_tokens=vs["max_tokens"]),
+         "version": value(vs["vllm"], None), "lab_threads": value(vs["lab_threads"], "threads"),
+         "vllm_cores": value(len(vs["core_ids"] or []), "cores", core_ids=vs["core_ids"])}
+    for side in ("lab", "vllm"):
+        t = vs["ttft"][side]
+        v[side] = {"ttft_hit_ms": value(t["hit"] * 1e3, "ms", n=vs["rounds"]),
+                   "ttft_miss_ms": value(t["miss"] * 1e3, "ms", n=vs["rounds"]),
+                   "ratio": value(t["miss"] / t["hit"], "x"),
+                   "cached": value(vs["timing_cached"][side], "tokens", of=vs["prefix"])}
+    return v
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section ch06 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
+    {"hit_rate": fig, "ttft": fig, "roc": fig, "costs": fig}."""
+    figs, drawn = figures_dir(), drawn or {}
+    draw = {"hit_rate": lambda p: plot_hit_rate(m["sweep"], p), "ttft": lambda p: plot_ttft(m["ttft"], p),
+            "roc": lambda p: plot_roc(m["side_channel"], p), "costs": lambda p: plot_costs(m["economics"], p)}
+    for name, plot in draw.items():
+        path = figs / f"ch06_{name}.png"
+        finish(drawn[name], path) if name in drawn else plot(path)
+    v = values(m)
     figures = {"hit_rate": {"path": figs / "ch06_hit_rate.png",
                             "caption": "Share of prompt tokens served from cache against pool size, LRU"},
                "ttft": {"path": figs / "ch06_ttft.png", "caption": "Time to first token, hit against miss"},

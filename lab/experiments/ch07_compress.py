@@ -259,48 +259,63 @@ def _quality_values(r: dict, **extra) -> dict:
 
 
 def values(m: dict) -> dict:
-    """The measurements `m` as section ch07 records them (results.value leaves)."""
-    s, ref_loss = m["settings"], m["quantized"]["float"]["ref_loss"]
-    passage = dict(passages=s["passages"], tokens=s["tokens"], decoded=s["decode"])
-    v = {"passages": value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"],
-                           decoded=s["decode"], note="held-out Shakespeare, SmolLM2, float32"),
-         "float_bytes": value(m["float_bytes"], "bytes", note="per position, K and V, every layer"),
-         "bf16_bytes": value(m["bf16_bytes"], "bytes"),
-         "ref_loss": value(ref_loss, "nats", note="the uncompressed model's mean loss on the decoded positions"),
-         "key_spread": {k: value(x, "x") for k, x in m["key_spread"].items()}, "quantized": {}}
-    for name, r in m["quantized"].items():
-        v["quantized"][name] = _quality_values(r, **passage)
-        v["quantized"][name]["held_share"] = value(100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]),
-                                                   "%", note="bytes held at the end / the float32 cache's")
-        if name in m["bytes_per_position"]:
-            bpp = m["bytes_per_position"][name]
-            v["quantized"][name]["bytes_per_position"] = value(bpp, "bytes", note="codes, scales, zero points")
-            v["quantized"][name]["over_bf16"] = value(bpp / m["bf16_bytes"], "x")
-    v["residual"] = {f"r{w}": _quality_values(r) for w, r in m["residual"].items()}
-    v["groups"] = {f"g{g}_v{vg}": _quality_values(r) | {"over_bf16": value(m["groups_bytes"][g, vg] / m["bf16_bytes"],
-                                                                         "x")} for (g, vg), r in m["groups"].items()}
-    o = m["outliers"]
-    v["outliers"] = {n: _quality_values(o[n]) for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")}
-    v["outliers"]["factor"] = value(o["factor"], "x", pairs=", ".join(map(str, o["pairs"])),
-                                    note="key channels scaled up, the matching query channels down")
-    v["outliers"]["same_function"] = value(o["same_function"], None, note="max |logit difference| to SmolLM2")
-    v["outliers"]["key_spread"] = {k: value(x, "x") for k, x in o["key_spread"].items()}
-    v["eviction"] = {name: {"loss": value(r["loss"], "nats", ref_loss=r["ref_loss"]),
-                            "kl": value(r["kl"], "nats"), "top1": value(100 * r["top1"], "%")}
-                     for name, r in m["eviction"].items()}
-    v["rerotate"] = {f"sinks_{b}": {"loss": value(r["loss"], "nats"), "kl": value(r["kl"], "nats"),
-                                    "kept_positions_loss": value(m["eviction"][f"sinks_{b}"]["loss"], "nats")}
-                     for b, r in m["rerotate"].items()}
-    v["transformers"] = {name: _quality_values(r) | {"held_share": value(
-        100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]), "%",
-        settings=", ".join(f"{k}={x}" for k, x in r["settings"].items()))} for name, r in m["transformers"].items()}
-    v["kvpress"] = kvpress_agreement.values(m["kvpress"])
-    st = m["steps"]
-    v["steps"] = {name: {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
-                         "over_float": value(t["median"] / st["float"]["median"], "x")} for name, t in st.items()}
-    v["steps"]["context"] = value(s["step_context"], "tokens", threads=m["threads"])
-    v["steps"]["int8_kernel_gpu"] = not_run("the INT8 Triton kernel's bandwidth is measured by the GPU script "
-                                            "(section ch05_gpu)")
+    """The measurements `m` as section ch07 records them (results.value leaves), from every part that m holds: a
+    notebook sets each part's verdicts beside the book's as soon as it has measured that part (lab.verdicts)."""
+    s, v = m["settings"], {}
+    if "prefill" in m:
+        v["passages"] = value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"],
+                              decoded=s["decode"], note="held-out Shakespeare, SmolLM2, float32")
+    if "float_bytes" in m:
+        v["float_bytes"] = value(m["float_bytes"], "bytes", note="per position, K and V, every layer")
+        v["bf16_bytes"] = value(m["bf16_bytes"], "bytes")
+    if "quantized" in m:
+        passage = dict(passages=s["passages"], tokens=s["tokens"], decoded=s["decode"])
+        v["ref_loss"] = value(m["quantized"]["float"]["ref_loss"], "nats",
+                              note="the uncompressed model's mean loss on the decoded positions")
+        v["key_spread"] = {k: value(x, "x") for k, x in m["key_spread"].items()}
+        v["quantized"] = {}
+        for name, r in m["quantized"].items():
+            v["quantized"][name] = _quality_values(r, **passage)
+            v["quantized"][name]["held_share"] = value(
+                100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]), "%",
+                note="bytes held at the end / the float32 cache's")
+            if name in m["bytes_per_position"]:
+                bpp = m["bytes_per_position"][name]
+                v["quantized"][name]["bytes_per_position"] = value(bpp, "bytes", note="codes, scales, zero points")
+                v["quantized"][name]["over_bf16"] = value(bpp / m["bf16_bytes"], "x")
+    if "residual" in m:
+        v["residual"] = {f"r{w}": _quality_values(r) for w, r in m["residual"].items()}
+    if "groups" in m:
+        v["groups"] = {f"g{g}_v{vg}": _quality_values(r) | {"over_bf16": value(
+            m["groups_bytes"][g, vg] / m["bf16_bytes"], "x")} for (g, vg), r in m["groups"].items()}
+    if "outliers" in m:
+        o = m["outliers"]
+        v["outliers"] = {n: _quality_values(o[n]) for n in ("per_token_8", "per_token_8_smooth", "per_tensor_8")}
+        v["outliers"]["factor"] = value(o["factor"], "x", pairs=", ".join(map(str, o["pairs"])),
+                                        note="key channels scaled up, the matching query channels down")
+        v["outliers"]["same_function"] = value(o["same_function"], None, note="max |logit difference| to SmolLM2")
+        v["outliers"]["key_spread"] = {k: value(x, "x") for k, x in o["key_spread"].items()}
+    if "eviction" in m:
+        v["eviction"] = {name: {"loss": value(r["loss"], "nats", ref_loss=r["ref_loss"]),
+                                "kl": value(r["kl"], "nats"), "top1": value(100 * r["top1"], "%")}
+                         for name, r in m["eviction"].items()}
+    if "rerotate" in m:
+        v["rerotate"] = {f"sinks_{b}": {"loss": value(r["loss"], "nats"), "kl": value(r["kl"], "nats"),
+                                        "kept_positions_loss": value(m["eviction"][f"sinks_{b}"]["loss"], "nats")}
+                         for b, r in m["rerotate"].items()}
+    if "transformers" in m:
+        v["transformers"] = {name: _quality_values(r) | {"held_share": value(
+            100 * r["nbytes"] / (r["batch"] * r["length"] * m["float_bytes"]), "%",
+            settings=", ".join(f"{k}={x}" for k, x in r["settings"].items()))} for name, r in m["transformers"].items()}
+    if "kvpress" in m:
+        v["kvpress"] = kvpress_agreement.values(m["kvpress"])
+    if "steps" in m:
+        st = m["steps"]
+        v["steps"] = {name: {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
+                             "over_float": value(t["median"] / st["float"]["median"], "x")} for name, t in st.items()}
+        v["steps"]["context"] = value(s["step_context"], "tokens", threads=m["threads"])
+        v["steps"]["int8_kernel_gpu"] = not_run("the INT8 Triton kernel's bandwidth is measured by the GPU script "
+                                                "(section ch05_gpu)")
     return v
 
 

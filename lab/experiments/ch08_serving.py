@@ -35,9 +35,9 @@ SYNTHETIC = "synthetic requests: random token ids (lab.experiments.ch08_serving)
 
 
 def settings(quick_mode: bool) -> dict:
-    if quick_mode:
+    if quick_mode:  # long=768: three chunks and more, so chunking at least halves the worst gap, as in the book
         return dict(prompt=64, output=16, levels=(1, 4, 8), sequential=2, pools=(10, 14, 64), pool_requests=6,
-                    long=512, chunk=256, decoders=3, shared_system=256, shared_requests=6, profile_batch=8,
+                    long=768, chunk=256, decoders=3, shared_system=256, shared_requests=6, profile_batch=8,
                     http_levels=(1, 4), http_prompt=32, http_output=16, rates=(1.0, 4.0), rate_requests=6,
                     rounds=1,
                     max_prompt=64, max_output=16, vllm=False, timeout_s=120)
@@ -264,6 +264,88 @@ def measure(quick_mode=None, http_runs=True) -> dict:
     return m
 
 
+def values(m: dict) -> dict:
+    """The section's values, from every part of the measurements that m holds: a notebook sets each part's
+    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    s = m["settings"]
+    shape = f"{s['prompt']}-token prompts, {s['output']} tokens out"
+    v = {"threads": value(m["threads"], "threads"),
+         "shape": {"prompt": value(s["prompt"], "tokens"), "output": value(s["output"], "tokens"),
+                   "http_prompt": value(s["http_prompt"], "tokens"), "http_output": value(s["http_output"], "tokens")}}
+    if "batching" in m:
+        b = m["batching"]
+        v["batching"] = {f"c{c}": value(r["tok_s"], "tok/s", seconds=r["seconds"], steps=r["steps"],
+                                        mean_batch=r["mean_batch"], note=shape) for c, r in b["batched"].items()}
+        v["batching"]["sequential"] = value(b["sequential"]["tok_s"], "tok/s", requests=b["sequential"]["requests"],
+                                            note=shape)
+        top = max(b["batched"])
+        v["batching"]["gain"] = value(b["batched"][top]["tok_s"] / b["sequential"]["tok_s"], "x",
+                                      note=f"{top} requests at once against one at a time")
+    if "chunked" in m:
+        c = m["chunked"]
+        v["chunked"] = {k: {"itl_max_ms": value(r["itl_max_s"] * 1e3, "ms", note="worst decode step while the "
+                                                f"{s['long']}-token prompt was prefilled"),
+                            "itl_median_ms": value(r["itl_median_s"] * 1e3, "ms"),
+                            "ttft_long_ms": value(r["ttft_long_s"] * 1e3, "ms", chunks=r["long_chunks"]),
+                            "max_batch_tokens": value(r["max_batch_tokens"], "tokens")} for k, r in c.items()}
+        v["chunked"] |= {"stall_ratio": value(c["whole"]["itl_max_s"] / c["chunked"]["itl_max_s"], "x"),
+                         "long": value(s["long"], "tokens"), "decoders": value(s["decoders"], "requests")}
+    if "preemption" in m:
+        p = m["preemption"]
+        v["preemption"] = {f"p{k}": {"preemptions": value(r["preemptions"], "preemptions"),
+                                     "recomputed": value(r["computed"] - r["ideal"], "positions", ideal=r["ideal"]),
+                                     "seconds": value(r["seconds"], "s", steps=r["steps"]),
+                                     "identical": value(r["identical"], None)} for k, r in p["runs"].items()}
+        v["preemption"]["need"] = value(p["need"], "pages", note="one request at its longest")
+        v["preemption"]["requests"] = value(p["requests"], "requests")
+        v["preemption"]["all_pages"] = value(p["all_pages"], "pages", note="every request at its longest, at once")
+    if "prefix" in m:
+        x = m["prefix"]
+        v["prefix"] = {k: {"computed": value(x[k]["computed"], "positions", of=x["prompt_tokens"]),
+                           "cached": value(x[k]["cached"], "positions"),
+                           "seconds": value(x[k]["seconds"], "s"),
+                           "ttft_median_ms": value(x[k]["ttft_median_s"] * 1e3, "ms")} for k in ("cached", "uncached")}
+        v["prefix"]["speedup"] = value(x["uncached"]["seconds"] / x["cached"]["seconds"], "x",
+                                       note=f"{s['shared_requests']} requests, {s['shared_system']}-token system "
+                                            "prompt")
+        v["prefix"] |= {"identical": value(x["identical"], None), "requests": value(s["shared_requests"], "requests"),
+                        "system": value(s["shared_system"], "tokens")}
+    if "profile" in m:
+        v["profile"] = step_cost.profile_values(m["profile"])
+    if "step_costs" in m:
+        v["step_costs"] = step_cost.step_costs_values(m["step_costs"])
+    if "timeline" in m:
+        t = m["timeline"]
+        v["timeline"] = {"steps": value(t["steps"], "steps"), "preemptions": value(t["preemptions"], "preemptions"),
+                         "requests": step_cost.timeline_values(t["timeline"])}
+    if "http" in m:
+        v["http"] = http_values(m["http"], s)
+    return v
+
+
+def http_values(h: dict | None, s: dict) -> dict:
+    """http()'s output as results values (NOT_RUN where a server did not run, or where h is None)."""
+    if h is None:
+        return {"lab": not_run("run without the servers")}
+    v = {}
+    for side in ("lab", "vllm", "lab_one_process", "lab_bf16", "vllm_bf16"):
+        r = h[side]
+        v[side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else loadgen.values(r)
+    c16 = compared(s)[0]
+    v["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
+    v["rounds"] = value(s["rounds"], "runs", note="of each server at 16 and 64 requests in flight")
+    if isinstance(h["vllm"], dict):
+        v["ratio"] = loadgen.ratio(h, "lab", "vllm", c16, f"lab server over vLLM's, {c16} requests in flight, same "
+                                   "two cores, float32")
+        v["ratios"] = loadgen.ratios(h, {"float32": ("lab", "vllm"), "bfloat16": ("lab_bf16", "vllm_bf16")},
+                                     compared(s))
+        v |= loadgen.agreement_values(h["agreement"])
+    if isinstance(h.get("lab_one_process"), dict):
+        v["process_gain"] = loadgen.ratio(h, "lab", "lab_one_process", c16, "engine in its own process over in the "
+                                          f"server's, {c16} requests in flight")
+    return v
+
+
 def record(m: dict, drawn: dict | None = None) -> dict:
     """Write section ch08 and its figures (drawn: a notebook's figures, saved as they are)."""
     figs, drawn = figures_dir(), drawn or {}
@@ -274,70 +356,7 @@ def record(m: dict, drawn: dict | None = None) -> dict:
     for name, plot in draw.items():
         path = figs / f"ch08_{name}.png"
         finish(drawn[name], path) if name in drawn else plot(path)
-    s, b = m["settings"], m["batching"]
-    shape = f"{s['prompt']}-token prompts, {s['output']} tokens out"
-    v = {"threads": value(m["threads"], "threads"),
-         "shape": {"prompt": value(s["prompt"], "tokens"), "output": value(s["output"], "tokens"),
-                   "http_prompt": value(s["http_prompt"], "tokens"), "http_output": value(s["http_output"], "tokens")},
-         "batching": {f"c{c}": value(r["tok_s"], "tok/s", seconds=r["seconds"], steps=r["steps"],
-                                     mean_batch=r["mean_batch"], note=shape)
-                      for c, r in b["batched"].items()}}
-    v["batching"]["sequential"] = value(b["sequential"]["tok_s"], "tok/s", requests=b["sequential"]["requests"],
-                                        note=shape)
-    top = max(b["batched"])
-    v["batching"]["gain"] = value(b["batched"][top]["tok_s"] / b["sequential"]["tok_s"], "x",
-                                  note=f"{top} requests at once against one at a time")
-    c = m["chunked"]
-    v["chunked"] = {k: {"itl_max_ms": value(r["itl_max_s"] * 1e3, "ms", note="worst decode step while the "
-                                            f"{s['long']}-token prompt was prefilled"),
-                        "itl_median_ms": value(r["itl_median_s"] * 1e3, "ms"),
-                        "ttft_long_ms": value(r["ttft_long_s"] * 1e3, "ms", chunks=r["long_chunks"]),
-                        "max_batch_tokens": value(r["max_batch_tokens"], "tokens")} for k, r in c.items()}
-    v["chunked"] |= {"stall_ratio": value(c["whole"]["itl_max_s"] / c["chunked"]["itl_max_s"], "x"),
-                     "long": value(s["long"], "tokens"), "decoders": value(s["decoders"], "requests")}
-    p = m["preemption"]
-    v["preemption"] = {f"p{k}": {"preemptions": value(r["preemptions"], "preemptions"),
-                                 "recomputed": value(r["computed"] - r["ideal"], "positions", ideal=r["ideal"]),
-                                 "seconds": value(r["seconds"], "s", steps=r["steps"]),
-                                 "identical": value(r["identical"], None)} for k, r in p["runs"].items()}
-    v["preemption"]["need"] = value(p["need"], "pages", note="one request at its longest")
-    v["preemption"]["requests"] = value(p["requests"], "requests")
-    v["preemption"]["all_pages"] = value(p["all_pages"], "pages", note="every request at its longest, at once")
-    x = m["prefix"]
-    v["prefix"] = {k: {"computed": value(x[k]["computed"], "positions", of=x["prompt_tokens"]),
-                       "cached": value(x[k]["cached"], "positions"),
-                       "seconds": value(x[k]["seconds"], "s"),
-                       "ttft_median_ms": value(x[k]["ttft_median_s"] * 1e3, "ms")} for k in ("cached", "uncached")}
-    v["prefix"]["speedup"] = value(x["uncached"]["seconds"] / x["cached"]["seconds"], "x",
-                                   note=f"{s['shared_requests']} requests, {s['shared_system']}-token system prompt")
-    v["prefix"] |= {"identical": value(x["identical"], None), "requests": value(s["shared_requests"], "requests"),
-                    "system": value(s["shared_system"], "tokens")}
-    v["profile"] = step_cost.profile_values(m["profile"])
-    if "step_costs" in m:
-        v["step_costs"] = step_cost.step_costs_values(m["step_costs"])
-    t = m["timeline"]
-    v["timeline"] = {"steps": value(t["steps"], "steps"), "preemptions": value(t["preemptions"], "preemptions"),
-                     "requests": step_cost.timeline_values(t["timeline"])}
-    h = m["http"]
-    if h is None:
-        v["http"] = {"lab": not_run("run without the servers")}
-    else:
-        v["http"] = {}
-        for side in ("lab", "vllm", "lab_one_process", "lab_bf16", "vllm_bf16"):
-            r = h[side]
-            v["http"][side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else loadgen.values(r)
-        c16 = compared(s)[0]
-        v["http"]["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
-        v["http"]["rounds"] = value(s["rounds"], "runs", note="of each server at 16 and 64 requests in flight")
-        if isinstance(h["vllm"], dict):
-            v["http"]["ratio"] = loadgen.ratio(h, "lab", "vllm", c16, f"lab server over vLLM's, {c16} requests in "
-                                               "flight, same two cores, float32")
-            v["http"]["ratios"] = loadgen.ratios(h, {"float32": ("lab", "vllm"), "bfloat16": ("lab_bf16", "vllm_bf16")},
-                                                 compared(s))
-            v["http"] |= loadgen.agreement_values(h["agreement"])
-        if isinstance(h.get("lab_one_process"), dict):
-            v["http"]["process_gain"] = loadgen.ratio(h, "lab", "lab_one_process", c16, "engine in its own process "
-                                                      f"over in the server's, {c16} requests in flight")
+    v, h = values(m), m["http"]
     figures = {"timeline": {"path": figs / "ch08_timeline.png",
                             "caption": "Requests admitted, prefilled in chunks, decoded and preempted, step by step"},
                "throughput": {"path": figs / "ch08_throughput.png",

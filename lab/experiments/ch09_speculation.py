@@ -40,7 +40,7 @@ PAGE = 16
 
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
-        return dict(passages=2, prompt=200, new=12, ks=(1, 4), drafts=("lookup", "window", "kivi2", "early20"),
+        return dict(passages=2, prompt=200, new=12, ks=(4, 8), drafts=("lookup", "window", "kivi2", "early20"),
                     budget_prompt=192, budget_passages=1, budgets=(64, 128), bits=(2,), contexts=(256, 1024),
                     context_new=8, reps=1, rollback_context=256, rollback_reps=3, engine_levels=(1, 4),
                     engine_prompt=96, engine_new=16, turns=2, hf=True, vllm=False, speed_drafts=("lookup", "window"))
