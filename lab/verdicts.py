@@ -71,7 +71,7 @@ def _judge(m, doc, source) -> str:
         return MISSING if missing else f"cannot be evaluated ({e})"
     if m["kind"] == "verdict" and isinstance(value, bool):
         yes, no = claims.verdict_words(m["words"])
-        return yes if value else no
+        return " ".join((yes if value else no).split())          # words the source wrapped across lines
     return "holds" if value is True else "does not hold"
 
 
@@ -149,7 +149,7 @@ def beside(chapter, *prefixes, why="", values=None, mine=None, book=COMMITTED, b
         for key, b, y in r.values if r in differ else ():
             print("      " + textwrap.shorten(f"{key}: the book {b}, yours {y}", WIDTH - 6))
     print(f"Your run agrees with the book on {len(judged) - len(differ)} of the {len(judged)} verdict(s) it "
-          f"measured" + (f" ({len(rows) - len(judged)} not measured in quick mode)." if len(judged) < len(rows)
-                         else "."))
+          f"measured" + (f" ({len(rows) - len(judged)} not measured: quick mode skips them, or a later cell "
+                         "measures them)." if len(judged) < len(rows) else "."))
     if differ:
         print("Where it differs: " + (why or "your run is shorter than the book's, and on another machine."))

@@ -419,7 +419,7 @@ else:
 # The figures drawn above are saved as they are.
 
 # %%
-m["vllm"] = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
+m["vllm"] = "the notebook does not start vLLM (about a minute); `make results` runs the comparison"
 ch06.record(m, drawn={"hit_rate": fig_hit_rate, "ttft": fig_ttft, "roc": fig_roc, "costs": fig_costs})
 print("wrote section ch06 to", results.results_path())
 
