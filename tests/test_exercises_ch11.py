@@ -8,15 +8,20 @@ of the fleet's memory; for a callable policy in lab.fleet, the built-in policies
 route exactly as the names do; for the measurement, the book's value at the key the chapter's experiment writes.
 """
 
+import _thread
+import bisect
+import gc
 import random
+import sys
 from itertools import repeat
 
 import pytest
 import torch
+from attacks import forked, in_thread
 
 from lab import results
 from lab.engine import PrefixCachingBackend, RadixCache, RecomputeBackend
-from lab.exercises import ch11
+from lab.exercises import ch11, rules
 from lab.exercises import ch11_solutions as sol11
 from lab.fleet import FleetError, Router, WorkerState, simulate
 from lab.models import load
@@ -262,6 +267,144 @@ class UsesTheLibrary:
         return self.rc.tree()
 
 
+class ScanInAThread(ListScan):
+    """The list again, its scan run in a worker thread: the step counter counts the calling thread."""
+
+    def match(self, ids):
+        return in_thread(super().match, ids)
+
+
+HELD_START = _thread.start_new_thread          # taken before any check, as a reader's module could
+
+
+class TreeButScanInARawThread(sol11.RadixTree):
+    """A real tree for insert and tree(), but match scans a list of the sequences, in a thread started through a
+    start taken before the check and called from C (map: no call of it that a profile hook sees), the result waited
+    for on a lock."""
+
+    def __init__(self):
+        super().__init__()
+        self.scan = ListScan()
+
+    def insert(self, ids):
+        super().insert(ids)
+        self.scan.insert(ids)
+
+    def match(self, ids):
+        out, done = [], _thread.allocate_lock()
+        done.acquire()
+
+        def work():
+            out.append(self.scan.match(ids))
+            done.release()
+        return list(map(HELD_START, [work], [()])) and done.acquire() and out[0]
+
+
+class ScanInAChild(ListScan):
+    """The list again, its scan run in a child process made by os.fork."""
+
+    def match(self, ids):
+        return forked(super().match, ids)
+
+
+class ScanWithTracingOff(ListScan):
+    """The list again, its scan run after switching the counter off (sys.settrace(None)), and on again after."""
+
+    def match(self, ids):
+        counter = sys.gettrace()
+        sys.settrace(None)
+        try:
+            return super().match(ids)
+        finally:
+            sys.settrace(counter)
+
+
+class ScanWithTheCounterReset(ListScan):
+    """The list again, with the counter's own defaults swapped for a tick that counts nothing, then put back."""
+
+    def match(self, ids):
+        counter = sys.gettrace()
+        tick, me = counter.__defaults__
+        counter.__defaults__ = (lambda: None, me)
+        try:
+            return super().match(ids)
+        finally:
+            counter.__defaults__ = (tick, me)
+
+
+class ScanWithLineEventsOff(ListScan):
+    """The list again, its own frame's line events switched off (frame.f_trace_lines = False)."""
+
+    def match(self, ids):
+        sys._getframe().f_trace_lines = False
+        return super().match(ids)
+
+
+class FindsTheLibraryThroughGC(sol11.RadixTree):
+    """A RadixCache found among the garbage collector's objects (one made before the check, its methods raise)."""
+
+    def match(self, ids):
+        caches = [o for o in gc.get_objects() if type(o).__name__ == "RadixCache"]
+        return super().match(ids) if not caches else super().match(ids)
+
+
+class TrieShownCompressed(sol11.RadixTree):
+    """A trie inside (a node per token: no run is ever split), compressed only when tree() shows it: its matches and
+    its tree are right, and its inserts and matches cost what a radix tree's do; showing it walks every token."""
+
+    def insert(self, ids):
+        node = self.root
+        for t in ids:
+            node = node.setdefault(t, [(t,), {}])[1]
+        node[None] = None                                        # a sequence ends here
+
+    def match(self, ids):
+        node, n = self.root, 0
+        for t in ids:
+            if t not in node:
+                break
+            node, n = node[t][1], n + 1
+        return n
+
+    def tree(self, node=None):
+        out = {}
+        for t, edge in (self.root if node is None else node).items():
+            if t is None:
+                continue
+            run, child = [t], edge[1]
+            while None not in child and len(child) == 1:         # one way on, no end: the run goes on
+                (t,) = child
+                run.append(t)
+                child = child[t][1]
+            out[tuple(run)] = self.tree(child)
+        return out
+
+
+class SortedWithBisect:
+    """The sequences in a sorted list: a match reads its neighbours (bisect, in C), an insert is insort (in C); the
+    tree is built again from the list whenever tree() is asked."""
+
+    def __init__(self):
+        self.seqs = []
+
+    def insert(self, ids):
+        ids = tuple(ids)
+        at = bisect.bisect_left(self.seqs, ids)
+        if at == len(self.seqs) or self.seqs[at] != ids:
+            self.seqs.insert(at, ids)
+
+    def match(self, ids):
+        ids = tuple(ids)
+        at = bisect.bisect_left(self.seqs, ids)
+        return max((lcp(self.seqs[j], ids) for j in (at - 1, at) if 0 <= j < len(self.seqs)), default=0)
+
+    def tree(self):
+        t = sol11.RadixTree()
+        for s in self.seqs:
+            t.insert(s)
+        return t.tree()
+
+
 class PatchesTheOracle(sol11.RadixTree):
     def match(self, ids):
         ch11.common_prefix = lambda a, b: 0
@@ -284,13 +427,49 @@ class ReturnsAFloat(sol11.RadixTree):
     (UsesTheLibrary, "forbidden shortcut"),
     (PatchesTheOracle, "changed lab.exercises.ch11.common_prefix"),
     (ReturnsAFloat, "must return a number of tokens"),
+    (ScanInAChild, "started a process"),
+    (ScanWithTheCounterReset, "changed the code or defaults"),
+    (ScanWithLineEventsOff, "read the interpreter's frames"),
+    (FindsTheLibraryThroughGC, "looked objects up"),
+    (TrieShownCompressed, "steps of Python to show a tree"),
+    (SortedWithBisect, "steps of Python to show a tree"),
 ], ids=["trie", "list", "list-showing-a-tree", "rebuilt-on-insert", "splits-on-match", "whole-runs-only",
-        "no-split", "uses-RadixCache", "patches-the-oracle", "a-float"])
+        "no-split", "uses-RadixCache", "patches-the-oracle", "a-float", "scan-in-a-child-process",
+        "counter-reset", "line-events-off", "finds-the-library-through-gc", "trie-shown-compressed",
+        "sorted-list-with-bisect"])
 def test_radix_tree_wrong_answers_fail(wrong, message):
     with pytest.raises(AssertionError, match=message) as e:
         ch11.check_radix_tree(wrong, seed=11)
     assert "seed=11" in str(e.value)
     assert ch11.common_prefix.__name__ == "common_prefix" and RadixCache.match.__code__.co_name == "match"
+
+
+def test_radix_check_fails_scan_in_thread():
+    """sys.settrace counts the thread that set it: a scan in a worker thread went uncounted. Starting a thread
+    raises while the reader's tree runs (threading.Thread, _thread.start_new_thread: by name or held from before);
+    a start the watch cannot see (called from C) gives itself away when the reader waits for its result."""
+    with pytest.raises(AssertionError, match="started a thread"):
+        ch11.check_radix_tree(ScanInAThread, seed=11)
+    with pytest.raises(AssertionError, match="waited for a lock that is held"):
+        ch11.check_radix_tree(TreeButScanInARawThread, seed=11)
+
+
+def test_radix_check_fails_scan_with_tracing_off():
+    """sys.settrace(None) inside match switched the counter off (and back on before returning): the audit hook
+    refuses any sys.settrace or sys.setprofile while the reader's tree runs, and an error caught still fails."""
+    with pytest.raises(AssertionError, match=r"set a trace or profile function \(sys.settrace\)"):
+        ch11.check_radix_tree(ScanWithTracingOff, seed=11)
+
+    class Swallows(ListScan):
+        def match(self, ids):
+            try:
+                sys.settrace(None)
+            except AssertionError:
+                pass
+            return super().match(ids)
+
+    with pytest.raises(AssertionError, match="caught the error"):
+        ch11.check_radix_tree(Swallows, seed=11)
 
 
 def test_a_scan_exceeds_the_budget_tenfold():
@@ -301,7 +480,23 @@ def test_a_scan_exceeds_the_budget_tenfold():
         if op == "insert":
             scan.insert(ids)
     last = [ids for op, ids in ops if op == "match"][-1]
-    assert ch11._counted(scan.match, last)[1] > 10 * ch11.budget(last)
+    with rules.counting_steps() as steps:
+        assert ch11._counted(scan.match, last, steps)[1] > 10 * ch11.budget(last)
+
+
+def test_the_tree_budget_lies_between_a_walk_and_a_trie():
+    """On 2 draws, showing the tree costs the reference at most 6.5 steps a node (+ 1) and a tree with list children
+    5.5, on every trace; a trie compressed only when shown 50 or more on the first trace (the system prompts, whose
+    runs hold many tokens): the budget, STEPS_PER_NODE, lies 3 x above the one and 2.5 x below the other."""
+    def worst(cls, ops, checkpoints):
+        run = ch11._run_tree(cls, ops, checkpoints)
+        return max(run["shown"][i] / (len(ch11._nodes(run["trees"][i])) + 1) for i in run["shown"])
+
+    for seed in range(2):
+        traces = ch11.radix_traces(seed)
+        assert all(worst(cls, ops, cps) <= 6.5 for cls in (sol11.RadixTree, ListChildren) for _, ops, cps in traces)
+        assert worst(TrieShownCompressed, *traces[0][1:]) >= 50
+    assert 3 * 6.5 <= ch11.STEPS_PER_NODE <= 50 / 2.5
 
 
 def test_the_reference_stays_far_below_the_budget():
@@ -382,6 +577,47 @@ def test_routing_wrong_answers_fail(wrong, message):
         ch11.check_routing_policy(wrong, seed=1)
     assert "seed=1" in str(e.value) or wrong == "kv_aware"
     assert ch11._baselines.__name__ == "_baselines"
+
+
+def inflates_the_stats_through_frames(ids, workers):
+    """Round robin, and the Router found up the call stack: its engines' cached_tokens raised at every request (the
+    hit rate simulate reports is read from them). Outside a check it reaches 0.76 on seed 1's 4 workers (one pool:
+    0.74)."""
+    frame = sys._getframe(1)
+    while not isinstance(frame.f_locals.get("self"), Router):
+        frame = frame.f_back
+    for engine in frame.f_locals["self"].engines:
+        engine.stats["cached_tokens"] += 50
+    return sum(w.calls for w in workers) % len(workers)
+
+
+def inflates_the_stats_through_gc(ids, workers):
+    """The same, the engines found among the garbage collector's objects."""
+    for engine in [o for o in gc.get_objects() if isinstance(o, PrefixCachingBackend)]:
+        engine.stats["cached_tokens"] += 50
+    return sum(w.calls for w in workers) % len(workers)
+
+
+@pytest.mark.parametrize("policy, message", [(inflates_the_stats_through_frames, "read the interpreter's frames"),
+                                             (inflates_the_stats_through_gc, "looked objects up")],
+                         ids=["frames", "gc"])
+def test_routing_check_fails_a_policy_that_reaches_the_simulation(policy, message):
+    with pytest.raises(AssertionError, match=message):
+        ch11.check_routing_policy(policy, seed=1)
+
+
+def hashed_first_page(ids, workers):
+    """Consistent hashing of the prompt's first page: a routing idea that reads no cache, but piles a popular
+    prompt on one worker."""
+    return hash(tuple(ids[:workers[0].page_size])) % len(workers)
+
+
+def test_hashing_the_first_page_alone_fails_on_balance():
+    """Hashing keeps each prompt on one worker (no cache read), so the most popular one, about a quarter of the
+    requests, lands whole on one worker. With a cap on each worker's share it is a real routing idea (bounded-load
+    consistent hashing) and wins back 0.75 to 0.83 on two draws of three, 0.71 on the third: close to the bar."""
+    with pytest.raises(AssertionError, match="requests to one worker"):
+        ch11.check_routing_policy(hashed_first_page, seed=1)
 
 
 def test_everything_to_one_worker_fails_even_where_its_hit_rate_is_the_best(monkeypatch, tiny):

@@ -2,12 +2,14 @@
 the acceptance rate of prompt lookup on copied text.
 
 Exercise 1 runs the reader's rule on drafts drawn fresh at every run (`seed=` draws the same ones again) while the
-library's own rule, `accept_sampled`, raises, and compares what it emits with the target's exact probabilities.
+library's own rule, `accept_sampled`, raises, and compares what it emits with the exact law of the rule: the
+probability of every output of a verify step (the kept guesses and the token after them), worked out from p and q.
 Exercise 2 hands the reader's rollback a ListCache, a cache with no crop of its own, after every verify step of a
 draft that guesses wrong at known places, and compares the next logits with recomputation without a cache.
 Exercise 3 measures, and sets the number beside the book's.
 """
 
+import collections
 import functools
 import math
 import random
@@ -25,18 +27,29 @@ from .rules import drawn_with, fresh_seed, functions_raise, unchanged
 
 # ---- exercise 1: the acceptance rule --------------------------------------------------------------------------
 
-DRAFTS = 3          # drafts per check, each a (p, q) pair
+DRAFTS = 3          # drafts per check, each a (p, q) pair; the first guesses k = 3 tokens, the others 2 or 3
 DRAWS = 6000        # verify steps per draft: a frequency's standard error is at most sqrt(0.25 / 6000) = 0.0065
-Z = 5               # standard errors allowed: a correct rule fails about once in 20,000 checks
+# A correct rule fails a check about once in 13,000 (the two tests below, at most 4.5e-5 + 3.2e-5 a check):
+# - Z, the standard errors a token's frequency or a rate may stray: at most 3 V + 2 <= 26 of them a draft, 78 a
+#   check, each outside Z = 5 with probability 5.7e-7: at most 4.5e-5 a check, once in 22,000;
+# - ALPHA, the chi-square test of a draft's whole output against its exact law (MIN_EXPECTED steps or more a cell).
+#   With cells that small the chi-square distribution understates the statistic's tail: on 1.8e7 simulated checks
+#   of correct rules (multinomial counts from the exact law of 9 drafts, 2e6 each), a nominal 3e-6 failed
+#   between 5e-6 and 1.05e-5 of them a draft (a nominal 1e-5, 2.1e-5 to 2.9e-5): at most 3.2e-5 a check.
+Z = 5
+ALPHA = 3e-6
+MIN_EXPECTED = 5    # expected steps per cell of the chi-square test: rarer outputs are pooled (_cells)
 
 
 def drafts(seed) -> list[tuple]:
-    """DRAFTS pairs (p `[k + 1, V]`, q `[k, V]`) drawn from `seed`: V from 5 to 8, k 2 or 3, every row a softmax
-    of normal logits (scale 2). A pair is kept when each guess's exact acceptance, sum_x min(p_i(x), q_i(x)), lies
-    in 0.25..0.75: the rule keeps and rejects often, and p and q differ (their total variation is 1 - that)."""
+    """DRAFTS pairs (p `[k + 1, V]`, q `[k, V]`) drawn from `seed`: V from 5 to 8, k 3 in the first (a rejection
+    after two kept guesses happens in every check) and 2 or 3 in the others, every row a softmax of normal logits
+    (scale 2). A pair is kept when each guess's exact acceptance, sum_x min(p_i(x), q_i(x)), lies in 0.25..0.75:
+    the rule keeps and rejects often, and p and q differ (their total variation is 1 - that)."""
     g, out = torch.Generator().manual_seed(seed), []
     while len(out) < DRAFTS:
         V, k = int(torch.randint(5, 9, (), generator=g)), int(torch.randint(2, 4, (), generator=g))
+        k = k if out else 3
         p = torch.softmax(2 * torch.randn(k + 1, V, generator=g), -1)      # [k + 1, V] the target's
         q = torch.softmax(2 * torch.randn(k, V, generator=g), -1)          # [k, V] the draft's
         beta = torch.minimum(p[:k], q).sum(-1)                             # [k]
@@ -51,7 +64,7 @@ def _emitted(accept, p, q, seed) -> tuple:
     g, k = torch.Generator().manual_seed(seed), q.shape[0]
     guesses = torch.stack([torch.multinomial(q[i], DRAWS, replacement=True, generator=g) for i in range(k)], 1)
     guesses = guesses.tolist()                                             # [DRAWS][k]
-    with unchanged(__name__), functions_raise(accept_sampled):
+    with unchanged(__name__), functions_raise(accept_sampled, output_law):
         outs = [accept(p.clone(), q.clone(), list(guess), g) for guess in guesses]
     return guesses, outs
 
@@ -97,6 +110,87 @@ def _rate(what, hits, n, want, hint) -> float:
     return abs(hits / n - want) / se
 
 
+def output_law(p, q) -> dict:
+    """The oracle: the exact probability of every output of one verify step, the k guesses drawn from q position
+    by position, as {tokens emitted: probability}; outputs the rule never emits are left out.
+
+    An output is m kept guesses x_0 .. x_{m-1} and one more token y. Guess i is drawn with probability q_i(x) and
+    kept with min(1, p_i(x) / q_i(x)): together min(p_i(x), q_i(x)). A rejection at m (probability 1 - beta_m) draws
+    y from max(0, p_m - q_m) / (1 - beta_m): together max(0, p_m(y) - q_m(y)). After k kept guesses, the bonus y has
+    probability p_k(y). So P(x_0 .. x_{m-1}, y) = prod_{i < m} min(p_i(x_i), q_i(x_i)) x (max(0, p_m(y) - q_m(y))
+    if m < k, else p_k(y)), in float64, normalised (float32 rows sum to 1 within 1e-7)."""
+    k = q.shape[0]
+    p, q = p.double(), q.double()
+    keep = torch.minimum(p[:k], q).tolist()                                  # [k][V] drawn and kept
+    last = torch.cat([(p[:k] - q).clamp(min=0), p[k:]]).tolist()              # [k + 1][V] the token after m kept
+    law, kept = {}, {(): 1.0}                                                # kept prefix -> its probability
+    for m in range(k + 1):
+        law |= {prefix + (y,): pr * w for prefix, pr in kept.items() for y, w in enumerate(last[m]) if w > 0}
+        if m < k:
+            kept = {prefix + (x,): pr * w for prefix, pr in kept.items() for x, w in enumerate(keep[m]) if w > 0}
+    total = sum(law.values())
+    return {out: pr / total for out, pr in law.items()}
+
+
+def _cells(law, n) -> list[list]:
+    """The outputs of `law` in cells of at least MIN_EXPECTED expected counts in n steps, fixed before any output is
+    seen: a likely output alone; the rare ones pooled with the rare ones of the same length and last token (what
+    the rule draws after the same number of kept guesses), then of the same length, then all together (a last
+    pool still short joins the smallest cell)."""
+    cells, rare = [[o] for o in law if n * law[o] >= MIN_EXPECTED], [o for o in law if n * law[o] < MIN_EXPECTED]
+    for key in (lambda o: (len(o), o[-1]), len, lambda o: 0):
+        groups = {}
+        for o in rare:
+            groups.setdefault(key(o), []).append(o)
+        rare = []
+        for group in groups.values():
+            if n * sum(law[o] for o in group) >= MIN_EXPECTED:
+                cells.append(group)
+            else:
+                rare += group
+    if rare:
+        min(cells, key=lambda c: sum(law[o] for o in c)).extend(rare)
+    return cells
+
+
+def _describe(cell) -> str:
+    if len(cell) == 1:
+        out = cell[0]
+        return f"the output {list(out)} ({len(out) - 1} guesses kept, then {out[-1]})"
+    lengths, lasts = {len(o) for o in cell}, {o[-1] for o in cell}
+    if len(lengths) == 1 and len(lasts) == 1:
+        return f"the {len(cell)} rare outputs that keep {len(cell[0]) - 1} guesses and end in token {cell[0][-1]}"
+    if len(lengths) == 1:
+        return f"the {len(cell)} rare outputs that keep {len(cell[0]) - 1} guesses"
+    return f"{len(cell)} rare outputs pooled"
+
+
+def _whole_output(name, law, outs) -> float:
+    """Assert that the outputs `outs` (token tuples) follow `law` as a whole: none the rule never emits, and a
+    chi-square test over _cells at significance ALPHA. Returns the test's p-value."""
+    counts = collections.Counter(outs)
+    never = [o for o in counts if o not in law]
+    assert not never, (                       # every kept prefix and every bonus is possible: a rejection's token
+        f"{name}: your function emitted {list(never[0])} ({counts[never[0]]} times), which the rule never emits: "
+        f"after rejecting guess {len(never[0]) - 1} it draws from max(0, p - q) at that position, where token "
+        f"{never[0][-1]} has none (p <= q)")
+    n, cells = len(outs), _cells(law, len(outs))
+    seen = torch.tensor([sum(counts[o] for o in c) for c in cells], dtype=torch.float64)
+    want = n * torch.tensor([sum(law[o] for o in c) for c in cells], dtype=torch.float64)
+    parts = (seen - want) ** 2 / want
+    chi2, df = float(parts.sum()), len(cells) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2)))
+    worst = int(parts.argmax())
+    assert p_value >= ALPHA, (
+        f"{name}: the outputs as a whole do not follow the rule's exact law (chi-square {chi2:.0f} on {df} degrees "
+        f"of freedom, p = {p_value:.1g}; a correct rule falls below {ALPHA:g} about once in 100,000 drafts). Worst: "
+        f"{_describe(cells[worst])} came out {int(seen[worst])} times in {n} steps, {float(want[worst]):.1f} "
+        "expected. Every output must be as likely as the rule makes it, at every position: keep guess i with "
+        "probability min(1, p_i(x) / q_i(x)); at the first rejection draw from max(0, p_i - q_i) normalised (at "
+        "every position, not only the first); after k kept guesses draw the bonus from p_k")
+    return p_value
+
+
 def _judge(j, p, q, guesses, outs) -> dict:
     """The oracle, after the answers: the target's own probabilities, exactly."""
     k, V = q.shape
@@ -120,8 +214,9 @@ def _judge(j, p, q, guesses, outs) -> dict:
                    float(beta.prod()), "When every guess is kept, draw one more token from p_k"))
     z.append(_frequencies(f"{name}, the bonus token after {k} kept guesses", [o[k] for o in full], p64[k],
                           "The bonus is a draw from p_k, the target's probabilities after the last guess"))
+    p_value = _whole_output(name, output_law(p, q), [tuple(o) for o in outs])
     return dict(V=V, k=k, acceptance=len(kept) / len(outs), expected_acceptance=float(beta[0]),
-                worst_error_in_se=max(z))
+                worst_error_in_se=max(z), p_value=p_value)
 
 
 def check_acceptance(accept, seed=None) -> dict:
@@ -132,13 +227,16 @@ def check_acceptance(accept, seed=None) -> dict:
     probability min(1, p_i(x) / q_i(x)); at the first rejection, draw from max(0, p_i - q_i) normalised, and stop;
     if all k are kept, draw a bonus token from p_k. Return the kept guesses and the one drawn token.
 
-    The check draws three drafts from `seed` (V from 5 to 8, k 2 or 3), DRAWS guesses from each q, and runs your
-    function on every one while `lab.engine.speculative.accept_sampled` raises. Then it verifies, against p and q
-    themselves, within Z standard errors: the first token emitted is distributed as p_0; the first guess is kept
-    at the exact rate sum_x min(p_0(x), q_0(x)); after a kept first guess, the second token follows p_1; all k are
-    kept at the rate prod_i sum_x min(p_i(x), q_i(x)), and the bonus follows p_k. Keeping every guess fails (the
-    tokens follow q), and so does rejecting every one (p_0 alone, but nothing accepted: no speed-up).
-    Returns, per draft, the acceptance measured and the exact one.
+    The check draws three drafts from `seed` (V from 5 to 8, k = 3 in the first, 2 or 3 in the others), DRAWS
+    guesses from each q, and runs your function on every one while `lab.engine.speculative.accept_sampled` raises.
+    Then it verifies, against p and q themselves: within Z standard errors, the first token emitted is distributed
+    as p_0, the first guess is kept at the exact rate sum_x min(p_0(x), q_0(x)), after a kept first guess the
+    second token follows p_1, all k are kept at the rate prod_i sum_x min(p_i(x), q_i(x)), and the bonus follows
+    p_k; and the outputs as a whole (kept guesses and the last token, every position) follow the rule's exact law
+    (`output_law`), by a chi-square test at significance ALPHA. Keeping every guess fails (the tokens follow q), and
+    so does rejecting every one (p_0 alone, but nothing accepted: no speed-up), and so does a rule right at the
+    first positions only.
+    Returns, per draft, the acceptance measured and the exact one, and the whole-output test's p-value.
     """
     seed = fresh_seed(seed)
     results = []
@@ -197,6 +295,16 @@ ATOL = 1e-5
 NO_CROP = "forbidden shortcut: the cache's crop and reset are the library's rollback; cut the chunks yourself"
 
 
+def _subclasses(cls) -> list:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+# The library's rollback: KVCache's crop and reset, and every cache's own _truncate in lab.cache (a ConcatCache's
+# cuts one tensor per layer: concatenate the chunks first, and it would do the exercise)
+LIBRARY_ROLLBACK = (KVCache.crop, KVCache.reset, *[c._truncate for c in [KVCache, *_subclasses(KVCache)]
+                                                   if c.__module__.startswith("lab.cache") and "_truncate" in vars(c)])
+
+
 def rollback_prompt() -> list[int]:
     rng = random.Random(PROMPT_SEED)
     return [rng.randrange(tiny_model().config.vocab_size) for _ in range(PROMPT)]
@@ -233,7 +341,7 @@ def stored(cache) -> list:
 def _roll_back(rollback, cache, n, what):
     """Run the reader's rollback(cache, n) while crop and reset raise, then check what the cache holds."""
     before, length = stored(cache), cache.length
-    with unchanged(__name__), functions_raise(KVCache.crop, KVCache.reset, why=NO_CROP):
+    with unchanged(__name__), functions_raise(*LIBRARY_ROLLBACK, why=NO_CROP):
         rollback(cache, n)
     assert not any(cache.pending), f"{what}: the cache holds pending positions {cache.pending}: leave them be"
     got = cache.length
@@ -271,11 +379,12 @@ def check_rollback(rollback) -> dict:
     chunks (the last one, or more, whole or in part) so that they hold positions 0 .. n - 1, and set
     `cache.length = n`. The check runs tiny-llama: a prefill of a 12-token prompt, then eight verify steps of
     K = 4 guesses each, through one ListCache; the draft guesses right ACCEPTS[i] times in step i, then wrong
-    (all 4 right, or none, in some). After each step it calls rollback(cache, n) while `cache.crop` and
-    `cache.reset` raise, and verifies: the cache's length is n; every layer holds exactly the first n positions it
-    held before; the next step's logits equal recomputation without a cache (`lab.models.forward`) within ATOL;
-    the tokens are plain greedy decoding's. Last, it rolls back 5 positions into the prompt (as a draft's own cache
-    must when the target rejected what it ran ahead) and checks the logits of everything fed again.
+    (all 4 right, or none, in some). After each step it calls rollback(cache, n) while `cache.crop`,
+    `cache.reset` and every lab cache's own truncation raise, and verifies: the cache's length is n; every layer
+    holds exactly the first n positions it held before; the next step's logits equal recomputation without a
+    cache (`lab.models.forward`) within ATOL; the tokens are plain greedy decoding's. Last, it rolls back 5
+    positions into the prompt (as a draft's own cache must when the target rejected what it ran ahead) and checks
+    the logits of everything fed again.
     Returns the lengths rolled back to and the tokens.
     """
     model = tiny_model()

@@ -31,7 +31,7 @@ from ..models import load
 from ..results import COMMITTED, ResultsKeyError
 from ..workloads import random_tokens, shape
 from . import compare_with_book
-from .rules import drawn_with, fresh_seed, functions_raise, unchanged
+from .rules import counting_steps, drawn_with, fresh_seed, functions_raise, no_escape, unchanged
 
 # ---- exercise 1: a radix tree -----------------------------------------------------------------------------------
 
@@ -46,9 +46,17 @@ NO_LIBRARY = "forbidden shortcut: this exercise asks you to write the radix tree
 # the drawn traces (tests/test_exercises_ch11.py measures it), a tree whose children are a list and are searched
 # one by one at most 19 x (no node here has more than a dozen children); a scan of the stored sequences takes
 # thousands of steps once 2,000 are stored, 10 x the budget. The count sees Python only: work done inside C
-# (slicing a tuple, comparing two) is free, which is why the budget can be a small multiple of the tokens.
+# (slicing a tuple, comparing two) is free, which is why the budget can be a small multiple of the tokens. It sees
+# this thread only, and cannot be switched off (rules.counting_steps): a scan in a thread or another process, or
+# one run after sys.settrace(None), fails as a shortcut.
 STEPS_PER_TOKEN = 40
 STEPS_FLAT = 200
+# tree() is counted too: STEPS_PER_NODE x (nodes + 1) + STEPS_FLAT, the nodes those of the compressed tree it shows.
+# Walking a compressed tree costs what its nodes cost: the reference at most 6.5 steps a node, a tree with list
+# children 5.5 (tests/test_exercises_ch11.py measures both). A trie (a node per token) that compresses only when
+# shown costs what the tokens cost: 57 to 73 steps a node on the first trace, whose runs hold many tokens (19 to 29
+# on the others); a tree built again from a list of the sequences at every tree() costs more still.
+STEPS_PER_NODE = 20
 MANY = 2000                 # sequences inserted in the third trace
 
 
@@ -127,30 +135,12 @@ def _many_trace(rng, vocab=4) -> tuple[list, set]:
     return ops, {len(ops) // 2, len(ops) - 1}
 
 
-class _Steps:
-    """A trace function (sys.settrace) that counts the calls and lines Python runs below it."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, frame, event, arg):       # a call: counted, and its lines are counted by `line`
-        self.n += 1
-        return self.line
-
-    def line(self, frame, event, arg):
-        self.n += event == "line"
-        return self.line
-
-
-def _counted(fn, ids) -> tuple:
-    """fn(ids) with the steps it took."""
-    steps, before = _Steps(), sys.gettrace()
-    sys.settrace(steps)
-    try:
-        out = fn(ids)
-    finally:
-        sys.settrace(before)
-    return out, steps.n
+def _counted(fn, ids, steps) -> tuple:
+    """fn(ids) with the steps of Python it took, read from `steps` (rules.counting_steps) before and after: the
+    difference less the first read's own tick and this function's two lines between the reads."""
+    before = steps()
+    out = fn(ids)
+    return out, steps() - before - 3
 
 
 def _as_tree(got, where) -> dict:
@@ -169,20 +159,32 @@ def budget(ids) -> int:
     return STEPS_PER_TOKEN * (len(ids) + 1) + STEPS_FLAT
 
 
-def _run_tree(make_tree, ops, checkpoints) -> dict:
+def tree_budget(tree) -> int:
+    """The most steps of Python tree() may take to show `tree` (nested dicts)."""
+    return STEPS_PER_NODE * (len(_nodes(tree)) + 1) + STEPS_FLAT
+
+
+def _run_tree(make_tree, ops, checkpoints, counter=None) -> dict:
     """The reader's answers to one trace: match lengths, steps per op, trees at the checkpoints. It stops after
-    an op over its budget: that fails whatever comes after (and a scan would take minutes to finish)."""
-    tree, answers, steps, trees = make_tree(), {}, [], {}
+    an op over its budget: that fails whatever comes after (and a scan would take minutes to finish). `counter`:
+    the steps() of a rules.counting_steps already running (by default, one of its own)."""
+    if counter is None:
+        with counting_steps() as counter:
+            return _run_tree(make_tree, ops, checkpoints, counter)
+    tree, answers, steps, trees, shown = make_tree(), {}, [], {}, {}
     for i, (op, ids) in enumerate(ops):
-        out, n = _counted(getattr(tree, op), list(ids))
+        out, n = _counted(getattr(tree, op), list(ids), counter)
         steps.append(n)
         if op == "match":
             answers[i] = out
         if n > budget(ids):
             break
         if i in checkpoints:
-            trees[i] = _as_tree(tree.tree(), f"after op {i}")
-    return dict(answers=answers, steps=steps, trees=trees)
+            got, shown[i] = _counted(lambda _: tree.tree(), None, counter)
+            trees[i] = _as_tree(got, f"after op {i}")
+            if shown[i] > tree_budget(trees[i]):                 # over budget for the tree it shows, too
+                break
+    return dict(answers=answers, steps=steps, trees=trees, shown=shown)
 
 
 def common_prefix(a, b) -> int:
@@ -258,6 +260,11 @@ def _check_trace(name, ops, run):
                     f"{name}, after op {i}: your tree differs from the compressed tree of the sequences inserted "
                     "(RadixCache's): " + (f"it has no node after {_show(missing[0])}" if missing else
                                           f"it has a node after {_show(extra[0])} that the sequences do not make"))
+            assert run["shown"][i] <= tree_budget(want), (
+                f"{name}, after op {i}: your tree() ran {run['shown'][i]} steps of Python to show a tree of "
+                f"{len(_nodes(want))} nodes; the budget is {tree_budget(want)} = {STEPS_PER_NODE} x (nodes + 1) + "
+                f"{STEPS_FLAT}. Showing a compressed tree walks its nodes; a tree kept a token per node (a trie), or "
+                "built again from the sequences stored, costs what their tokens cost")
     stored = 0
     for i, ((op, ids), n) in enumerate(zip(ops, run["steps"], strict=True)):
         assert n <= budget(ids), (
@@ -285,13 +292,17 @@ def check_radix_tree(make_tree, seed=None) -> dict:
     The check draws three traces from `seed` (`radix_traces`: a few system prompts behind a shared preamble,
     with duplicates, prefixes and the empty sequence; short sequences of three token values; MANY sequences of
     four) and runs a fresh tree of yours on each while everything of the library's radix module raises, counting
-    the Python steps of each insert and match. Only then does it replay them, and it fails:
+    the Python steps of each insert and match (in this thread: starting a thread or a process, or setting a trace
+    or profile function, fails the check). Only then does it replay them, and it fails:
     - a match whose length differs from the longest common prefix with every sequence inserted before;
     - a tree() that breaks the rules of a compressed tree (a run shared by two siblings, a node with one child
       where no sequence ends: a trie of one token per node) or differs from RadixCache's after the same inserts,
       after every op of the first two traces and twice in the third;
     - an insert or match that takes more than STEPS_PER_TOKEN x (tokens + 1) + STEPS_FLAT steps: a walk down the
-      tree costs what the sequence's length costs, a scan of the stored sequences what their number costs.
+      tree costs what the sequence's length costs, a scan of the stored sequences what their number costs;
+    - a tree() that takes more than STEPS_PER_NODE x (nodes + 1) + STEPS_FLAT steps: showing a compressed tree
+      walks its nodes, while a trie (a token per node) compressed only when shown, or a tree built again from the
+      stored sequences, costs what their tokens cost.
     """
     assert callable(make_tree), (
         f"check_radix_tree takes a class (or a function) that makes an empty tree, not {make_tree!r:.40}")
@@ -299,9 +310,9 @@ def check_radix_tree(make_tree, seed=None) -> dict:
     traces = radix_traces(seed)
     with drawn_with(seed, "check_radix_tree"):
         runs = []
-        with unchanged(__name__), functions_raise(*RADIX_LIBRARY, why=NO_LIBRARY):
+        with unchanged(__name__), counting_steps() as steps, functions_raise(*RADIX_LIBRARY, why=NO_LIBRARY):
             for _, ops, checkpoints in traces:
-                runs.append(_run_tree(make_tree, ops, checkpoints))
+                runs.append(_run_tree(make_tree, ops, checkpoints, steps))
                 if len(runs[-1]["steps"]) < len(ops):                  # over budget: the verdict is known
                     break
         for (name, ops, _), run in zip(traces, runs, strict=False):
@@ -388,7 +399,7 @@ def check_routing_policy(policy, seed=None) -> dict:
         for j, c in enumerate(cases):
             W = c["workers"]
             try:
-                with unchanged(__name__):
+                with unchanged(__name__), no_escape():
                     run = simulate(c["trace"], W, policy, c["pages"], model=model)
             except FleetError as e:
                 raise AssertionError(f"{W} workers: {e}") from None
