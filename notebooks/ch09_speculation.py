@@ -331,9 +331,11 @@ print("wrote section ch09 to", results.results_path())
 #    probabilities after the context and after each guess, q `[k, V]` the draft's, `guess` k ids drawn
 #    from q. Keep guess $i$ with probability $\min(1, p_i(x)/q_i(x))$; at the first rejection, draw from
 #    $\max(0, p_i - q_i)$ normalised and stop; if every guess is kept, draw one more token from $p_k$.
-#    The check, `ex.check_acceptance(accept)`, runs it on drafts you have not seen and counts: the first
-#    token must follow $p_0$, the second (after a kept first guess) $p_1$, and the acceptance rate must be
-#    $\sum_x \min(p_0(x), q_0(x))$. Accepting everything fails, and so does accepting nothing.
+#    The check, `ex.check_acceptance(accept)`, runs it thousands of times on drafts you have not seen and
+#    compares the law of everything it emits (the kept guesses and the token after them) with the rule's
+#    exact law, computed from p and q, by a chi-square test; it also checks that the first token follows
+#    $p_0$ and that the first guess is kept at the rate $\sum_x \min(p_0(x), q_0(x))$. Accepting
+#    everything fails, so does accepting nothing, and so does a shortcut after a later rejection.
 # 2. **Roll a cache back.** `ex.ListCache` keeps each layer's keys and values as a list of the chunks each
 #    forward stored, and has no `crop`. Write `rollback(cache, n)` that leaves it holding the first n
 #    positions. The check runs verify steps on the tiny model with a draft that is wrong at known places,

@@ -321,10 +321,11 @@ print("wrote section ch10 to", results.results_path())
 # 1. **Derive the absorbed query.** Write `latent_attention(q, c_k, c_v, U_k, U_v, group_size)`: `q`
 #    `[H_q, T, D]` are one layer's queries after RoPE at the last T positions, `c_k` and `c_v` `[L, r/2]`
 #    the cached latents of its keys and values (a latent of rank r holds r/2 values for each), `U_k` and
-#    `U_v` `[H_kv D, r/2]` their bases. Return the
-#    causal attention output `[H_q, T, D]`, computed in latent space. The check, `ex.check_latent_attention`, runs
-#    it on cases you have not seen against attention over rebuilt keys and values, and watches every tensor
-#    your function makes: rebuilding a key or a value, whole or a position at a time, fails.
+#    `U_v` `[H_kv D, r/2]` their bases. Return the causal attention output `[H_q, T, D]`, computed in latent
+#    space. The check, `ex.check_latent_attention`, runs it on cases you have not seen against attention over
+#    rebuilt keys and values, counts the work of every operation your function runs, and keeps your tensors
+#    inside torch: rebuilding keys or values, whole, padded or a position at a time, costs several times the
+#    absorbed form's work and fails, and so does taking values out to numpy.
 # 2. **Size a hybrid pool.** Write `local_pages(context, window, sinks, page_size, chunk)`: the most pages
 #    one sequence's local group ever holds while it grows to `context` positions in steps of `chunk`. The
 #    check, `ex.check_local_pages`, runs the real `HybridBlockManager` on random settings after your

@@ -44,7 +44,7 @@ from .rules import drawn_with, fresh_seed, functions_raise, unchanged
 # (or values) adds H_KV D R = 256 for the keys and H_Q T (D - R) = 840 for scoring against D channels instead of R.
 LENGTHS = (157, 211, 263)   # L of each case: prime, so that the rebuilt work a case costs grows with it
 D = 32                      # head_dim
-R = 4                       # the rank of each latent: c_k and c_v hold R values per position
+R = 4                       # values per position in each of c_k and c_v: r / 2, for a latent of rank r = 8
 H_KV, H_Q = 2, 6            # KV heads, query heads: each KV group serves H_Q / H_KV = 3 query heads
 T = 5                       # queries, at positions L - T .. L - 1 (a verify step; T > 1 so the mask matters)
 KEY_SCALE = 10.0            # c_k's spread: scores of standard deviation sqrt(100 x R / 2 / D) = 2.5 (softmax neither
@@ -227,10 +227,10 @@ def _run_latent(attend, case):
 def check_latent_attention(attend, seed=None) -> dict:
     """attend(q, c_k, c_v, U_k, U_v, group_size) -> `[H_q, T, D]`: one layer's attention, computed in latent space.
 
-    q `[H_q, T, D]`: the queries of positions L - T .. L - 1 after RoPE; c_k, c_v `[L, r]`: the cached latents of
-    that layer's keys and values, c_k = U_k^T k with k the keys of all H_kv KV heads side by side `[L, H_kv D]`;
-    U_k, U_v `[H_kv D, r]`; query head h reads KV group h // group_size. Turn each query head into latent
-    coordinates with its group's block of U_k (rows g D .. (g + 1) D - 1), attend over c_k and c_v with the
+    q `[H_q, T, D]`: the queries of positions L - T .. L - 1 after RoPE; c_k, c_v `[L, r/2]`: the cached latents
+    of that layer's keys and values (a latent of rank r holds r/2 values for each), c_k = U_k^T k with k the keys
+    of all H_kv KV heads side by side `[L, H_kv D]`; U_k, U_v `[H_kv D, r/2]`; query head h reads KV group
+    h // group_size. Turn each query head into latent coordinates with its group's block of U_k (rows g D .. (g + 1) D - 1), attend over c_k and c_v with the
     model's scale 1 / sqrt(D) and the causal mask (the query at L - T + i sees positions 0 .. L - T + i), and
     turn the output back with the group's block of U_v.
 
