@@ -230,11 +230,11 @@ def check_latent_attention(attend, seed=None) -> dict:
     q `[H_q, T, D]`: the queries of positions L - T .. L - 1 after RoPE; c_k, c_v `[L, r/2]`: the cached latents
     of that layer's keys and values (a latent of rank r holds r/2 values for each), c_k = U_k^T k with k the keys
     of all H_kv KV heads side by side `[L, H_kv D]`; U_k, U_v `[H_kv D, r/2]`; query head h reads KV group
-    h // group_size. Turn each query head into latent coordinates with its group's block of U_k (rows g D .. (g + 1) D - 1), attend over c_k and c_v with the
-    model's scale 1 / sqrt(D) and the causal mask (the query at L - T + i sees positions 0 .. L - T + i), and
-    turn the output back with the group's block of U_v.
+    h // group_size. Turn each query head into latent coordinates with its group's block of U_k (rows g D ..
+    (g + 1) D - 1), attend over c_k and c_v with the model's scale 1 / sqrt(D) and the causal mask (the query at
+    L - T + i sees positions 0 .. L - T + i), and turn the output back with the group's block of U_v.
 
-    The check draws three cases from `seed` (L = 157, 211, 263; D = 32, r = 4, 2 KV heads, 6 query heads, T = 5)
+    The check draws three cases from `seed` (L = 157, 211, 263; D = 32, r/2 = 4, 2 KV heads, 6 query heads, T = 5)
     and runs your function on each while `lab.models.retrofit`'s absorb_query, expand_output, reconstructing and
     from_latent raise, and so does every way to take a tensor's values out of torch (numpy, tolist, item, a
     printed tensor, a storage: CONVERSIONS). It watches every operation torch runs meanwhile, and fails:
