@@ -526,7 +526,7 @@ COLORS = {"plain": "tab:gray", "lookup": "tab:blue", "window": "tab:orange", "ki
 
 def plot_acceptance(runs: dict, path=None):
     """Acceptance against k, one line per draft, a panel per workload."""
-    fig, axes = plots.figure(ncols=len(runs), sharey=True)
+    fig, axes = plots.figure(ncols=len(runs), sharey=True, height=4.0)
     axes = np.atleast_1d(axes)
     for ax, (w, ds) in zip(axes, runs.items(), strict=True):
         for d, ks in ds.items():
@@ -537,18 +537,19 @@ def plot_acceptance(runs: dict, path=None):
         ax.set_xticks(xs, [str(k) for k in xs])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].set(ylabel="guesses accepted (%)", ylim=(0, 105))
-    axes[0].legend(loc="upper center", bbox_to_anchor=(0.5 * len(axes) + 0.05 * (len(axes) - 1), -0.2), ncols=2,
-                   frameon=False)
-    return finish(fig, path)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncols=2, frameon=False)
+    return finish(fig, path, rect=(0, 0.16, 1, 1))                    # the legend below both panels
 
 
 def plot_speed(speed: dict, path=None):
     """Decode tokens per second against context, plain and speculative."""
-    fig, ax = plots.figure()
+    fig, ax = plots.figure(height=4.2)
     cs = sorted(speed)
     for d in speed[cs[0]]:
         ax.plot(cs, [speed[c][d]["tok_s"] for c in cs], marker="o", label=NAMES.get(d, d), color=COLORS.get(d))
-    ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens / s", title="Speculative and plain")
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode tokens / s",
+           title="Speculative and plain")
+    plots.log_ticks(ax.yaxis)                                   # plain numbers: 2, 5, 10, 20, 50
     ax.set_xticks(cs, [f"{c:,}" for c in cs])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2, frameon=False)

@@ -385,19 +385,23 @@ ROUTER_NAMES = {"round_robin": "round robin", "least_loaded": "least loaded", "k
 
 
 def plot_routers(measured: dict, simulated: dict, path=None):
+    """Hit rate against workers, a line per policy (simulated) and a star per policy at 2 workers (measured)."""
+    from matplotlib.lines import Line2D
+
     fig, ax = plots.figure(height=4.2)
     for i, (policy, runs) in enumerate(simulated.items()):
-        name = ROUTER_NAMES.get(policy, policy)
         ax.plot([x["workers"] for x in runs], [100 * x["hit_rate"] for x in runs], "o-", color=f"C{i}",
-                label=f"{name}, simulated")
-        ax.plot([2], [100 * measured[policy]["hit_rate"]], "*", color=f"C{i}", markersize=12,
-                label=f"{name}, measured (2 workers, a smaller trace)")
+                label=f"{ROUTER_NAMES.get(policy, policy)}, simulated")
+        ax.plot([2], [100 * measured[policy]["hit_rate"]], "*", color=f"C{i}", markersize=12)
     ax.set(xscale="log", xlabel="workers", ylabel="hit rate (%)", ylim=(0, 100),
            title="Routers: prompt tokens from cache")
     workers = [x["workers"] for x in next(iter(simulated.values()))]
     ax.set_xticks(workers, [str(w) for w in workers])
     ax.minorticks_off()
-    ax.legend(ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    star = Line2D([], [], ls="none", marker="*", markersize=12, color="0.3",
+                  label="measured: 2 workers, a smaller trace")
+    ax.legend(handles=[*ax.get_legend_handles_labels()[0], star], ncols=2, loc="upper center",
+              bbox_to_anchor=(0.5, -0.2), frameon=False)
     return finish(fig, path)
 
 

@@ -222,6 +222,28 @@ def label_problems(fig, overlap_pt=OVERLAP_PT) -> list[str]:
     return problems
 
 
+def outside_problems(fig, tolerance_pt=OVERLAP_PT) -> list[str]:
+    """The visible texts of fig (legends, labels, titles) that reach past the figure's edges, where the saved PNG
+    cuts them off, described."""
+    fig.canvas.draw()
+    renderer, frame = fig.canvas.get_renderer(), fig.bbox
+    slack = tolerance_pt * fig.dpi / 72
+    axes = [a for ax in fig.axes for a in (ax.xaxis, ax.yaxis)]
+    ticks = {id(t) for a in axes for tick in a.get_major_ticks() + a.get_minor_ticks()
+             for t in (tick.label1, tick.label2)}
+    drawn = {id(t) for a in axes for side in tick_labels(a) for t in side}        # the ticks inside the view
+    out = []
+    for text in _visible_texts(fig):
+        if id(text) in ticks and id(text) not in drawn:
+            continue
+        box = text.get_window_extent(renderer)
+        if box.x0 < frame.x0 - slack or box.x1 > frame.x1 + slack or box.y0 < frame.y0 - slack \
+                or box.y1 > frame.y1 + slack:
+            label = text.get_text().strip().replace("\n", " ")
+            out.append(f"{label[:40]!r} reaches past the figure's edge")
+    return out
+
+
 # where label_points tries a label, in points from its point: right, left, above, below, then the corners
 LABEL_OFFSETS = ((5, -3, "left"), (-5, -3, "right"), (0, 6, "center"), (0, -13, "center"), (5, 5, "left"),
                  (-5, 5, "right"), (5, -12, "left"), (-5, -12, "right"), (8, -3, "left"), (-8, -3, "right"))
@@ -266,6 +288,10 @@ def check_legible(fig, name="figure", dpi=DPI, column_px=COLUMN_PX, min_pt=MIN_P
     under min_pt points where the book shows it, if tick labels or labels on the data overlap, or if an axis
     labels one tick."""
     ticks = tick_problems(fig)                     # first: it gives a shown figure a canvas that draws
+    cut = outside_problems(fig)
+    if cut:
+        raise FigureLegibilityError(f"{name}: {'; '.join(cut[:4])}: the PNG would cut it off. Shorten it, put the "
+                                    f"legend in fewer columns, or make the figure taller.")
     labels = label_problems(fig)
     if labels:
         raise FigureLegibilityError(f"{name}: {'; '.join(labels)}. Place them with plots.label_points, label "
