@@ -171,3 +171,15 @@ def test_label_points_places_close_labels_apart(tmp_path):
     assert len(ax.texts) == 3 and plots.label_problems(fig) == []
     plots.finish(fig, tmp_path / "kl.png")                       # the whole check passes, and the PNG is saved
     assert (tmp_path / "kl.png").exists()
+
+
+def test_a_legend_the_png_would_cut_off_is_refused(tmp_path):
+    # chapter 11's first routers figure: six long entries in two columns, wider than the figure
+    fig, ax = plots.figure(height=4.2)
+    for i in range(6):
+        ax.plot([2, 4], [i, i + 1], label=f"KV-aware (Dynamo's cost), measured (2 workers, a smaller trace) {i}")
+    ax.legend(ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    assert plots.outside_problems(fig)
+    with pytest.raises(plots.FigureLegibilityError, match="reaches past the figure's edge"):
+        plots.finish(fig, tmp_path / "routers.png")
+    assert not (tmp_path / "routers.png").exists()
