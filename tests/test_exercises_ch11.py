@@ -11,9 +11,10 @@ route exactly as the names do; for the measurement, the book's value at the key 
 import _thread
 import bisect
 import gc
+import operator
 import random
 import sys
-from itertools import repeat
+from itertools import repeat, takewhile
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def test_every_trace_holds_each_kind_of_op():
 
 def test_radix_tree_reference_passes(capsys):
     result = ch11.check_radix_tree(sol11.RadixTree)                    # fresh traces
-    assert result["steps_per_token"] <= 12 and result["nodes"] > ch11.MANY
+    assert result["steps_per_token"] <= 26 and result["nodes"] > ch11.MANY
     ch11.check_radix_tree(sol11.RadixTree, seed=3)
     assert "correct" in capsys.readouterr().out
 
@@ -472,16 +473,31 @@ def test_radix_check_fails_scan_with_tracing_off():
         ch11.check_radix_tree(Swallows, seed=11)
 
 
-def test_a_scan_exceeds_the_budget_tenfold():
-    """The steps of a scan against the budget, on the third trace's last match with all its sequences stored."""
+def test_a_scan_exceeds_the_budget_fivefold():
+    """The steps of a scan against the budget, on the third trace's last match with all its sequences stored, in
+    Python and inside C: the Tokens' comparisons are counted wherever they are made."""
     ops = ch11.radix_traces(2)[2][1]
-    scan = ListScanShowingATree()
-    for op, ids in ops:
-        if op == "insert":
-            scan.insert(ids)
-    last = [ids for op, ids in ops if op == "match"][-1]
-    with rules.counting_steps() as steps:
-        assert ch11._counted(scan.match, last, steps)[1] > 10 * ch11.budget(last)
+    last = [[ch11.Token(t) for t in ids] for op, ids in ops if op == "match"][-1]
+    for scan in (ListScanShowingATree(), ScanInC()):
+        for op, ids in ops:
+            if op == "insert":
+                scan.insert([ch11.Token(t) for t in ids])
+        with rules.counting_steps() as steps:
+            assert ch11._counted(scan.match, last, steps)[1] > 5 * ch11.budget(last), type(scan).__name__
+
+
+class ScanInC(ListScanShowingATree):
+    """The list scanned by C builtins only (map, takewhile, operator.eq): no line of Python runs per sequence."""
+
+    def match(self, ids):
+        ids = tuple(ids)
+        prefixes = map(takewhile, repeat(bool), map(map, repeat(operator.eq), repeat(ids), self.seqs))
+        return max(map(len, map(list, prefixes)), default=0)
+
+
+def test_radix_check_fails_a_scan_in_c():
+    with pytest.raises(AssertionError, match=r"ran \d+ steps of Python"):
+        ch11.check_radix_tree(ScanInC, seed=11)
 
 
 def test_the_tree_budget_lies_between_a_walk_and_a_trie():
@@ -500,9 +516,9 @@ def test_the_tree_budget_lies_between_a_walk_and_a_trie():
 
 
 def test_the_reference_stays_far_below_the_budget():
-    """On the first two traces of 6 draws (and on 20 draws of all three, measured once), the reference takes at
-    most 12 steps per token (+ 1), a tree with list children at most 19: the budget, STEPS_PER_TOKEN per token
-    and STEPS_FLAT more, leaves room for longer honest code."""
+    """On the first two traces of 6 draws (and on 8 draws of all three, measured once), the reference takes at
+    most 25 steps per token (+ 1), a tree with list children at most 30 (their Tokens' comparisons and hashes
+    included): the budget, STEPS_PER_TOKEN per token and STEPS_FLAT more, leaves room for longer honest code."""
     worst = dict.fromkeys((sol11.RadixTree, ListChildren), 0.0)
     for seed in range(6):
         for cls in worst:
@@ -510,7 +526,7 @@ def test_the_reference_stays_far_below_the_budget():
                 run = ch11._run_tree(cls, ops, checkpoints)
                 worst[cls] = max(worst[cls], *(n / (len(ids) + 1) for (_, ids), n in zip(ops, run["steps"],
                                                                                            strict=True)))
-    assert worst[sol11.RadixTree] <= 12 and worst[ListChildren] <= 20, worst
+    assert worst[sol11.RadixTree] <= 26 and worst[ListChildren] <= 31, worst
 
 
 # ---- exercise 2: a routing policy ------------------------------------------------------------------------------------

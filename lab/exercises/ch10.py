@@ -110,13 +110,13 @@ def latent_oracle(q, c_k, c_v, U_k, U_v, group_size) -> torch.Tensor:
 
 def _multiply_adds(func, args) -> int | None:
     """The multiply-adds of a matrix product (or fused attention) from its operands' shapes; None for others."""
-    p = func.overloadpacket
-    if p in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm):
-        a, b = args[-2:] if p in (aten.addmm, aten.baddbmm, aten.addbmm) else args[:2]
+    name = func.overloadpacket.__name__.rstrip("_")             # addmm_ and baddbmm_ (in place) count as addmm
+    if name in ("mm", "addmm", "bmm", "baddbmm", "addbmm"):
+        a, b = args[1:3] if name.startswith("add") or name == "baddbmm" else args[:2]
         return a.numel() * b.shape[-1]                          # [.., n, k] @ [.., k, m]: n k m per batch
-    if p in (aten.mv, aten.addmv, aten.dot, aten.vdot):
-        return (args[1] if p is aten.addmv else args[0]).numel()
-    if "scaled_dot_product" in p.__name__:
+    if name in ("mv", "addmv", "dot", "vdot"):
+        return (args[1] if name == "addmv" else args[0]).numel()
+    if "scaled_dot_product" in name:
         q, k, v = args[:3]                                      # [.., T, E], [.., L, E], [.., L, Ev]
         return q.numel() // q.shape[-1] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     return None

@@ -5,9 +5,10 @@ import torch.nn.functional as F
 
 
 def latent_attention(q, c_k, c_v, U_k, U_v, group_size) -> torch.Tensor:
-    """q `[H_q, T, D]` (positions L - T .. L - 1), c_k, c_v `[L, r]`, U_k, U_v `[H_kv D, r]` -> `[H_q, T, D]`.
+    """q `[H_q, T, D]` (positions L - T .. L - 1, L the cached positions, not layers), c_k, c_v `[L, r/2]`,
+    U_k, U_v `[H_kv D, r/2]` -> `[H_q, T, D]`.
 
-    q_h . k_t = q_h . U_k,g c_t = (U_k,g^T q_h) . c_t: each query head in latent coordinates, r values instead of
+    q_h . k_t = q_h . U_k,g c_t = (U_k,g^T q_h) . c_t: each query head in latent coordinates, r/2 values instead of
     D, and every cached position read as it is stored. The output sum_t p_t U_v,g c_v,t = U_v,g (sum_t p_t c_v,t):
     one product with U_v per query, whatever L is. The scale stays the model's, 1 / sqrt(D)."""
     H_q, T, D = q.shape

@@ -12,12 +12,13 @@ memory, and asks for most of what round robin loses back, with the requests spre
 and sets the numbers beside the book's.
 """
 
+import itertools
 import random
 import sys
 import tempfile
 import time
 import types
-from functools import lru_cache
+from functools import lru_cache, total_ordering
 from pathlib import Path
 
 import torch
@@ -42,14 +43,16 @@ RADIX_LIBRARY = tuple(v for v in vars(_RADIX).values()
 NO_LIBRARY = "forbidden shortcut: this exercise asks you to write the radix tree, not to run the library's RadixCache"
 
 # The step budget of one insert or match: STEPS_PER_TOKEN x (tokens + 1) + STEPS_FLAT steps of Python (a line run,
-# or a call), whatever the number of sequences stored. The reference solution takes at most 12 x (tokens + 1) on
-# the drawn traces (tests/test_exercises_ch11.py measures it), a tree whose children are a list and are searched
-# one by one at most 19 x (no node here has more than a dozen children); a scan of the stored sequences takes
-# thousands of steps once 2,000 are stored, 10 x the budget. The count sees Python only: work done inside C
-# (slicing a tuple, comparing two) is free, which is why the budget can be a small multiple of the tokens. It sees
-# this thread only, and cannot be switched off (rules.counting_steps): a scan in a thread or another process, or
-# one run after sys.settrace(None), fails as a shortcut.
-STEPS_PER_TOKEN = 40
+# or a call), whatever the number of sequences stored. The tree gets its token ids as Tokens, whose comparisons
+# and hashes are Python methods (3 steps a call): every comparison counts, even one a scan makes inside C (map,
+# takewhile, operator.eq). The reference solution takes at most 25 x (tokens + 1) on the drawn traces
+# (tests/test_exercises_ch11.py measures it), a tree whose children are a list and are searched one by one at most
+# 30 x (no node here has more than a dozen children); a scan of the stored sequences takes thousands of steps once
+# 2,000 are stored, 8 x the budget or more (in C, where a comparison that fails ends a sequence's scan). The rest
+# of the work done inside C (slicing a tuple) is free, which is why the budget can be a small multiple of the
+# tokens. The count sees this thread only, and cannot be switched off (rules.counting_steps): a scan in a thread or
+# another process, or one run after sys.settrace(None), fails as a shortcut.
+STEPS_PER_TOKEN = 60
 STEPS_FLAT = 200
 # tree() is counted too: STEPS_PER_NODE x (nodes + 1) + STEPS_FLAT, the nodes those of the compressed tree it shows.
 # Walking a compressed tree costs what its nodes cost: the reference at most 6.5 steps a node, a tree with list
@@ -135,6 +138,45 @@ def _many_trace(rng, vocab=4) -> tuple[list, set]:
     return ops, {len(ops) // 2, len(ops) - 1}
 
 
+_TOKEN_CALLS = itertools.count()        # one tick per call of a Token method: 3 steps (the call and two lines)
+TOKEN_STEPS = 3
+
+
+@total_ordering
+class Token:
+    """A token id as the reader's tree receives it: it compares, hashes and sorts as its int, but only through
+    methods written in Python, so every comparison an insert or a match makes is a step the count sees, even one
+    made inside C (map, takewhile, operator.eq over the stored sequences). tree() is not charged for them: showing a
+    run hashes each of its tokens. Reading the value a Token wraps (`_Token__id`) is reaching into the check, as
+    patching it would be."""
+    __slots__ = ("__id",)
+
+    def __init__(self, id):
+        self.__id = id
+
+    def __eq__(self, other, tick=_TOKEN_CALLS.__next__):
+        tick()
+        return self.__id == (other.__id if isinstance(other, Token) else other)
+
+    def __lt__(self, other, tick=_TOKEN_CALLS.__next__):
+        tick()
+        return self.__id < (other.__id if isinstance(other, Token) else other)
+
+    def __hash__(self, tick=_TOKEN_CALLS.__next__):
+        tick()
+        return hash(self.__id)
+
+    def __repr__(self):
+        return repr(self.__id)
+
+
+def _shown(tree, steps) -> tuple:
+    """tree.tree() with the steps of Python it took, less those of the Token methods it called."""
+    before = next(_TOKEN_CALLS)
+    got, n = _counted(lambda _: tree.tree(), None, steps)
+    return got, n - TOKEN_STEPS * (next(_TOKEN_CALLS) - before - 1)
+
+
 def _counted(fn, ids, steps) -> tuple:
     """fn(ids) with the steps of Python it took, read from `steps` (rules.counting_steps) before and after: the
     difference less the first read's own tick and this function's two lines between the reads."""
@@ -148,8 +190,8 @@ def _as_tree(got, where) -> dict:
     assert isinstance(got, dict), f"{where}: tree() must return a dict (run -> subtree), got {type(got).__name__}"
     out = {}
     for run, sub in got.items():
-        assert isinstance(run, tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in run), (
-            f"{where}: tree()'s keys must be runs of token ids, tuples of ints, got {run!r:.60}")
+        assert isinstance(run, tuple) and all(isinstance(t, Token) for t in run), (
+            f"{where}: tree()'s keys must be runs of the token ids insert was given, tuples, got {run!r:.60}")
         out[run] = _as_tree(sub, where)
     return out
 
@@ -173,14 +215,14 @@ def _run_tree(make_tree, ops, checkpoints, counter=None) -> dict:
             return _run_tree(make_tree, ops, checkpoints, counter)
     tree, answers, steps, trees, shown = make_tree(), {}, [], {}, {}
     for i, (op, ids) in enumerate(ops):
-        out, n = _counted(getattr(tree, op), list(ids), counter)
+        out, n = _counted(getattr(tree, op), [Token(t) for t in ids], counter)
         steps.append(n)
         if op == "match":
             answers[i] = out
         if n > budget(ids):
             break
         if i in checkpoints:
-            got, shown[i] = _counted(lambda _: tree.tree(), None, counter)
+            got, shown[i] = _shown(tree, counter)
             trees[i] = _as_tree(got, f"after op {i}")
             if shown[i] > tree_budget(trees[i]):                 # over budget for the tree it shows, too
                 break
@@ -279,8 +321,8 @@ def _check_trace(name, ops, run):
 def check_radix_tree(make_tree, seed=None) -> dict:
     """make_tree() -> an empty radix tree of token ids with three methods:
 
-        insert(ids)        add a sequence (a list of ints); a sequence inserted again, or the empty one, changes
-                           nothing
+        insert(ids)        add a sequence (a list of token ids: `Token`s, which compare, hash and sort as
+                           ints); a sequence inserted again, or the empty one, changes nothing
         match(ids) -> int  the length of the longest prefix of ids that some inserted sequence starts with; it
                            changes nothing
         tree() -> dict     the tree as nested dicts, run -> subtree, as RadixCache.tree() shows it:
