@@ -142,9 +142,16 @@ def beside(chapter, *prefixes, why="", values=None, mine=None, book=COMMITTED, b
         print("A full run: its verdicts are measured as the book's were, on this machine.")
     judged = [r for r in rows if MISSING != r.yours and r.book != BOOK_MISSING]
     differ = [r for r in judged if r.yours != r.book]
+    said = set()
     for r in rows:
-        print(textwrap.shorten(f"§{r.section.split('.')[0]} \u201c{r.sentence}\u201d", WIDTH, placeholder=" ...\u201d"))
         flag = "   <- differs" if r in differ else ""
+        if (r.section, r.sentence) in said:                 # another comparison in a sentence already shown
+            keys = ", ".join(dict.fromkeys(key for key, _, _ in r.values))
+            print("    " + textwrap.shorten(f"and on {keys}:", WIDTH - 4, placeholder=" ...:"))
+        else:
+            where = f"§{r.section.split('.')[0]}" if r.section else "The summary:"
+            print(textwrap.shorten(f"{where} \u201c{r.sentence}\u201d", WIDTH, placeholder=" ...\u201d"))
+            said.add((r.section, r.sentence))
         print(f"    the book: {r.book} · your run: {r.yours}{flag}")
         for key, b, y in r.values if r in differ else ():
             print("      " + textwrap.shorten(f"{key}: the book {b}, yours {y}", WIDTH - 6))

@@ -43,3 +43,24 @@ def test_the_long_copy_prompt_starts_the_passage_over(tiny):
 def test_the_cache_share_of_a_step_grows_with_context(tiny):
     shares = [ch09.attention_share(tiny, c) for c in (16, 256, 4096)]
     assert 0 < shares[0] < shares[1] < shares[2] < 1
+
+
+def test_the_timeline_marks_the_page_boundary_and_the_page_given_back(tmp_path):
+    """A verify step from position 236 with 2 of 4 guesses kept, pages of 16: the boundary before 240 is drawn,
+    and the page from 240 on (rejected positions only) is hatched as given back; nothing is hatched when the
+    rejected positions share their page with accepted ones. Saved, so the legibility checks run."""
+    from matplotlib.patches import Polygon, Rectangle
+
+    def drawn(accepted):
+        t = dict(page_size=16, start=236, guesses=4, accepted=accepted, pages_freed=int(accepted < 4))
+        ax = ch09.plot_timeline(t, tmp_path / "timeline.png").axes[0]
+        lines = [x for line in ax.get_lines() for x in line.get_xdata()]
+        hatched = [p for p in ax.patches if p.get_hatch() and isinstance(p, (Polygon, Rectangle))]
+        labels = ax.get_legend_handles_labels()[1]
+        return lines, hatched, labels
+
+    lines, hatched, labels = drawn(2)
+    assert 239.5 in lines and "page boundary (pages of 16)" in labels
+    assert len(hatched) == 1 and "page given back" in labels
+    lines, hatched, labels = drawn(4)                   # every guess kept: position 240 is accepted, no page back
+    assert not hatched and "page given back" not in labels

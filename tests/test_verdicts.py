@@ -25,6 +25,7 @@ The cache is {{verdict: ch98.speed.cached < ch98.speed.plain|faster/slower}} tha
 
 The tier adds hits. {{claim: ch98.hits.tier > ch98.hits.none}}
 The disk adds more. {{claim: ch98.hits.disk > ch98.hits.tier}}
+Both add to nothing. {{claim: ch98.hits.tier > 0}} {{claim: ch98.hits.disk > 0}}
 """
 
 
@@ -53,6 +54,7 @@ def test_each_verdict_is_judged_on_both_runs_with_the_sentence_it_guards(book):
             "hits": {"none": leaf(10.0, "%"), "tier": leaf(40.0, "%")}}          # and has no disk tier
     rows = verdicts.verdicts("ch98", values=mine, book=results, book_dir=book_dir)
     assert [(r.book, r.yours) for r in rows] == [("faster", "slower"), ("holds", "holds"),
+                                                 ("holds", verdicts.MISSING), ("holds", "holds"),
                                                  ("holds", verdicts.MISSING)]
     assert rows[0].sentence == "The cache is faster than recomputing, 2.00 ms against 9.00 ms."   # the book's words
     assert rows[2].sentence == "The disk adds more."
@@ -63,7 +65,7 @@ def test_each_verdict_is_judged_on_both_runs_with_the_sentence_it_guards(book):
 def test_prefixes_choose_the_claims_and_beside_says_where_the_run_differs(book, capsys):
     book_dir, results = book
     mine = {"speed": {"cached": leaf(12.0, "ms"), "plain": leaf(9.0, "ms")}}
-    assert len(verdicts.verdicts("ch98", "ch98.hits", values=mine, book=results, book_dir=book_dir)) == 2
+    assert len(verdicts.verdicts("ch98", "ch98.hits", values=mine, book=results, book_dir=book_dir)) == 4
     verdicts.beside("ch98", "ch98.speed", values=mine, book=results, book_dir=book_dir, why="a short run")
     out = capsys.readouterr().out
     assert "the book: faster · your run: slower   <- differs" in out
@@ -78,7 +80,8 @@ def test_a_run_that_agrees_is_said_to_agree(book, capsys):
     mine = {"hits": {"none": leaf(1.0, "%"), "tier": leaf(2.0, "%"), "disk": leaf(3.0, "%")}}
     verdicts.beside("ch98", "ch98.hits", values=mine, book=results, book_dir=book_dir)
     out = capsys.readouterr().out
-    assert "differs" not in out and "agrees with the book on 2 of the 2" in out
+    assert "differs" not in out and "agrees with the book on 4 of the 4" in out
+    assert out.count("Both add to nothing.") == 1 and "    and on ch98.hits.disk:" in out   # a sentence said once
 
 
 # ---- the chapters: every claim is set beside the reader's run -------------------------------------------------

@@ -559,7 +559,7 @@ def plot_speed(speed: dict, path=None):
 def plot_timeline(t: dict, path=None):
     """One verify step: the positions it fed (the last token and k guesses), which were accepted, which
     rolled back, and the page boundaries, with the pages the crop gave back."""
-    fig, ax = plots.figure(height=2.2)
+    fig, ax = plots.figure(height=3.2)
     P, start, k, a = t["page_size"], t["start"], t["guesses"], t["accepted"]
     colors = ["tab:blue"] + ["tab:green"] * a + ["tab:red"] * (k - a)
     labels = ["last token"] + ["accepted"] * a + ["rolled back"] * (k - a)
@@ -567,12 +567,17 @@ def plot_timeline(t: dict, path=None):
     for i, (c, lab) in enumerate(zip(colors, labels, strict=True)):
         ax.bar(start + i, 1, color=c, label=None if lab in seen else lab, width=0.9)
         seen.add(lab)
-    for b in range((start // P + 1) * P, start + k + 1, P):
-        ax.axvline(b - 0.5, color="black", lw=1)
+    boundaries = range((start // P + 1) * P, start + k + 1, P)
+    freed = [b for b in boundaries if b >= start + 1 + a]   # pages of rejected positions only: the crop gives them back
+    for b in boundaries:
+        ax.axvline(b - 0.5, color="black", lw=1, label=None if b > boundaries[0] else f"page boundary (pages of {P})")
+    for b in freed:
+        ax.axvspan(b - 0.5, min(b + P, start + k + 1) - 0.5, ymax=0.85, fill=False, hatch="//", edgecolor="0.5",
+                   lw=0, label=None if b > freed[0] else "page given back")
     ax.set(yticks=[], xlabel="position", title=f"One verify step: {a} of {k} guesses kept, "
-                                               f"{t['pages_freed']} page(s) freed")
-    ax.legend(loc="upper left", ncols=3)
-    ax.set_ylim(0, 1.6)
+                                               f"{t['pages_freed']} page(s) given back")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=3, frameon=False)
+    ax.set_ylim(0, 1.2)
     return finish(fig, path)
 
 

@@ -416,7 +416,8 @@ def plot_handoff(d: dict, path=None):
         for (label, color), a, b in zip(parts, marks, marks[1:], strict=False):
             ax.barh(i, b - a, left=a, color=color, label=label if i == 0 else None)
     ax.set(xlabel="seconds since the first arrival", ylabel="request", yticks=range(len(rows)),
-           title="Prefill worker, then decode worker")
+           title=f"Prefill worker, then decode worker: the first {len(rows)} of "
+                 f"{len(d['timelines']['disaggregated'])} requests")
     ax.invert_yaxis()
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=3)
     return finish(fig, path)
