@@ -133,8 +133,8 @@ assert torch.allclose(cache.k_buf[0, 0, 0, :T], c_k, atol=1e-5) and torch.allclo
                                                                                       atol=1e-5)
 assert torch.allclose(cached, uncached, atol=1e-3)    # 30 layers of float32 rounding, summed in another order
 print(f"cached (absorbed) against uncached (reconstructing) logits: {float((cached - uncached).abs().max()):.1e} "
-      f"(float32 rounding over 30 layers, on logits of order 10); the cache holds {cache.nbytes():,} bytes for 64 positions, "
-      f"{lcfg.kv_bytes_per_position():,} per position (float32)")
+      f"(float32 rounding over 30 layers, on logits of order 10); the cache holds {cache.nbytes():,} bytes for 64 "
+      f"positions, {lcfg.kv_bytes_per_position():,} per position (float32)")
 latent_cache = LatentCache(lcfg, 64)                                # the same latents, one tensor per layer
 with torch.inference_mode():
     assert torch.allclose(forward_cached(ids, w, lcfg, latent_cache), cached, atol=1e-5)
@@ -266,8 +266,9 @@ def in_words(setting):
     return " ".join(out).rstrip(",").replace(", in", " in")
 
 
-rows = {(f, in_words(n)): {"bytes per position": r["bytes"], "share of bf16": r["bytes"] / cfg.kv_bytes_per_position(BF16),
-                 "KL (nats)": r["kl"], "Δ perplexity": r["delta_ppl"], "top-1 agreement": r["top1"]}
+rows = {(f, in_words(n)): {"bytes per position": r["bytes"],
+                           "share of bf16": r["bytes"] / cfg.kv_bytes_per_position(BF16),
+                           "KL (nats)": r["kl"], "Δ perplexity": r["delta_ppl"], "top-1 agreement": r["top1"]}
         for f, named in q.items() for n, r in named.items()}
 display(show(pd.DataFrame(rows).T.rename_axis(["design", "setting"]),
              percent=["share of bf16", "top-1 agreement"]))
