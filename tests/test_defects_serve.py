@@ -9,6 +9,7 @@ import dataclasses
 import http.client
 import itertools
 import json
+import logging
 import shutil
 import signal
 import socket
@@ -142,6 +143,43 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(server):
     wait_until(lambda: engine.requests[rid].done, what="the request to end")
     assert engine.requests[rid].state == "cancelled" and len(engine.requests[rid].output) < 1000
     wait_until(lambda: engine.manager.num_free == baseline, what="its pages to be freed")
+
+
+class Errors(logging.Handler):
+    """The records of level ERROR and above that the server's loggers emit meanwhile."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        for name in ("uvicorn.error", "asyncio"):
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in ("uvicorn.error", "asyncio"):
+            logging.getLogger(name).removeHandler(self)
+
+
+def test_a_non_streaming_client_that_disconnects_leaves_no_traceback(server):
+    """Leaving before the whole answer is a client's right: the request is cancelled and nothing is logged as
+    an error (the handler once read the result of the task it had just cancelled: InvalidStateError)."""
+    port, _, engine = server
+    wait_until(lambda: not (engine.running or engine.waiting), what="an idle engine")
+    with Errors() as errors:
+        for _ in range(3):
+            conn = send(port, dict(prompt=[1, 2, 3, 4], max_tokens=1000))
+            wait_until(lambda: engine.requests and len(engine.requests[max(engine.requests)].output) >= 3,
+                       what="the request to decode")
+            rid = max(engine.requests)
+            leave(conn)
+            wait_until(lambda: engine.requests[rid].done, what="the request to end")  # noqa: B023
+        time.sleep(0.2)                                 # the handler's last lines run after the cancel
+    assert not errors.records, [r.getMessage() for r in errors.records]
 
 
 # ---- 6: one huge prompt stalls every other stream ----

@@ -59,6 +59,10 @@ from .identity import identity_of, token_ids
 from .speculative import SpecInputError, check_guess, check_k
 
 
+class EngineStateError(RuntimeError):
+    """A step that would run on the leftovers of a failed one (see ServingEngine.step)."""
+
+
 @dataclass(eq=False)                       # compared by identity: a request is one object
 class Request:
     """One request: its prompt, what it generated so far, where it stands, and when things happened to it."""
@@ -143,6 +147,9 @@ class ServingEngine:
         self.draft, self.k = draft, k
         self.prefix_caching, self.radix, self.schedule = bool(prefix_caching), prefix_caching == "radix", schedule
         self.hybrid = any(cfg.window_of(j)[0] for j in range(cfg.kv_layout[0]))   # local layers (ch. 10)
+        if cfg.kv_rank and not cfg.kv_absorbed:
+            raise CacheInputError("the reconstructing form rebuilds every key and value from one sequence's whole "
+                                  "cache; the engine's pages serve the absorbed form of the same model (latent_kv)")
         if self.hybrid and self.radix:
             raise CacheInputError("a radix tree keeps every position of a prefix; local layers give pages back")
         if self.radix:                               # one-position pages, free and cached ones in a tree
@@ -166,6 +173,7 @@ class ServingEngine:
         self.waiting = deque()                       # first come, first served
         self.running = []                            # in order of admission: the last is the youngest
         self._ids = itertools.count()
+        self.tainted, self.failure = [], None         # requests in flight when a step raised, and why
         self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
                           batch_sizes=[], batch_tokens=[], proposed=0, accepted=0, lookahead_pages=0,
                           rollback_pages=0, held_pages=self._held_pages(), peak_held_pages=self._held_pages())
@@ -269,13 +277,27 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self) -> dict[int, list]:
         """One scheduler iteration: schedule, one forward, sample. Returns {request id: [its new tokens]}: one
-        token per request, or with a draft the accepted guesses and one more."""
+        token per request, or with a draft the accepted guesses and one more.
+
+        A step that raises (a draft's bad guess, a failed forward) has reserved slots it never filled: every
+        request then in flight is tainted, and later steps raise EngineStateError until each is cancelled or
+        finished. Their tokens so far are right, and cached pages hold only finished steps' keys and values,
+        so requests added afterwards run as in a fresh engine."""
         if owner(self.model.weights, self.model.config) != self.owner:
             raise CacheMismatchError("the model's weights changed since this engine's pages were computed: "
                                      "its keys and values are not this model's; use a new engine")
+        if stale := [r for r in self.tainted if not self.requests[r].done]:
+            raise EngineStateError(f"an earlier step failed ({self.failure}) after reserving slots and pages it "
+                                   f"never filled: requests {stale} may now decode from wrong keys and values. "
+                                   f"Cancel them (their tokens so far are right) or use a new engine")
         now = self.stats["steps"]
-        batch = self._schedule(now)                                   # [(request, tokens this step)]
-        new = self._run(batch, now) if batch else {}
+        try:
+            batch = self._schedule(now)                               # [(request, tokens this step)]
+            new = self._run(batch, now) if batch else {}
+        except BaseException as e:                                    # the pages are half-changed: no request
+            self.tainted = [r.id for r in self.running + list(self.waiting)]   # in flight may step again
+            self.failure = f"{type(e).__name__}: {e}"
+            raise
         s = self.stats
         s["steps"] += 1
         s["batch_sizes"].append(len(batch))

@@ -118,7 +118,11 @@ class ModelDraft:
         if self.model.config.vocab_size != model.config.vocab_size:
             raise SpecInputError(f"the draft reads {self.model.config.vocab_size} token ids, the target "
                                  f"{model.config.vocab_size}: they must share a vocabulary")
-        self.cache, self.ids = self.cache_factory(), []
+        self.cache, self.ids = self.new_cache(), []
+
+    def new_cache(self):
+        """An empty cache for the draft's model (bound by now)."""
+        return self.cache_factory()
 
     def _sync(self, context):
         """Bring the cache to a prefix of context[:-1] (crop or reset), then run the rest but the last."""
@@ -163,8 +167,11 @@ class EarlyExit(ModelDraft):
     def __init__(self, layers: int, max_tokens: int | None = None):
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise SpecInputError(f"EarlyExit's layers must be an int of at least 1, got {layers!r}")
-        self.layers = layers                    # max_tokens: the cache's room, by default the model's positions
-        super().__init__(lambda: make_cache("static", self.model.config, max_tokens or self.model.config.max_positions))
+        self.layers, self.max_tokens = layers, max_tokens   # the cache's room, by default the model's positions
+        super().__init__(self.new_cache)
+
+    def new_cache(self):                        # this draft's own model: a copy bound elsewhere has its own
+        return make_cache("static", self.model.config, self.max_tokens or self.model.config.max_positions)
 
     def model_for(self, target):
         if self.layers > target.config.n_layers:

@@ -144,10 +144,11 @@ def create_app(engine: "ServingEngine | Router | Fleet", name: str | None = None
             await asyncio.wait({answered, left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             left.cancel()
-            if not answered.done():                  # the client left (or the handler was cancelled)
-                answered.cancel()
+            gone = not answered.done()               # the client left (or the handler was cancelled)
+            if gone:
+                answered.cancel()                    # (a request to cancel: the task ends later)
                 client.cancel(rid)                   # free its pages: nobody waits for its tokens
-        if answered.cancelled():
+        if gone:
             return Response(status_code=499)         # nginx's "client closed request": nobody reads it
         answered.result()                            # EngineFailed: 500
         return reply.body()
