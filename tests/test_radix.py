@@ -204,6 +204,11 @@ def test_check_catches_broken_invariants():
     next(iter(rc._roots[()].children.values())).lock = 0         # a live handle, its node unlocked
     with pytest.raises(AssertionError, match="handles"):
         rc.check()
+    rc = RadixCache(4)
+    rc.release(cached(rc, [A, B])[1])
+    rc._evictable -= 1                                           # the running count off by one
+    with pytest.raises(AssertionError, match="evictable"):
+        rc.check()
 
 
 # ---- random runs against a brute-force model ----
@@ -286,6 +291,32 @@ class RadixMachine(RuleBasedStateMachine):
         self.rc.release(h)
         del self.running[h]
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def grow(self, data, more):
+        """A running request caches what its next step computed, from its own node (extend)."""
+        rc, h = self.rc, data.draw(st.sampled_from(sorted(self.running)))
+        extra, ids, slots = self.running[h]
+        if len(more) > rc.num_free + rc.evictable_tokens():
+            return
+        self.cut(rc.evict(max(0, len(more) - rc.num_free)))
+        node, new = rc._handles[h], rc.allocate(len(more))
+        declined, in_place = not ids or more[0] in node.children, not node.children and node.lock == 1
+        h2 = rc.extend(h, more, new)
+        assert (h2 is None) == declined                  # declined: the tree holds that continuation already
+        if h2 is None:
+            rc.free(new)
+            STEPS["extends declined"] += 1
+            return
+        STEPS["extended in place" if in_place else "extended by a leaf"] += 1
+        grown = (extra, list(ids) + more, slots + new)
+        del self.running[h]
+        self.running[h2] = grown
+        self.seqs.append(grown)
+        n, got, hm = rc.match(grown[1], extra=extra)
+        assert (n, got) == (len(grown[1]), grown[2])
+        rc.release(hm)
+
     @rule(n=st.integers(0, 30))
     def evict(self, n):
         before = self.rc.num_free
@@ -324,7 +355,8 @@ def test_random_operations_against_a_brute_force_model():
                                                               derandomize=True, database=None, deadline=None))
     print(f"{dict(STEPS)} in {time.perf_counter() - t0:.1f} s")
     assert STEPS["requests"] >= 1_000
-    for what in ("partial hits", "out of slots", "evicted", "duplicates freed", "branches"):
+    for what in ("partial hits", "out of slots", "evicted", "duplicates freed", "branches", "extended in place",
+                 "extended by a leaf", "extends declined"):
         assert STEPS[what] > 0, f"the random runs never exercised {what}"
 
 

@@ -68,6 +68,7 @@ class RadixCache:
         self._handles = {}                       # live handle -> the node it locks
         self._issued, self._clock = 0, 0         # handles are 1, 2, ...; the clock orders uses (LRU)
         self.evicted = 0                         # slots evicted so far
+        self._cached, self._evictable = 0, 0     # slots in nodes, and in unlocked ones: kept as they change
 
     # ---- looking ----
     @property
@@ -76,11 +77,12 @@ class RadixCache:
 
     def cached_tokens(self) -> int:
         """Slots held by the tree (locked or evictable)."""
-        return sum(len(n.slots) for n in self._nodes())
+        return self._cached
 
     def evictable_tokens(self) -> int:
-        """Slots in unlocked nodes: an unlocked node's whole subtree is unlocked, so all can be evicted."""
-        return sum(len(n.slots) for n in self._nodes() if n.lock == 0)
+        """Slots in unlocked nodes: an unlocked node's whole subtree is unlocked, so all can be evicted. A
+        running count (lock and release change it), so a scheduler may ask at every step."""
+        return self._evictable
 
     def is_out(self, slot: int) -> bool:
         """True for a slot `allocate` gave out and no `insert` or `free` has taken back."""
@@ -130,12 +132,41 @@ class RadixCache:
             self._roots[extra] = root
         node, n = self._descend(root, ids), len(cached)   # descend splits where the prefix ends in a run
         if n < len(ids):
-            node.children[ids[n]] = node = _Node(ids[n:], slots[n:], parent=node)
-            node.last_used = self._clock
+            node = self._add_child(node, ids[n:], slots[n:])
         duplicates = [s for s, c in zip(slots, cached, strict=False) if s != c]
         self._out -= set(duplicates) | set(slots[n:])
         self._unused.extend(duplicates)
         return self._lock(node)
+
+    def extend(self, handle: int, ids, slots) -> int | None:
+        """Add `ids`, computed into `slots` (from `allocate`), right after the sequence `handle` locks, without
+        walking down from the root: the way a running request caches what each step computes. Returns the
+        handle that now locks the longer sequence (`handle` is released), or None, changing nothing, when
+        the tree already holds a continuation starting with ids[0] (then `insert` the whole sequence)."""
+        node, ids, slots = self._node_of(handle), _ids(ids), list(slots)
+        if len(slots) != len(ids) or not self._out.issuperset(slots) or len(set(slots)) != len(slots):
+            raise CacheStateError(f"extend: {len(ids)} ids need as many distinct slots from allocate(), "
+                                  f"got {slots}")
+        if not ids:
+            return handle
+        if ids[0] in node.children or node.parent is None:
+            return None
+        self._clock += 1
+        if not node.children and node.lock == 1:          # a leaf only this request holds: the run grows
+            node.key, node.slots = node.key + ids, node.slots + slots
+            self._cached += len(ids)
+            self._out.difference_update(slots)
+            top = node
+        else:                                            # others share it, or go further: a new leaf
+            top = node
+            node = self._add_child(node, ids, slots)
+            self._out.difference_update(slots)
+            handle, old = self._lock(node), handle
+            self.release(old)
+        while top.parent is not None:                    # used now, and so is every node above it
+            top.last_used = self._clock
+            top = top.parent
+        return handle
 
     def release(self, handle: int):
         """Unlock what `handle` held; its nodes become evictable once no other handle holds them."""
@@ -143,6 +174,8 @@ class RadixCache:
         del self._handles[handle]
         while node.parent is not None:
             node.lock -= 1
+            if node.lock == 0:
+                self._evictable += len(node.slots)
             node = node.parent
 
     # ---- slots ----
@@ -181,6 +214,8 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key[0]]
             freed += node.slots
+            self._cached -= len(node.slots)
+            self._evictable -= len(node.slots)
             if parent.parent is None and not parent.children:
                 del self._roots[parent.extra]            # an empty subtree: forget its extra
             elif parent.parent is not None and not parent.children and parent.lock == 0:
@@ -209,6 +244,10 @@ class RadixCache:
                 f"node {node.key}: lock {node.lock}, but {held.get(node.uid, 0)} handles at it or below it")
             assert node.last_used <= node.parent.last_used or node.parent.parent is None, (
                 f"node {node.key} was used after its parent")
+        nodes = list(self._nodes())
+        assert self._cached == sum(len(x.slots) for x in nodes), "the running count of cached slots is off"
+        assert self._evictable == sum(len(x.slots) for x in nodes if x.lock == 0), (
+            "the running count of evictable slots is off")
 
     def __repr__(self):
         return (f"RadixCache({self.num_free}/{self.num_slots} slots free, {self.cached_tokens()} cached, "
@@ -248,11 +287,21 @@ class RadixCache:
         return top
     # endregion
 
+    def _add_child(self, node, ids, slots):
+        """A new unlocked leaf below `node` holding ids in slots, used now."""
+        node.children[ids[0]] = child = _Node(ids, slots, parent=node)
+        child.last_used = self._clock
+        self._cached += len(ids)
+        self._evictable += len(ids)
+        return child
+
     def _lock(self, node) -> int:
         self._issued += 1
         handle = self._issued
         self._handles[handle] = node
         while node.parent is not None:
+            if node.lock == 0:
+                self._evictable -= len(node.slots)
             node.lock += 1
             node = node.parent
         return handle
@@ -339,6 +388,7 @@ class RadixBlockManager(BlockManager):
         self.tree = RadixCache(num_pages)
         self._free.clear()                       # the tree's free queue is the free list
         self._handles = {}                       # seq -> the handle that locks its tree pages
+        self._in_tree = {}                       # seq -> (extra, ids) its handle locks, for cache() to extend
 
     @property
     def num_free(self) -> int:                   # free, or cached in unlocked nodes (evicted on demand)
@@ -356,6 +406,7 @@ class RadixBlockManager(BlockManager):
         for page in pages:
             self._refs[page] += 1
         self._tables[seq], self._lengths[seq], self._handles[seq] = pages, n, handle
+        self._in_tree[seq] = (_extra(extra), _ids(ids)[:n])
         return n
 
     def reserve(self, seq, n: int) -> list:
@@ -371,9 +422,16 @@ class RadixBlockManager(BlockManager):
     def cache(self, seq, ids, extra=()):
         """Put the first len(ids) positions of `seq`, which hold the keys and values of `ids`, in the tree;
         the sequence keeps them locked until `release`."""
-        table, ids = self._tables[self._live(seq)], list(ids)
+        table, extra = self._tables[self._live(seq)], _extra(extra)
+        ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)   # checked where new: extend, insert
         if len(ids) > self._lengths[seq]:
             raise CacheInputError(f"cache({seq!r}): {len(ids)} ids, but the sequence holds {self._lengths[seq]}")
+        was, done = self._in_tree.get(seq, (None, ()))
+        if was == extra and len(done) <= len(ids) and ids[:len(done)] == done:   # what it cached, and more
+            handle = self.tree.extend(self._handles[seq], ids[len(done):], table[len(done):len(ids)])
+            if handle is not None:                   # grown from its own node, not from the root
+                self._handles[seq], self._in_tree[seq] = handle, (extra, ids)
+                return
         handle = self.tree.insert(ids, table[:len(ids)], extra)
         _, pages, locked = self.tree.match(ids, extra)      # the tree's pages, ours or earlier ones
         self.tree.release(handle)
@@ -384,12 +442,13 @@ class RadixBlockManager(BlockManager):
                 table[i] = tree
         if seq in self._handles:
             self.tree.release(self._handles[seq])
-        self._handles[seq] = locked
+        self._handles[seq], self._in_tree[seq] = locked, (extra, ids)
 
     def release(self, seq) -> list[int]:
         freed = super().release(seq)
         if seq in self._handles:
             self.tree.release(self._handles.pop(seq))
+            del self._in_tree[seq]
         return freed
 
     def _drop(self, pages) -> list[int]:             # a page nobody holds goes back free unless the tree keeps it
