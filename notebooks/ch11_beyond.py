@@ -116,8 +116,8 @@ print(f"{len(trace)} prompts: the hand-made tree and RadixCache find the same pr
       f"the tree holds {cache.cached_tokens():,} tokens of the {sum(map(len, trace)):,} sent")
 
 # %% [markdown]
-# The serving engine runs on either cache: `prefix_caching="radix"` (pages of one position whose free and
-# cached pages the tree keeps) or the hash chain of chapter 6. Both give the same tokens as each request
+# The serving engine runs on either cache: `prefix_caching="radix"` (the tree keeps the free and cached
+# pages; with pages of one position it finds a prefix to the token) or the hash chain of chapter 6. Both give the same tokens as each request
 # decoded alone, and the tree takes a shared prefix to the token:
 
 # %%

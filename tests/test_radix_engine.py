@@ -48,7 +48,7 @@ def run_checked(engine, prompts, new, arrivals):
     return [engine.output(r) for r in rids]
 
 
-@pytest.mark.parametrize("mode,page_size", [("hash", 4), ("radix", 1)])
+@pytest.mark.parametrize("mode,page_size", [("hash", 4), ("radix", 1), ("radix", 4)])
 @pytest.mark.parametrize("schedule", ["fcfs", "lpm"])
 def test_radix_and_hash_chain_give_every_request_its_greedy_tokens(tiny, mode, page_size, schedule):
     prompts, arrivals, new = workload(1)
@@ -68,13 +68,13 @@ def test_radix_takes_a_prefix_to_the_token(tiny):
     head = [rng.randrange(1, 200) for _ in range(37)]
     a, b = head + [5, 6, 7], head + [9]
     taken = {}
-    for mode, P in (("radix", 1), ("hash", 16)):
+    for mode, P in (("radix", 1), ("hash", 16), ("radix", 16)):
         engine = ServingEngine(tiny, num_pages=256 // P, page_size=P, prefix_caching=mode)
         engine.generate([a], 2)
         before = engine.stats["cached_tokens"]
         assert engine.generate([b], 2) == [alone(tiny, b, 2)[0]]
-        taken[mode] = engine.stats["cached_tokens"] - before
-    assert taken == {"radix": 37, "hash": 32}
+        taken[mode, P] = engine.stats["cached_tokens"] - before
+    assert taken == {("radix", 1): 37, ("hash", 16): 32, ("radix", 16): 32}   # pages of 16: whole pages only
 
 
 def test_the_same_prompt_computed_twice_at_once_is_kept_once(tiny):
@@ -87,19 +87,21 @@ def test_the_same_prompt_computed_twice_at_once_is_kept_once(tiny):
     assert engine.manager.cached_pages() == len(prompt) + 2      # the prompt and the 2 fed tokens, once
 
 
-def test_radix_with_speculation(tiny):
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_radix_with_speculation(tiny, page_size):
     prompts, arrivals, new = workload(4, n=8, new=8)
     want = expected(tiny, prompts, new)
-    engine = ServingEngine(tiny, num_pages=150, page_size=1, max_batch_tokens=48, prefix_caching="radix",
-                           draft=PromptLookup(2), k=4)
+    engine = ServingEngine(tiny, num_pages=152 // page_size, page_size=page_size, max_batch_tokens=48,
+                           prefix_caching="radix", draft=PromptLookup(2), k=4)
     assert run_checked(engine, prompts, new, arrivals) == want
     assert engine.stats["proposed"] > 0
 
 
-def test_radix_survives_cancellation_and_a_random_stress(tiny):
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_radix_survives_cancellation_and_a_random_stress(tiny, page_size):
     rng = random.Random(4)
-    engine = ServingEngine(tiny, num_pages=60, page_size=1, max_batch_tokens=24, prefix_caching="radix",
-                           schedule="lpm")
+    engine = ServingEngine(tiny, num_pages={1: 60, 4: 13}[page_size], page_size=page_size, max_batch_tokens=24,
+                           prefix_caching="radix", schedule="lpm")
     prompts, _, _ = workload(4, n=30)
     live = []
     for _ in range(120):
@@ -131,8 +133,6 @@ def test_lpm_admits_the_longest_cached_prefix_first(tiny):
 
 
 def test_bad_settings_raise(tiny):
-    with pytest.raises(CacheInputError, match="page_size=1"):
-        ServingEngine(tiny, num_pages=10, page_size=16, prefix_caching="radix")
     with pytest.raises(CacheInputError, match="prefix_caching"):
         ServingEngine(tiny, num_pages=10, prefix_caching="tree")
     with pytest.raises(CacheInputError, match="lpm"):
@@ -146,8 +146,6 @@ def test_bad_settings_raise(tiny):
 
 def test_radix_block_manager_refuses_what_it_does_not_do():
     m = RadixBlockManager(8)
-    with pytest.raises(CacheInputError):
-        RadixBlockManager(8, page_size=4)
     m.match(0, [1, 2, 3])
     m.reserve(0, 3)
     for call in (lambda: m.fork(0, 1), lambda: m.register(0, 0, b"", b"", [1]), lambda: m.drop_pages(0, [0])):
@@ -159,5 +157,28 @@ def test_radix_block_manager_refuses_what_it_does_not_do():
     assert m.match(1, [1, 2, 9]) == 2 and m.block_table(1) == m.block_table(0)[:2]
     m.release(0)
     m.release(1)
+    m.check()
+    assert m.num_free == 8 and m.cached_pages() == 3
+
+
+def test_a_tree_of_pages_matches_whole_pages_and_keeps_tables_narrow():
+    """Pages of 4: the tree's tokens are whole pages, a match stops at the last whole page shared, a partly
+    filled last page is never cached, and the block table holds a page per 4 positions."""
+    m = RadixBlockManager(8, page_size=4)
+    ids = list(range(1, 11))                                           # 2 whole pages and 2 positions
+    assert m.match(0, ids) == 0
+    m.reserve(0, 10)
+    assert len(m.block_table(0)) == 3
+    with pytest.raises(CacheInputError, match="whole pages"):
+        m.cache(0, ids)                                                # 10 is not a multiple of 4
+    m.cache(0, ids[:8])
+    assert m.tree.tree() == {((1, 2, 3, 4), (5, 6, 7, 8)): {}}
+    assert m.cached_prefix(ids[:7] + [99]) == 4 and m.cached_prefix(ids) == 8
+    assert m.match(1, ids[:7] + [99, 5]) == 1 and m.block_table(1) == m.block_table(0)[:1]   # 1 page: 4 of 7
+    m.reserve(1, 5)
+    m.cache(1, ids[:7] + [99])                                        # splits the run at the page boundary
+    assert m.tree.tree() == {((1, 2, 3, 4),): {((5, 6, 7, 8),): {}, ((5, 6, 7, 99),): {}}}
+    for seq in (0, 1):
+        m.release(seq)
     m.check()
     assert m.num_free == 8 and m.cached_pages() == 3

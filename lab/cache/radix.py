@@ -10,6 +10,9 @@ Why slots and not pages (`RadixCache(num_slots)`, i.e. pages of one position): a
 in a run, and the two halves must own their positions separately. With pages of P > 1 the half-page at a
 split would be shared by two nodes (or copied), which is the bookkeeping chapter 6 avoids by matching
 whole pages only. SGLang's radix cache works on single-token slots by default for the same reason.
+With pages of P > 1 (`RadixBlockManager(num_pages, P)`, as SGLang with `page_size` > 1), each token of
+the tree is a whole page's token ids (a tuple of P) and each slot a page: splits fall on page boundaries,
+a prefix is matched in whole pages, and a sequence's partly filled last page is never cached.
 
 Ownership: every slot is in exactly one place: the free queue, one node of the tree, or "out", taken by
 `allocate` for a request that computes it and later `insert`s it (or gives it back with `free`). A request
@@ -342,15 +345,19 @@ def _path_slots(node) -> list[int]:
 
 
 def _ids(ids) -> tuple:
-    """Token ids: a list, tuple or tensor of ints >= 0."""
+    """Token ids: a list, tuple or tensor of ints >= 0; in a tree of pages, tuples of them (a page's ids)."""
     ids = ids.tolist() if hasattr(ids, "tolist") else ids
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise CacheInputError(f"ids must be a sequence of ints, got {type(ids).__name__}")
     ids = tuple(ids)
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    bad = [t for t in ids if not (_token(t) or isinstance(t, tuple) and t and all(map(_token, t)))]
     if bad:
         raise CacheInputError(f"token ids must be ints >= 0, got {bad[0]!r}")
     return ids
+
+
+def _token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 def _extra(extra) -> tuple:
@@ -364,27 +371,28 @@ def _extra(extra) -> tuple:
 
 
 class RadixBlockManager(BlockManager):
-    """The serving engine's token-granular prefix cache (`ServingEngine(..., prefix_caching="radix")`): a
-    BlockManager of one-position pages whose free pages and cached prefixes a RadixCache (`tree`) keeps.
+    """The serving engine's radix prefix cache (`ServingEngine(..., prefix_caching="radix")`): a BlockManager
+    whose free pages and cached prefixes a RadixCache (`tree`) keeps, each slot of the tree a page. With
+    pages of one position a prefix is found to the token; with pages of P it is found in whole pages, as
+    SGLang's tree does with page_size > 1, and the engine's block tables are as narrow as the hash chain's.
 
     Every page is in one place: free (the tree's free queue), cached (a node of the tree holds it) or out
     (allocated to a sequence and not cached yet). A sequence starts with `match` (the tree's pages of its
     longest cached prefix, locked by a handle while it runs) and grows with `reserve` (pages out of the
     tree's free queue, evicting its least recently used unlocked leaves when the queue is empty).
-    `cache(seq, ids)` puts the sequence's first len(ids) positions in the tree, so that later requests
-    find them; where the tree already held those tokens (two requests computed one prefix at once), the
+    `cache(seq, ids)` puts the sequence's first len(ids) positions (whole pages) in the tree, so that later
+    requests find them: from the sequence's own node when it only adds to what it cached before, from the
+    root otherwise. Where the tree already held those tokens (two requests computed one prefix at once), the
     sequence's page is swapped for the tree's (the same tokens at the same positions, under the same
     identity: the same keys and values) and goes back free, so no prefix is held twice. `release` gives
     back what the tree does not keep. Pages shared through the tree need no copy on write: a tree page is
-    always full (one position) and never written again.
+    always full and never written again.
 
     Not here: `fork`, chapter 6's page names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
     """
 
     def __init__(self, num_pages: int, page_size: int = 1):
-        if page_size != 1:
-            raise CacheInputError(f"a radix tree caches single positions: page_size must be 1, got {page_size}")
-        super().__init__(num_pages, 1)
+        super().__init__(num_pages, page_size)
         self.tree = RadixCache(num_pages)
         self._free.clear()                       # the tree's free queue is the free list
         self._handles = {}                       # seq -> the handle that locks its tree pages
@@ -397,45 +405,53 @@ class RadixBlockManager(BlockManager):
     def cached_pages(self) -> int:
         return self.tree.cached_tokens()
 
+    def cached_prefix(self, ids, extra=()) -> int:
+        """Positions of `ids` a new sequence would take from the tree now, changing nothing."""
+        return self.tree.prefix_length(self._pages(ids), extra) * self.page_size
+
     def match(self, seq, ids, extra=()) -> int:
         """Start the new sequence `seq` with the tree's pages of the longest cached prefix of `ids` (under
-        `extra`, the state identity); returns its length in positions."""
+        `extra`, the state identity), in whole pages; returns how many pages it took."""
         if self._new_or_live(seq):
             raise CacheStateError(f"match({seq!r}): the sequence exists; a prefix starts a new one")
-        n, pages, handle = self.tree.match(ids, extra)
+        ids = _ids(ids)
+        n, pages, handle = self.tree.match(self._pages(ids), extra)
         for page in pages:
             self._refs[page] += 1
-        self._tables[seq], self._lengths[seq], self._handles[seq] = pages, n, handle
-        self._in_tree[seq] = (_extra(extra), _ids(ids)[:n])
+        self._tables[seq], self._lengths[seq], self._handles[seq] = pages, n * self.page_size, handle
+        self._in_tree[seq] = (_extra(extra), ids[:n * self.page_size])
         return n
 
     def reserve(self, seq, n: int) -> list:
-        need = self.pages_needed(seq, n)             # validates seq and n; pages of one position: n
+        need = self.pages_needed(seq, n)             # validates seq and n; never a copy: tree pages are full
         pages = self.tree.allocate(need)             # OutOfPagesError, changing nothing
         for page in pages:
             self._refs[page] = 1
         self._tables.setdefault(seq, []).extend(pages)
         self._lengths[seq] = self._lengths.get(seq, 0) + n
         self.evicted = self.tree.evicted
-        return []                                    # never a copy on write
+        return []
 
     def cache(self, seq, ids, extra=()):
-        """Put the first len(ids) positions of `seq`, which hold the keys and values of `ids`, in the tree;
-        the sequence keeps them locked until `release`."""
-        table, extra = self._tables[self._live(seq)], _extra(extra)
+        """Put the first len(ids) positions of `seq` (whole pages), which hold the keys and values of `ids`,
+        in the tree; the sequence keeps them locked until `release`."""
+        table, extra, P = self._tables[self._live(seq)], _extra(extra), self.page_size
         ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)   # checked where new: extend, insert
-        if len(ids) > self._lengths[seq]:
-            raise CacheInputError(f"cache({seq!r}): {len(ids)} ids, but the sequence holds {self._lengths[seq]}")
+        if len(ids) > self._lengths[seq] or len(ids) % P:
+            raise CacheInputError(f"cache({seq!r}): {len(ids)} ids, but the sequence holds {self._lengths[seq]} "
+                                  f"and the tree takes whole pages of {P}")
         was, done = self._in_tree.get(seq, (None, ()))
         if was == extra and len(done) <= len(ids) and ids[:len(done)] == done:   # what it cached, and more
-            handle = self.tree.extend(self._handles[seq], ids[len(done):], table[len(done):len(ids)])
+            handle = self.tree.extend(self._handles[seq], self._pages(ids[len(done):]),
+                                      table[len(done) // P:len(ids) // P])
             if handle is not None:                   # grown from its own node, not from the root
                 self._handles[seq], self._in_tree[seq] = handle, (extra, ids)
                 return
-        handle = self.tree.insert(ids, table[:len(ids)], extra)
-        _, pages, locked = self.tree.match(ids, extra)      # the tree's pages, ours or earlier ones
+        pages = self._pages(ids)
+        handle = self.tree.insert(pages, table[:len(pages)], extra)
+        _, held, locked = self.tree.match(pages, extra)     # the tree's pages, ours or earlier ones
         self.tree.release(handle)
-        for i, (mine, tree) in enumerate(zip(table, pages, strict=False)):
+        for i, (mine, tree) in enumerate(zip(table, held, strict=False)):
             if mine != tree:                         # computed twice: insert took ours back, use the tree's
                 self._refs[mine] -= 1
                 self._refs[tree] += 1
@@ -443,6 +459,12 @@ class RadixBlockManager(BlockManager):
         if seq in self._handles:
             self.tree.release(self._handles[seq])
         self._handles[seq], self._in_tree[seq] = locked, (extra, ids)
+
+    def _pages(self, ids) -> tuple:
+        """The tree's tokens for `ids`: the ids themselves for pages of one position, else one tuple per
+        whole page (a partly filled last page is left out)."""
+        P = self.page_size
+        return tuple(ids) if P == 1 else tuple(tuple(ids[i:i + P]) for i in range(0, len(ids) - len(ids) % P, P))
 
     def release(self, seq) -> list[int]:
         freed = super().release(seq)
@@ -471,7 +493,8 @@ class RadixBlockManager(BlockManager):
         self.tree.check()
         counted = [0] * self.num_pages
         for seq, table in self._tables.items():
-            assert len(table) == self._lengths[seq], f"sequence {seq!r}: {len(table)} pages for {self._lengths[seq]}"
+            assert len(table) == -(-self._lengths[seq] // self.page_size), (
+                f"sequence {seq!r}: {len(table)} pages for {self._lengths[seq]} positions")
             assert len(set(table)) == len(table), f"sequence {seq!r} lists a page twice: {table}"
             for page in table:
                 counted[page] += 1

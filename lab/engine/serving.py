@@ -27,9 +27,10 @@ pages only (speculation never preempts). The request then feeds its last token a
 chunk, the same step verifies them all, and the pages are cropped back to the accepted tokens: a page is
 named for prefix caching only once every token in it is accepted, so rejected guesses never reach a name.
 
-A radix tree (chapter 11: `prefix_caching="radix"`, pages of one position): instead of naming full pages,
-the engine keeps every computed position in a RadixCache (lab/cache/radix.py) as soon as it is computed, and
-a new request takes the tree's pages of its longest cached prefix, to the token. `schedule="lpm"` admits the
+A radix tree (chapter 11: `prefix_caching="radix"`): instead of naming full pages by a hash chain, the engine
+keeps every computed page in a RadixCache (lab/cache/radix.py) as soon as it is full, and a new request takes
+the tree's pages of its longest cached prefix: to the token with pages of one position, in whole pages
+otherwise (as SGLang does with page_size > 1). `schedule="lpm"` admits the
 waiting request with the longest cached prefix first (SGLang's cache-aware policy) instead of the oldest.
 
 Local layers (chapter 10: a model with `config.window_of(layer)` windows, from `local_layers`): the pool is a
@@ -108,8 +109,8 @@ class ServingEngine:
     accepted (draft tokens), lookahead_pages (pages reserved for guesses) and rollback_pages (pages freed
     again after verification).
 
-    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache over pages of one position:
-    page_size=1), or False. schedule: "fcfs" (first come, first served) or "lpm" (the longest cached prefix
+    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache over the pages: to the token
+    with page_size=1), or False. schedule: "fcfs" (first come, first served) or "lpm" (the longest cached prefix
     first; with prefix caching).
 
     A model with local layers gets a HybridPool: `num_pages` pages for its global layers and `local_pages`
@@ -131,8 +132,6 @@ class ServingEngine:
                                   f"got {prefix_caching!r}")
         if schedule not in ("fcfs", "lpm") or (schedule == "lpm" and not prefix_caching):
             raise CacheInputError(f'schedule is "fcfs" or, with prefix caching, "lpm", got {schedule!r}')
-        if prefix_caching == "radix" and page_size != 1:
-            raise CacheInputError(f"a radix tree caches single positions: page_size=1, got {page_size}")
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens),
                         ("local_pages", 1 if local_pages is None else local_pages)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -152,8 +151,8 @@ class ServingEngine:
                                   "cache; the engine's pages serve the absorbed form of the same model (latent_kv)")
         if self.hybrid and self.radix:
             raise CacheInputError("a radix tree keeps every position of a prefix; local layers give pages back")
-        if self.radix:                               # one-position pages, free and cached ones in a tree
-            self.pool = PagedCache(cfg, num_pages, 1, dtype=model.dtype, device=model.device,
+        if self.radix:                               # free and cached pages in a tree
+            self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device,
                                    manager=RadixBlockManager)
         elif self.hybrid:                              # a group of pages per rule, the local one windowed
             self.pool = HybridPool(cfg, num_pages, page_size, local_pages, dtype=model.dtype, device=model.device)
@@ -399,7 +398,7 @@ class ServingEngine:
     def cached_prefix(self, req) -> int:
         """Positions of `req` its admission would take from the cache now (changes nothing)."""
         if self.radix:
-            return self.manager.tree.prefix_length(req.tokens[:req.num_tokens - 1], self.extra)
+            return self.manager.cached_prefix(req.tokens[:req.num_tokens - 1], self.extra)
         n = 0
         for key in self._page_keys(req, (req.num_tokens - 1) // self.page_size):
             if self.manager.cached(key) is None:
@@ -412,7 +411,7 @@ class ServingEngine:
         changed) when the pool has no room for it."""
         P, seq = self.page_size, self.pool.new_id()
         taken = 0
-        if self.radix:                                # pages of one position: taken positions = pages
+        if self.radix:                                # the tree's pages of its longest cached prefix
             taken = self.manager.match(seq, req.tokens[:req.num_tokens - 1], self.extra)
         elif self.prefix_caching:                     # one token at least is computed: its logits are sampled
             taken = self.manager.reserve_prefix(seq, self._page_keys(req, (req.num_tokens - 1) // P))
@@ -446,7 +445,7 @@ class ServingEngine:
 
     def _release(self, req):
         if self.radix:                                # what it computed goes in the tree, for later requests
-            self.manager.cache(req.seq, req.tokens[:req.computed], self.extra)
+            self.manager.cache(req.seq, req.tokens[:req.computed // self.page_size * self.page_size], self.extra)
         self.manager.release(req.seq)                 # named pages stay cached, free, least recent first
         req.seq, req.computed, req.named, req.guess, req.draft = None, 0, 0, [], None   # the draft's cache too
 
@@ -505,8 +504,8 @@ class ServingEngine:
     def _name_pages(self, req):
         """Name the pages of `req` that became full (chapter 6), so later requests starting alike take them."""
         full = req.computed // self.page_size
-        if self.radix and full != req.named:          # every computed position, as soon as it is
-            self.manager.cache(req.seq, req.tokens[:full], self.extra)
+        if self.radix and full != req.named:          # every full page, as soon as it is
+            self.manager.cache(req.seq, req.tokens[:full * self.page_size], self.extra)
             req.named = full
         if self.radix or not self.prefix_caching or full == req.named:
             return
