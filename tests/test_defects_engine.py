@@ -107,3 +107,12 @@ def test_the_reconstructing_form_is_refused_when_the_engine_is_built(tiny):
         ServingEngine(reconstructing_form(latent), 16, page_size=4)
     ps = prompts((9,), seed=7)
     assert ServingEngine(latent, 16, page_size=4).generate(ps, 6) == expected(latent, ps, 6)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, "radix"])
+def test_a_fresh_engine_holds_no_sequence(tiny, prefix_caching):
+    """The engine's pool was a PagedCache whose one default row reserved sequence 0 for nobody."""
+    engine = ServingEngine(tiny, 16, page_size=4, prefix_caching=prefix_caching)
+    assert engine.manager.sequences() == []
+    engine.generate(prompts((6,), seed=8), 3)
+    assert engine.manager.sequences() == []

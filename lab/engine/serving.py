@@ -152,14 +152,14 @@ class ServingEngine:
         if self.hybrid and self.radix:
             raise CacheInputError("a radix tree keeps every position of a prefix; local layers give pages back")
         if self.radix:                               # free and cached pages in a tree
-            self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device,
-                                   manager=RadixBlockManager)
+            self.pool = PagedCache.pool(cfg, num_pages * page_size, page_size, model.dtype, model.device,
+                                        manager=RadixBlockManager)
         elif self.hybrid:                              # a group of pages per rule, the local one windowed
             self.pool = HybridPool(cfg, num_pages, page_size, local_pages, dtype=model.dtype, device=model.device)
         elif local_pages is not None:
             raise CacheInputError(f"local_pages sizes the pages of local layers; {cfg.name or cfg.arch} has none")
         else:
-            self.pool = PagedCache(cfg, num_pages * page_size, page_size, dtype=model.dtype, device=model.device)
+            self.pool = PagedCache.pool(cfg, num_pages * page_size, page_size, model.dtype, model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
         self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
         # Llama weights on a CPU (float32, or bfloat16 where oneDNN runs it natively): the projections also
