@@ -117,8 +117,8 @@ print(f"{len(trace)} prompts: the hand-made tree and RadixCache find the same pr
 
 # %% [markdown]
 # The serving engine runs on either cache: `prefix_caching="radix"` (the tree keeps the free and cached
-# pages; with pages of one position it finds a prefix to the token) or the hash chain of chapter 6. Both give the same tokens as each request
-# decoded alone, and the tree takes a shared prefix to the token:
+# pages; with pages of one position it finds a prefix to the token) or the hash chain of chapter 6. Both
+# give the same tokens as each request decoded alone, and the tree takes a shared prefix to the token:
 
 # %%
 prompt = [rng.randrange(V) for _ in range(37)]
