@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from .bench import flush_caches, ratio_summary, time_rounds
 from .cache import cache_bytes, make_cache
 from .cache.paged import StepBatch
-from .engine import ServingEngine, serving
+from .engine import ServingEngine, drive, serving
 from .kernels import paged_attention_cpu, paged_attention_gather
 from .kernels.pages import paged_copy
 from .loadgen import random_prompts
@@ -296,19 +296,11 @@ def step_costs_values(sc: dict) -> dict:
 
 
 def run_timed(engine, prompts_, max_new_tokens, arrivals=None) -> dict:
-    """`engine.generate` by hand: add each prompt at its arrival step, step until all finish, and time every
-    step. Returns outputs, per-step seconds, and the timeline of these requests."""
-    n = len(prompts_)
-    news = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-    arrivals = arrivals or [0] * n
-    start, rids, times = engine.stats["steps"], [None] * n, []
-    while None in rids or not all(engine.requests[r].done for r in rids):
-        for i in range(n):
-            if rids[i] is None and arrivals[i] <= engine.stats["steps"] - start:
-                rids[i] = engine.add_request(prompts_[i], news[i])
-        t = perf_counter()
-        engine.step()
-        times.append(perf_counter() - t)
+    """`drive` the prompts through the engine (each added at its arrival step) and time every step. Returns
+    outputs, per-step seconds, and the timeline of these requests."""
+    start = engine.stats["steps"]
+    rids = drive(engine, prompts_, max_new_tokens, arrivals)
+    times = [end - began for began, end in engine.stats["step_times"][start:]]
     line = {r["id"]: r for r in engine.timeline()}
     return dict(outputs=[engine.output(r) for r in rids], step_s=times, start=start,
                 timeline=[line[r] for r in rids], seconds=sum(times))

@@ -8,7 +8,7 @@ from .generate import Generation, generate, greedy_agreement, positions_cached, 
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
 from .prefix import PrefixCachingBackend
-from .serving import EngineStateError, ServingEngine
+from .serving import EngineStateError, ServingEngine, drive
 from .speculative import (
                           EarlyExit,
                           ModelDraft,
@@ -22,7 +22,7 @@ from .speculative import (
 __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
            "greedy_agreement", "positions_cached", "positions_uncached", "IdentityError", "StateIdentity",
            "identity_of", "key_for", "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend",
-           "ChatSession", "common_prefix", "ServingEngine", "EngineStateError", "speculative_generate", "SpecResult",
-           "SpecInputError",
+           "ChatSession", "common_prefix", "ServingEngine", "EngineStateError", "drive", "speculative_generate",
+           "SpecResult", "SpecInputError",
            "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache"]
 __all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "Disaggregated", "WorkerError"]

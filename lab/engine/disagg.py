@@ -44,7 +44,7 @@ from ..cache import CacheInputError, CacheMismatchError, CacheStateError, OutOfP
 from ..models import InputError, load
 from .hashing import page_keys
 from .identity import StateIdentity, identity_of, token_ids
-from .serving import ServingEngine
+from .serving import ServingEngine, drive
 
 MAGIC = b"lab.PageSet/1\n"          # the first bytes of a serialised PageSet, with the format's version
 clock = time.monotonic               # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
@@ -536,21 +536,14 @@ def colocated(model, prompts, max_new_tokens, arrivals_s=None, num_pages: int = 
     try:
         model = load(model) if isinstance(model, str) else model
         warm_up(model, page_size)
-        engine = ServingEngine(model, num_pages, page_size, max_batch_tokens)
-        order, rids, times = sorted(range(n), key=arrivals.__getitem__), [None] * n, {}
-        t0, k = clock(), 0
-        while k < n or not all(engine.requests[r].done for r in rids):
-            while k < n and t0 + arrivals[order[k]] <= clock():
-                i = order[k]
-                rids[i], k = engine.add_request(prompts[i], news[i]), k + 1
-                times[rids[i]] = []
-            if not engine.running and not engine.waiting:             # idle until the next arrival
-                time.sleep(max(0.0, t0 + arrivals[order[k]] - clock()))
-                continue
-            new = engine.step()
+        engine, times, t0 = ServingEngine(model, num_pages, page_size, max_batch_tokens), {}, clock()
+
+        def stamp(engine, new):                                       # each token's time, on this clock
             t = clock()
             for rid, tokens in new.items():
-                times[rid].extend([t] * len(tokens))
+                times.setdefault(rid, []).extend([t] * len(tokens))
+
+        rids = drive(engine, prompts, news, arrivals, in_seconds=True, on_step=stamp)
     finally:
         torch.set_num_threads(before)
     tokens = [engine.output(r) for r in rids]

@@ -45,6 +45,7 @@ numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so ever
 
 import copy
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -174,7 +175,7 @@ class ServingEngine:
         self._ids = itertools.count()
         self.tainted, self.failure = [], None         # requests in flight when a step raised, and why
         self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
-                          batch_sizes=[], batch_tokens=[], proposed=0, accepted=0, lookahead_pages=0,
+                          batch_sizes=[], batch_tokens=[], step_times=[], proposed=0, accepted=0, lookahead_pages=0,
                           rollback_pages=0, held_pages=self._held_pages(), peak_held_pages=self._held_pages())
 
     @property
@@ -213,25 +214,7 @@ class ServingEngine:
         """Greedy continuations of `prompts` (a list of id lists), each up to `max_new_tokens` tokens (an int,
         or one per prompt). `arrivals[i]` = s adds prompt i before the s-th step of this call (0: at once),
         so requests can arrive while others decode. Steps until these requests finish; returns their tokens."""
-        n = len(prompts)
-        news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
-        arrivals = [0] * n if arrivals is None else list(arrivals)
-        if len(news) != n or len(arrivals) != n:
-            raise ValueError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
-        for a in arrivals:
-            if not isinstance(a, int) or isinstance(a, bool) or a < 0:
-                raise ValueError(f"an arrival is a step number, an int of at least 0, got {a!r}")
-        checked = [self._check(p, m, eos_id) for p, m in zip(prompts, news, strict=True)]  # all, before any is added
-        order = sorted(range(n), key=lambda i: arrivals[i])
-        start, rids, k = self.stats["steps"], [None] * n, 0
-        while k < n or not all(self.requests[r].done for r in rids):
-            while k < n and arrivals[order[k]] <= self.stats["steps"] - start:
-                rids[order[k]] = self._add(checked[order[k]])
-                k += 1
-            self.step()
-            if self.waiting and not self.running and not self.stats["batch_sizes"][-1]:  # a bug, never a wait
-                raise RuntimeError(f"the scheduler admitted nothing into an idle engine: {self!r}")
-        return [self.output(r) for r in rids]
+        return [self.output(r) for r in drive(self, prompts, max_new_tokens, arrivals, eos_id)]
 
     def timeline(self) -> list[dict]:
         """Per request, its sizes and what happened at which step: arrived, admitted [steps], chunks [(step,
@@ -289,7 +272,7 @@ class ServingEngine:
             raise EngineStateError(f"an earlier step failed ({self.failure}) after reserving slots and pages it "
                                    f"never filled: requests {stale} may now decode from wrong keys and values. "
                                    f"Cancel them (their tokens so far are right) or use a new engine")
-        now = self.stats["steps"]
+        now, began = self.stats["steps"], time.perf_counter()
         try:
             batch = self._schedule(now)                               # [(request, tokens this step)]
             new = self._run(batch, now) if batch else {}
@@ -301,6 +284,7 @@ class ServingEngine:
         s["steps"] += 1
         s["batch_sizes"].append(len(batch))
         s["batch_tokens"].append(sum(n for _, n in batch))
+        s["step_times"].append((began, time.perf_counter()))
         s["evicted_pages"] = self.manager.evicted
         s["held_pages"] = self._held_pages()
         s["peak_held_pages"] = {g: max(n, s["peak_held_pages"][g]) for g, n in s["held_pages"].items()}
@@ -533,3 +517,43 @@ def pages_in(freed) -> list:
     """The pages a crop gave back: a BlockManager's list, or every group's of a HybridBlockManager's dict."""
     return [page for pages in freed.values() for page in pages] if isinstance(freed, dict) else freed
 
+
+
+@torch.inference_mode()
+def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_seconds=False, on_step=None,
+          max_steps=None) -> list[int]:
+    """Serve `prompts` (id lists) through `engine` until they finish: the one loop that `generate`, the
+    experiments, the exercises and the workers run. `max_new_tokens`: an int, or one per prompt. Prompt i is
+    added before the first step at which arrivals[i] is due: a step number counted from this call (0, the
+    default: at once), or with in_seconds=True, seconds after the call began (an idle engine sleeps until
+    the next arrival). Every prompt is checked before any is added. After each step, on_step(engine, new),
+    `new` being step()'s {id: tokens}. Returns the requests' ids, in prompt order; each step's start and end
+    (time.perf_counter) are in engine.stats["step_times"]. RuntimeError after max_steps steps."""
+    n = len(prompts)
+    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    arrivals = [0] * n if arrivals is None else list(arrivals)
+    if len(news) != n or len(arrivals) != n:
+        raise ValueError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
+    for a in arrivals:
+        if isinstance(a, bool) or not isinstance(a, (float, int) if in_seconds else int) or a < 0:
+            raise ValueError(f"an arrival is {'a time in seconds' if in_seconds else 'a step number, an int'} "
+                             f"of at least 0, got {a!r}")
+    checked = [engine._check(p, m, eos_id) for p, m in zip(prompts, news, strict=True)]
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    t0, first, rids, k = time.perf_counter(), engine.stats["steps"], [None] * n, 0
+    now = (lambda: time.perf_counter() - t0) if in_seconds else (lambda: engine.stats["steps"] - first)
+    while k < n or not all(engine.requests[r].done for r in rids):
+        while k < n and arrivals[order[k]] <= now():
+            rids[order[k]] = engine._add(checked[order[k]])
+            k += 1
+        if in_seconds and not engine.running and not engine.waiting:      # idle until the next arrival
+            time.sleep(max(0.0, arrivals[order[k]] - now()))
+            continue
+        if max_steps is not None and engine.stats["steps"] - first >= max_steps:
+            raise RuntimeError(f"the requests did not finish in {max_steps} steps: {engine!r}")
+        new = engine.step()
+        if engine.waiting and not engine.running and not engine.stats["batch_sizes"][-1]:   # a bug, never a wait
+            raise RuntimeError(f"the scheduler admitted nothing into an idle engine: {engine!r}")
+        if on_step is not None:
+            on_step(engine, new)
+    return rids

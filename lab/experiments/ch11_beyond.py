@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..engine import PrefixCachingBackend, ServingEngine
+from ..engine import PrefixCachingBackend, ServingEngine, drive
 from ..engine.tiers import Tiers
 from ..fleet import POLICIES, Router, simulate
 from ..models import load
@@ -227,15 +227,8 @@ def radix_sweep(model, loads: dict, fractions, page_sizes) -> dict:
 def engine_run(engine, prompts, new: int, arrivals) -> dict:
     """Serve `prompts` (arriving at step `arrivals[i]`) to the end, timing every step: hit rate, time to first
     token in steps and in seconds (from the start of its arrival step to the end of its first token's)."""
-    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    rids, k, starts, ends = [None] * len(prompts), 0, [], []
-    while k < len(prompts) or not all(engine.requests[r].done for r in rids):
-        while k < len(prompts) and arrivals[order[k]] <= engine.stats["steps"]:
-            rids[order[k]] = engine.add_request(prompts[order[k]], new)
-            k += 1
-        starts.append(time.perf_counter())
-        engine.step()
-        ends.append(time.perf_counter())
+    rids = drive(engine, prompts, new, arrivals)
+    starts, ends = zip(*engine.stats["step_times"], strict=True)
     ev = [engine.requests[r].events for r in rids]
     ttft_steps = [e["first_token"] - e["arrived"] + 1 for e in ev]
     ttft_s = [ends[e["first_token"]] - starts[e["arrived"]] for e in ev]
