@@ -543,6 +543,66 @@ def test_kernel_without_triton_says_how_to_install_it(monkeypatch):
         paged_attention(q, k_pool, v_pool, block_tables, lens)
 
 
+# ---- a local layer's rule: the last `window` positions and the first `sinks` (chapter 10) ----
+# (page_size, lengths, window, sinks): windows inside one page, across pages and longer than a sequence;
+# sinks none, inside the first page, a whole page and more; sequences shorter than the window.
+WINDOW_CASES = [(4, [37, 9, 4, 1], 8, 2), (16, [100, 50, 17, 1], 32, 4), (5, [23, 11], 7, 0),
+                (3, [30, 2], 1, 1), (16, [40], 64, 0), (4, [41, 26], 6, 4), (16, [700, 333], 100, 20)]
+
+
+def window_case(page_size, lengths, window, sinks, dtype=torch.float32):
+    """make_paged's inputs, the dense oracle over the positions the rule keeps (chosen here, position by
+    position, from the rule as the book states it), and the pages no query reads: wholly past the sinks
+    and below the window."""
+    q, k_pool, v_pool, tables, lens, ks, vs = make_paged(lengths, page_size, 9, 3, 16, dtype=dtype, seed=5)
+    keep = [[j for j in range(n) if j >= n - window or j < sinks] for n in lengths]
+    want = dense_oracle(q, [k[kp] for k, kp in zip(ks, keep, strict=True)],
+                        [v[kp] for v, kp in zip(vs, keep, strict=True)])
+    unread = [[i for i in range(math.ceil(n / page_size))
+               if i * page_size >= sinks and (i + 1) * page_size <= n - window] for n in lengths]
+    return q, k_pool, v_pool, tables, lens, want, unread
+
+
+@pytest.mark.parametrize("attend", [paged_attention_reference, paged_attention_gather, paged_attention_cpu,
+                                    pytest.param(paged_attention, marks=needs_triton)],
+                         ids=["reference", "gather", "cpu", "triton"])
+@pytest.mark.parametrize("page_size, lengths, window, sinks", WINDOW_CASES)
+def test_a_window_reads_its_positions_and_sinks_only(page_size, lengths, window, sinks, attend):
+    """A local layer's decode against the dense oracle over what it keeps; the pages no query reads point at
+    page 0 (HUGE only), as a table whose entries the window gave back does (NULL is written as 0)."""
+    q, k_pool, v_pool, tables, lens, want, unread = window_case(page_size, lengths, window, sinks)
+    for b, pages in enumerate(unread):
+        tables[b, pages] = 0
+    device = KERNEL_DEVICE if attend is paged_attention else "cpu"
+    out = attend(*on(device, q, k_pool, v_pool, tables, lens), window=window, sinks=sinks)
+    torch.testing.assert_close(out.cpu().double(), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("attend", [paged_attention_cpu, pytest.param(paged_attention, marks=needs_triton)],
+                         ids=["cpu", "triton"])
+@pytest.mark.parametrize("page_size, lengths, window, sinks", WINDOW_CASES)
+def test_the_kernels_never_load_a_page_outside_the_window(page_size, lengths, window, sinks, attend):
+    """The pages no query reads are filled with NaN: a kernel that loaded one, even to mask it, would carry
+    NaN into its output (0 * NaN). The reference and the gather load and mask, so they are not held to it."""
+    q, k_pool, v_pool, tables, lens, want, unread = window_case(page_size, lengths, window, sinks)
+    for b, pages in enumerate(unread):
+        for i in pages:
+            k_pool[tables[b, i]], v_pool[tables[b, i]] = math.nan, math.nan
+    device = KERNEL_DEVICE if attend is paged_attention else "cpu"
+    out = attend(*on(device, q, k_pool, v_pool, tables, lens), window=window, sinks=sinks)
+    torch.testing.assert_close(out.cpu().double(), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("window, sinks, message", [(-1, 0, "window must be an int >= 0"),
+                                                    (4, 1.5, "sinks must be an int >= 0"),
+                                                    (0, 2, "sinks .* need a window")])
+def test_a_bad_window_is_refused(window, sinks, message):
+    q, k_pool, v_pool, tables, lens, _, _ = make_paged([5, 9], 4, 4, 2, 16)
+    for attend in (paged_attention_reference, paged_attention_gather, paged_attention_cpu, decode_attention):
+        with pytest.raises(ValueError, match=message):
+            attend(q, k_pool, v_pool, tables, lens, window=window, sinks=sinks)
+
+
 def _replace(name, value):
     """A mutation of the valid arguments: set one of them to value(args)."""
     def mutate(args):

@@ -26,20 +26,23 @@ from .triton_paged import paged_attention
 from .triton_paged_int8 import paged_attention_int8, quantize_pages
 
 
-def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True, max_length=None):
+def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True, max_length=None,
+                     window: int = 0, sinks: int = 0):
     """The Triton kernel for CUDA tensors (when Triton is installed and compiling); the C++ kernel
     `paged_attention_cpu` for CPU tensors of its dtypes (when a C++ compiler built it); else
     `paged_attention_gather`.
 
     Under TRITON_INTERPRET=1 the Triton kernel would run in NumPy, far slower than the PyTorch versions,
     so they serve then too; call `paged_attention` directly to run the kernel in the interpreter.
-    max_length (the longest of lengths, known on the host) spares the C++ kernel a reduction.
+    max_length (the longest of lengths, known on the host) spares the C++ kernel a reduction. window,
+    sinks: a local layer's rule, in every kernel (pages wholly outside it are never read).
     """
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
-        return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
+        return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale, check_values, window, sinks)
     if q.device.type == "cpu" and q.dtype in CPU_DTYPES and cpu_kernel_available():
-        return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values, max_length)
-    return paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale, check_values)
+        return paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale, check_values, max_length,
+                                   window, sinks)
+    return paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale, check_values, window, sinks)
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_gather", "paged_attention_cpu",

@@ -7,15 +7,21 @@ ValueError naming the argument, before any work is done.
 import torch
 
 
-def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True) -> None:
+def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True, window=0, sinks=0) -> None:
     """Raise TypeError or ValueError, naming the argument, for anything the kernels cannot serve.
 
     Expected: q [batch, q_heads, head_dim], k_pool and v_pool [num_pages, page_size, kv_heads, head_dim]
     of q's dtype, block_tables int32 [batch, max_pages], lengths int32 [batch] with
     1 <= length <= max_pages * page_size, every block-table entry naming a page of the pool, all on one
-    device. With `values`, also reads the extremes of `lengths` and `block_tables` on the host (a
-    synchronisation on a GPU); a caller whose tables are built by a block manager passes values=False.
+    device; window and sinks ints >= 0, sinks only with a window. With `values`, also reads the extremes
+    of `lengths` and `block_tables` on the host (a synchronisation on a GPU); a caller whose tables are
+    built by a block manager passes values=False.
     """
+    for name, n in (("window", window), ("sinks", sinks)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    if sinks and not window:
+        raise ValueError(f"sinks ({sinks}) need a window: with window 0 every position is read")
     named = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "block_tables": block_tables, "lengths": lengths}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):

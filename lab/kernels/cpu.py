@@ -52,19 +52,22 @@ SOURCE = r"""
 
 const float LOWEST = std::numeric_limits<float>::lowest();   // no infinities under -ffast-math
 
-// One task: sequence b, positions [start, end). For each query head hq: m[hq] the largest score,
-// l[hq] the sum of exp(score - m), acc[hq] the sum of exp(score - m) * value (D floats).
+// One task: sequence b, positions [start, end) but those in [sinks, lo) (a local layer's past: below
+// its window, past its sinks; a page wholly there is never read). For each query head hq: m[hq] the
+// largest score, l[hq] the sum of exp(score - m), acc[hq] the sum of exp(score - m) * value (D floats).
 // DC: the head size when the compiler knows it (64, 128), so that a head's acc stays in registers.
 template <typename T, int64_t DC>
 void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* table,
-                int64_t start, int64_t end, int64_t Hq, int64_t Hkv, int64_t head_dim, int64_t P,
-                float* m, float* l, float* acc) {
+                int64_t start, int64_t end, int64_t sinks, int64_t lo, int64_t Hq, int64_t Hkv,
+                int64_t head_dim, int64_t P, float* m, float* l, float* acc) {
   const int64_t D = DC ? DC : head_dim, G = Hq / Hkv, row = Hkv * D;  // G query heads per kv head
   std::vector<float> s(P), k(P * D), v(P * D);  // a head's scores; a kv head's keys, values, a page
   std::fill(m, m + Hq, LOWEST), std::fill(l, l + Hq, 0.f);
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t first = start; first < end; first += P) {
-    const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
+    const int64_t n = std::min(P, end - first);
+    if (first >= sinks && first + n <= lo) continue;          // outside the sinks and the window
+    const int64_t page = table[first / P] * P * row;           // [P, Hkv, D]
     const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
     for (int64_t h = 0; h < Hkv; ++h) {
       // kv head h's rows, read where they lie as floats, once for its G query heads. The next page
@@ -81,7 +84,7 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
         for (int64_t t = 0; t < n; ++t) {     // scores: q . k
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += q[hq * D + d] * k[t * D + d];
-          s[t] = dot;
+          s[t] = first + t >= sinks && first + t < lo ? LOWEST : dot;   // a position no query reads
         }
         const float m_new = std::max(m[hq], *std::max_element(s.data(), s.data() + n));
         const float c = std::exp(m[hq] - m_new);      // online softmax: rescale what came before
@@ -104,7 +107,7 @@ SOURCE += r"""
 template <typename T>
 void attend(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool, const T* v_pool,
             const int* tables, const int* lengths, float* parts, T* out, int64_t B, int64_t Hq, int64_t Hkv,
-            int64_t D, int64_t P, int64_t max_pages, int64_t runs, int64_t chunk) {
+            int64_t D, int64_t P, int64_t max_pages, int64_t runs, int64_t chunk, int64_t window, int64_t sinks) {
   const int64_t part = Hq * (D + 2);                  // parts [B, runs, Hq * (D + 2)]: m, l, acc
   const auto run = D == 64 ? attend_run<T, 64> : D == 128 ? attend_run<T, 128> : attend_run<T, 0>;
   at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end_) {
@@ -114,8 +117,9 @@ void attend(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool, 
       for (int64_t h = 0; h < Hq; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = float(q[b * sqb + h * sqh + d]) * scale;
       float* p = parts + task * part;
-      run(qf.data(), k_pool, v_pool, tables + b * max_pages, std::min(start, int64_t(lengths[b])),
-          std::min(start + chunk, int64_t(lengths[b])), Hq, Hkv, D, P, p, p + Hq, p + 2 * Hq);
+      const int64_t length = lengths[b], lo = window ? std::max(int64_t(0), length - window) : 0;
+      run(qf.data(), k_pool, v_pool, tables + b * max_pages, std::min(start, length),
+          std::min(start + chunk, length), window ? sinks : 0, lo, Hq, Hkv, D, P, p, p + Hq, p + 2 * Hq);
     }
   });
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end_) {  // merge a sequence's runs
@@ -143,9 +147,9 @@ SOURCE += "".join(f"""
 extern "C" void attend_{name}(const void* q, int64_t sqb, int64_t sqh, float scale, const void* k, const void* v,
                               const int* tables, const int* lengths, float* parts, void* out, int64_t B,
                               int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t max_pages, int64_t runs,
-                              int64_t chunk) {{
+                              int64_t chunk, int64_t window, int64_t sinks) {{
   attend((const {ctype}*)q, sqb, sqh, scale, (const {ctype}*)k, (const {ctype}*)v, tables, lengths, parts,
-         ({ctype}*)out, B, Hq, Hkv, D, P, max_pages, runs, chunk);
+         ({ctype}*)out, B, Hq, Hkv, D, P, max_pages, runs, chunk, window, sinks);
 }}
 """ for name, ctype in ((str(t).removeprefix("torch."), c) for t, c in DTYPES.items()))
 
@@ -308,7 +312,7 @@ def _library():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for dtype in DTYPES:
         fn = getattr(lib, f"attend_{str(dtype).removeprefix('torch.')}")
-        fn.argtypes, fn.restype = [ptr, i64, i64, ctypes.c_float] + [ptr] * 6 + [i64] * 8, None
+        fn.argtypes, fn.restype = [ptr, i64, i64, ctypes.c_float] + [ptr] * 6 + [i64] * 10, None
         name = str(dtype).removeprefix('torch.')
         for op, args in (("add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]),
                          ("rope", [ptr, i64, ptr, ptr, i64, i64, i64]),
@@ -331,16 +335,18 @@ def cpu_kernel_available() -> bool:
 
 
 def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
-                        max_length=None):
+                        max_length=None, window: int = 0, sinks: int = 0):
     """Decode attention over pages read in place, in C++ (see the module docstring). Returns [B, H_q, D].
 
     q [B, H_q, D] (any strides, its last dimension contiguous) and the pools [num_pages, page_size, H_kv, D]
     float32, bfloat16 or float16, on the CPU; block_tables int32 [B, max_pages]; lengths int32 [B];
     max_length: the longest of lengths when the caller knows it on the host (else read from lengths).
+    window, sinks: a local layer's rule (chapter 10): only the last `window` positions and the first `sinks`
+    are read, pages wholly outside them never (window 0: every position).
     Accumulates in float32 and returns q's dtype. Pools that are not contiguous are copied first (a
     PagedCache's never are).
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     if q.device.type != "cpu":
         raise ValueError(f"paged_attention_cpu runs on CPU tensors, got {q.device}; decode_attention "
                          f"chooses a kernel for the device")
@@ -359,7 +365,7 @@ def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, ch
     fn = getattr(_library(), f"attend_{str(q.dtype).removeprefix('torch.')}")
     fn(q.data_ptr(), q.stride(0), q.stride(1), scale, k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
        lengths.data_ptr(), parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, block_tables.shape[1],
-       runs, chunk)
+       runs, chunk, window, sinks)
     return out
 
 

@@ -24,13 +24,14 @@ from .triton_paged_int8 import check_int8_pages
 
 
 def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=None,
-                              check_values=True):
+                              check_values=True, window: int = 0, sinks: int = 0):
     """Decode attention over paged keys and values: gather each sequence's pages, then attend.
 
     q [B, H_q, D]; pools [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths
-    int32 [B]. Returns [B, H_q, D] in q's dtype, computed in float32.
+    int32 [B]. window, sinks: a local layer (chapter 10) reads only the last `window` positions and the
+    first `sinks` (window 0: every position). Returns [B, H_q, D] in q's dtype, computed in float32.
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     page_size = k_pool.shape[1]
     out = torch.empty_like(q)                                          # [B, H_q, D]
     for b, length in enumerate(lengths.tolist()):
@@ -38,13 +39,22 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
         k = k_pool[pages].flatten(0, 1)[:length].transpose(0, 1)      # [H_kv, length, D]
         v = v_pool[pages].flatten(0, 1)[:length].transpose(0, 1)      # [H_kv, length, D]
         query = q[b, :, None]                                         # [H_q, 1, D]
-        o = F.scaled_dot_product_attention(query.float(), k.float(), v.float(), scale=scale,
-                                           enable_gqa=True)            # [H_q, 1, D]
-        out[b] = o[:, 0]
+        o = F.scaled_dot_product_attention(query.float(), k.float(), v.float(), scale=scale, enable_gqa=True,
+                                           attn_mask=read(torch.arange(length), length, window, sinks))
+        out[b] = o[:, 0]                                              # [H_q, 1, D] -> [H_q, D]
     return out
 
 
-def paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
+def read(positions, length, window: int, sinks: int):
+    """Which of `positions` the query at position length - 1 reads: all of them, or with a window the last
+    `window` and the first `sinks` (a bool tensor of their shape)."""
+    if not window:
+        return torch.ones_like(positions, dtype=torch.bool)
+    return (positions >= length - window) | (positions < sinks)
+
+
+def paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
+                           window: int = 0, sinks: int = 0):
     """The same attention as `paged_attention_reference`, for the whole batch at once. Returns [B, H_q, D].
 
     Every sequence at once, with no Python loop over them: the tables are cut to the longest
@@ -52,7 +62,7 @@ def paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale=None,
     block), and one `scaled_dot_product_attention` call attends over the batch, each sequence's
     positions past its length masked. SDPA reads the copies through strides, query groups included.
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     n_pages = -(-int(lengths.max()) // page_size)                 # the longest sequence's pages
@@ -64,7 +74,7 @@ def paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale=None,
     pages = pages.view(-1)
     k = k_pool.index_select(0, pages).view(B, L, H_kv, D).transpose(1, 2)  # [B, H_kv, L, D]
     v = v_pool.index_select(0, pages).view(B, L, H_kv, D).transpose(1, 2)  # [B, H_kv, L, D]
-    keep = (arange(L) < lengths)[:, None, None]                   # [B, 1, 1, L]: within its length
+    keep = ((arange(L) < lengths) & read(arange(L), lengths, window, sinks))[:, None, None]   # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep, scale=scale,
                                          enable_gqa=True)         # [B, H_q, 1, D]
     return out[:, :, 0]

@@ -48,7 +48,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, lengths_ptr, out_ptr,
-        scale,
+        scale, window, sinks,                               # a local layer's rule; window 0: every position
         stride_qb, stride_qh, stride_qd,                    # q   [B, H_q, D]
         stride_kp, stride_kt, stride_kh, stride_kd,         # k_pool [num_pages, page_size, H_kv, D]
         stride_vp, stride_vt, stride_vh, stride_vd,         # v_pool, same layout
@@ -79,15 +79,21 @@ if triton is not None:
 
         length = tl.load(lengths_ptr + seq)
         n_pages = tl.cdiv(length, PAGE_SIZE)               # table entries past this are padding
+        # A local layer reads its sinks' pages, then the pages from its window's first position on; the
+        # pages between are never loaded. Page j of the loop is page i of the table.
+        lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+        first = lo // PAGE_SIZE
+        n_sink = tl.minimum(tl.cdiv(sinks, PAGE_SIZE), first)
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                # running sum of exp(s - max)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of exp(..) * v
 
-        for i in range(0, n_pages):
+        for j in range(0, n_sink + n_pages - first):
+            i = tl.where(j < n_sink, j, first + j - n_sink)
             entry = block_tables_ptr + seq * stride_btb + i * stride_btp
             page = tl.load(entry).to(tl.int64)              # int64: offsets in a big pool
             pos = i * PAGE_SIZE + offs_t                    # positions of this page in the sequence
-            t_mask = (offs_t < PAGE_SIZE) & (pos < length)  # slots that hold this sequence's tokens
+            t_mask = (offs_t < PAGE_SIZE) & (pos < length) & ((pos >= lo) | (pos < sinks))  # read ones
             kv_mask = t_mask[:, None] & d_mask[None, :]
             k_ptrs = (k_pool_ptr + page * stride_kp + offs_t[:, None] * stride_kt
                       + kv_head * stride_kh + offs_d[None, :] * stride_kd)
@@ -99,8 +105,8 @@ if triton is not None:
             # "ieee": full float32 products (the default on recent GPUs is TF32, ~1e-3 relative).
             s = tl.dot(q, tl.trans(k), input_precision="ieee")            # [G, PAGE]
             s = tl.where(t_mask[None, :], s, float("-inf"))
-            # Online softmax: rescale what was summed so far to the new maximum. Every page holds
-            # a real position, so m_new is finite and exp(-inf - m_new) = 0 on the first page.
+            # Online softmax: rescale what was summed so far to the new maximum. Every page loaded holds
+            # a position read, so m_new is finite and exp(-inf - m_new) = 0 on the first page.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))                    # [G]
             alpha = tl.exp(m_i - m_new)                                   # [G]
             p = tl.exp(s - m_new[:, None])                                # [G, PAGE], 0 if masked
@@ -129,14 +135,16 @@ def require_triton(name: str, device) -> None:
                            f"or use {name}_reference")
 
 
-def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True):
+def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
+                    window: int = 0, sinks: int = 0):
     """Decode attention over paged keys and values with the Triton kernel. Returns [B, H_q, D] in q's dtype.
 
     Same arguments and result as `paged_attention_reference`: q [B, H_q, D]; k_pool, v_pool
     [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths int32 [B]; scale defaults
-    to 1/sqrt(D). Always launches the kernel: CUDA tensors, or any tensors under TRITON_INTERPRET=1.
+    to 1/sqrt(D); window, sinks as there. Always launches the kernel: CUDA tensors, or any tensors under
+    TRITON_INTERPRET=1.
     """
-    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     require_triton("paged_attention", q.device)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
@@ -146,7 +154,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_
     grid = (B, H_kv)                                                   # one program per (sequence, kv head)
     _paged_decode_kernel[grid](
         q, k_pool, v_pool, block_tables, lengths.contiguous(), out,   # the kernel reads lengths[seq] at stride 1
-        scale,
+        scale, window, sinks,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size,
         GROUP_PAD=_next_power_of_2(group), HEAD_DIM_PAD=_next_power_of_2(D), PAGE_PAD=_next_power_of_2(page_size),
