@@ -317,7 +317,10 @@ def test_a_step_never_reads_a_page_the_window_gave_back(models):
     pool.manager.manager("local").drop_pages(0, [2])      # by hand: positions 8 .. 11, which queries read
     with pytest.raises(CacheStateError, match="given back"):
         pool.plan_step([(0, 20)])
-    assert pool.plan_step([(0, 1)]).reads["local"][0][2].numel() == 2 + 8    # the sinks, the window
+    assert pool.plan_step([(0, 1)]).block_tables["local"][0, 2] == 0    # position 19 reads 0, 1 and 12 .. 19
+    pool.manager.manager("local").drop_pages(0, [3])      # positions 12 .. 15: in the decode's window
+    with pytest.raises(CacheStateError, match="given back"):
+        pool.plan_step([(0, 1)])
 
 
 def test_bad_settings_are_refused(models, base):

@@ -35,7 +35,7 @@ from ..kernels import decode_attention
 from ..kernels.fused import store_rows
 from . import checks
 from .base import CacheInputError, CacheStateError, KVCache, attention, offset_causal_mask, visible
-from .block_manager import BlockManager
+from .block_manager import NULL, BlockManager
 from .hybrid import HybridBlockManager
 from .sizing import cache_bytes
 
@@ -463,28 +463,41 @@ class HybridPool:
 
 class HybridStep:
     """StepBatch for a HybridPool: the new tokens of several sequences as one row `[1, N]`. Each layer
-    stores its keys and values in its group's pool, at the group's slots, and each sequence's queries attend
-    to the positions its group still holds that they may read: every position in a global layer, the sinks
-    and the last window in a local one, gathered slot by slot (a page the window gave back, NULL in the
-    block table, is never read), under the `visible` mask at their absolute positions.
+    stores its keys and values in its group's pool, at the group's slots. The decodes (one token each) of
+    every sequence attend together, in the paged decode kernel under the group's window and sinks: it reads
+    the sink pages and the pages from the window on, in place, and never a page the window gave back (NULL
+    in the block table, 0 in the kernel's). The queries of a prefill chunk attend to the positions their
+    group still holds that they may read, gathered slot by slot under the `visible` mask.
 
-    What a group's attention reads is the same in each of its layers, so it is planned once per step:
-    per sequence, the slots of the positions read and the mask `[n, positions read]` (None for a single
-    query, which reads exactly them).
+    What a group's attention reads is the same in each of its layers, so it is planned once per step: the
+    decode rows' block tables and lengths, and per chunk the slots of the positions read and the mask
+    `[n, positions read]`.
     """
 
     def __init__(self, pool: HybridPool, parts):
         # region hybrid_step_plan
         manager, device = pool.manager, pool.device
         slots, positions, at = {g: [] for g in manager.groups}, [], 0
-        self.reads = {g: [] for g in manager.groups}  # group -> per part (at, n, slots [K], mask [n, K])
+        self.reads = {g: [] for g in manager.groups}  # group -> per chunk (at, n, slots [K], mask [n, K])
+        tables, decode_at, lengths = {g: [] for g in manager.groups}, [], []   # the decode rows
         for seq, n in parts:
             start = checks.step_part(manager, seq, n)    # its n newest reserved positions
             end = start + n
             positions += range(start, end)
+            if n == 1:
+                decode_at.append(at)
+                lengths.append(end)
             for group in manager.groups:
                 bm, (window, sinks) = manager.manager(group), manager.rule(group)
                 slots[group] += bm.slots(seq, start, n)
+                if n == 1:                               # pages given back read as page 0, never loaded
+                    table, P = bm.block_table(seq), pool.page_size
+                    lo = max(0, end - window) if window else 0   # its window's first position
+                    if NULL in table[lo // P:] or NULL in table[:-(-min(sinks, lo) // P)]:
+                        raise CacheStateError(f"sequence {seq!r}: its decode at position {start} reads a page "
+                                              f"of group {group!r} that was given back: {table}")
+                    tables[group].append([max(page, 0) for page in table])
+                    continue
                 lo = max(0, start + 1 - window) if window else 0   # the first query's window
                 keys = [*range(min(sinks, lo)), *range(lo, end)]  # what some query reads
                 read = bm.slots(seq, 0, min(sinks, lo)) + bm.slots(seq, lo, end - lo)  # never NULL
@@ -495,6 +508,13 @@ class HybridStep:
             at += n
         self.slot_mapping = {g: torch.tensor(s, dtype=torch.long, device=device) for g, s in slots.items()}
         self.positions = torch.tensor(positions, device=device)                     # [N]
+        i32 = dict(dtype=torch.int32, device=device)
+        width = {g: max(map(len, t), default=1) for g, t in tables.items()}
+        self.block_tables = {g: torch.tensor([r + [0] * (width[g] - len(r)) for r in t] or [[0]], **i32)
+                             for g, t in tables.items()}                          # [B_d, max_pages] per group
+        self.lengths = torch.tensor(lengths or [1], **i32)                          # [B_d]
+        self.decode_at = torch.tensor(decode_at, dtype=torch.long, device=device)  # [B_d] token index
+        self.max_length = max(lengths, default=1)
         # endregion
         self.pool, self.n_tokens, self.done = pool, at, False
         self.n_layers = pool.n_layers
@@ -522,6 +542,12 @@ class HybridStep:
             store_rows(v_slots, self.slot_mapping[group], v[0].transpose(0, 1), check_values=False)
             self.pending[layer] = k.shape[2]
         out = torch.empty_like(q)                                               # [1, H_q, N, D]
+        if len(self.decode_at):                                                  # every decode at once
+            window, sinks = pool.manager.rule(group)
+            o = decode_attention(q[0, :, self.decode_at].transpose(0, 1), pool.k_pools[group][i],
+                                 pool.v_pools[group][i], self.block_tables[group], self.lengths, check_values=False,
+                                 max_length=self.max_length, window=window, sinks=sinks)   # [B_d, H_q, D]
+            out[0, :, self.decode_at] = o.transpose(0, 1)
         for at, n, read, mask in self.reads[group]:
             keys = k_slots[read].transpose(0, 1)[None]                          # [1, H_kv, K, D]
             values = v_slots[read].transpose(0, 1)[None]
