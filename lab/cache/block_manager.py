@@ -142,8 +142,18 @@ class BlockManager:
         self._lengths[seq] = length + n
         return copies
 
+    def victim(self) -> int:
+        """The free page the next allocation takes: the least recently freed (a policy overrides this, as
+        chapter 6's LFU exercise does)."""
+        return next(iter(self._free))
+
+    def free_pages(self) -> list[int]:
+        """The free pages, least recently freed first (named ones among them are cached: evicted if taken)."""
+        return list(self._free)
+
     def _allocate(self) -> int:
-        page, _ = self._free.popitem(last=False)  # the least recently freed page
+        page = self.victim()
+        del self._free[page]
         if page in self._keys:                # a cached page nobody holds: evict it, forget its digest
             if self.on_evict is not None:     # a lower tier keeps it first (lab/engine/tiers.py)
                 self.on_evict(page, self._keys[page])

@@ -25,31 +25,30 @@ from .rules import drawn_with, fresh_seed, functions_raise, unchanged
 class _LFUBlockManager(BlockManager):
     """The oracle: the lab's BlockManager with one change, which page a fresh allocation takes.
 
-    The base class takes the page at the left of its free list, which is kept in the order pages were freed
-    (LRU). Here the victim is moved there first: a free page without a name if there is one, else the named
-    free page with the fewest uses, the least recently freed among equals (`min` returns the first minimum,
-    and the free list runs from the least recently freed). The base class then forgets the victim's name.
+    The base class takes its `victim()`, the least recently freed page (LRU). Here the victim is a free page
+    without a name if there is one, else the named free page with the fewest uses, the least recently freed
+    among equals (`min` returns the first minimum, and `free_pages()` runs from the least recently freed).
+    The base class then forgets the victim's name.
     """
 
     def __init__(self, num_pages, page_size):
         super().__init__(num_pages, page_size)
         self.uses = [0] * num_pages                      # page -> uses since it was named
 
-    def _allocate(self) -> int:
-        unnamed = [p for p in self._free if p not in self._keys]
-        victim = unnamed[0] if unnamed else min(self._free, key=lambda p: self.uses[p])
-        self._free.move_to_end(victim, last=False)       # where the base class takes its page from
-        return super()._allocate()
+    def victim(self) -> int:
+        free, named = self.free_pages(), self.named_tokens()
+        unnamed = [p for p in free if p not in named]
+        return unnamed[0] if unnamed else min(free, key=lambda p: self.uses[p])
 
     def register(self, seq, index, digest, parent, tokens) -> bool:
         named = super().register(seq, index, digest, parent, tokens)
         if named:
-            self.uses[self._tables[seq][index]] = 1      # written: the first use
+            self.uses[self.block_table(seq)[index]] = 1  # written: the first use
         return named
 
     def reserve_prefix(self, seq, keys) -> int:
         n = super().reserve_prefix(seq, keys)
-        for page in self._tables[seq]:
+        for page in self.block_table(seq):               # the n pages it took, all it holds
             self.uses[page] += 1                         # one more request served from it
         return n
 

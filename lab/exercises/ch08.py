@@ -140,10 +140,9 @@ def cached_prefix(engine, req) -> int:
     with the same start named), at most all but its last token. Looks, changes nothing."""
     if not engine.prefix_caching:
         return 0
-    P, manager, n = engine.page_size, engine.manager, 0
-    for digest, parent, tokens in engine._page_keys(req, (req.num_tokens - 1) // P):
-        page = manager._cached.get(digest)
-        if page is None or manager._keys[page][1:] != (parent, tuple(tokens)):
+    P, n = engine.page_size, 0
+    for key in engine._page_keys(req, (req.num_tokens - 1) // P):    # (digest, parent, tokens) per full page
+        if engine.manager.cached(key) is None:           # not named, or named for other tokens (a collision)
             break
         n += P
     return n
@@ -324,8 +323,11 @@ def _tensors(x) -> list:
 def pages_of(engine, req) -> tuple:
     """The keys and values of the computed positions of a running request, read through its block table:
     two `[L, computed, H_kv, D]` tensors (copies)."""
-    slots = engine.manager.slots(req.seq, 0, req.computed)                   # pool slots, in position order
-    return tuple(pool.flatten(1, 2)[:, slots].clone() for pool in (engine.pool.k_pool, engine.pool.v_pool))
+    P = engine.page_size
+    slots = engine.manager.slots(req.seq, 0, req.computed)           # pool slots, in position order
+    pages = [engine.pool.page(slot // P) for slot in slots[::P]]     # (keys, values) [L, P, H_kv, D] each
+    pages = pages or [tuple(t[:, :0] for t in engine.pool.page(0))]  # nothing computed yet: [L, 0, H_kv, D]
+    return tuple(torch.cat([kv[i] for kv in pages], 1)[:, :req.computed] for i in (0, 1))  # [L, computed, H_kv, D]
 
 
 class _SwapWatch:
@@ -365,6 +367,8 @@ class _SwapWatch:
         for rid in out:
             self.away[rid] = self.kv[rid]                                   # what its pages held when it left
             self._check_copy(engine, rid, swapped[rid], self.away[rid][0].shape[1])
+        if swapped:
+            self._check_not_views(engine, swapped)
         for req in engine.running:
             if req.id in self.away:                                          # swapped in during this step
                 assert now in req.events["admitted"], (
@@ -381,14 +385,29 @@ class _SwapWatch:
         have = sum(t.numel() for t in tensors)
         assert have >= need, (
             f"self.swapped[{rid}] holds {have} values; request {rid} had {positions} positions computed, whose "
-            f"keys and values are {need} values: copy k_pool[:, pages] and v_pool[:, pages] themselves, not "
-            "where they were")
-        shared = {p.untyped_storage().data_ptr() for p in (engine.pool.k_pool, engine.pool.v_pool)}
+            f"keys and values are {need} values: copy the pages' keys and values themselves "
+            "(self.pool.page(p)), not where they were")
         for t in tensors:
             assert t.device.type == "cpu", f"self.swapped[{rid}] holds a tensor on {t.device}: copy it to the host"
-            assert t.untyped_storage().data_ptr() not in shared, (
-                f"self.swapped[{rid}] holds a view of the pool, not a copy: once the pages are reused, it changes "
-                "under you")
+
+    @staticmethod
+    def _check_not_views(engine, swapped):
+        """Every host copy is a copy, not a view of the pool: it stays as it is while every page of the pool
+        changes (through set_page, each value negated, a zero made one), and then the pages are put back."""
+        held = {rid: [t.clone() for t in _tensors(saved)] for rid, saved in swapped.items()}
+        pages = [engine.pool.page(p) for p in range(engine.manager.num_pages)]   # (keys, values) [L, P, H_kv, D]
+        flip = lambda t: torch.where(t == 0, torch.ones_like(t), -t)             # every value differs
+        try:
+            for p, (k, v) in enumerate(pages):
+                engine.pool.set_page(p, (flip(k), flip(v)))
+            moved = [rid for rid, saved in swapped.items()
+                     if any(not torch.equal(a, b) for a, b in zip(_tensors(saved), held[rid], strict=True))]
+        finally:
+            for p, kv in enumerate(pages):
+                engine.pool.set_page(p, kv)                                      # the pool as it was
+        assert not moved, (
+            f"self.swapped[{moved[0]}] holds a view of the pool, not a copy: it changed when the pool's pages did, "
+            "so once the pages are reused it changes under you")
 
     @staticmethod
     def _check_restored(engine, req, now, keys, values):
@@ -420,14 +439,17 @@ def recompute_positions() -> tuple:
 def check_swapping(engine_class):
     """engine_class: a ServingEngine subclass that preempts by swapping instead of recomputing.
 
-    - `_preempt(req, now)`: copy the victim's keys and values to host memory, `self.pool.k_pool[:, pages]`
-      and `v_pool[:, pages]`, `[L, n, P, H_kv, D]` (pages from `self.manager.block_table(req.seq)`; the first
-      ceil(req.computed / P) of them hold its `req.computed` positions), into `self.swapped[req.id]`, a dict
-      you set up in `__init__`; then let the stock `_preempt` release its pages and queue it at the head.
+    - `_preempt(req, now)`: copy the victim's keys and values to host memory, page by page:
+      `self.pool.page(p)` returns page p's keys and values in every layer, `(keys, values)`, `[L, P, H_kv, D]`
+      each (copies on the pool's device: move them to the host), for its pages p from
+      `self.manager.block_table(req.seq)` (the first ceil(req.computed / P) of them hold its `req.computed`
+      positions); keep them in `self.swapped[req.id]`, a dict you set up in `__init__`; then let the stock
+      `_preempt` release its pages and queue it at the head.
     - `_admit(req, budget, now) -> n`: for a swapped request, take a new sequence, `seq = self.pool.new_id()`,
       and reserve the `computed` positions it had plus the n >= 1 it computes in this step (at most
       `budget`): `self.pool.reserve([(seq, computed + n)])`, which raises OutOfPagesError, changing nothing, when the
-      pool is too full (return 0 then). Copy host page i back into page i of its new block table, delete the host
+      pool is too full (return 0 then). Copy host page i back into page i of its new block table,
+      `self.pool.set_page(page, (keys, values))`, delete the host
       copy, set `req.seq`, `req.computed` and `req.state = "running"`, append `now` to
       `req.events["admitted"]`, and return n. Other requests: the stock `_admit`.
     - `cancel(rid)`: a request cancelled while swapped out drops its host copy.
@@ -437,7 +459,8 @@ def check_swapping(engine_class):
     were preemptions; the positions run through the model (counted at the forward) are exactly those of a
     run that never recomputes, sum(prompt + new - 1); after every step the pages taken are exactly those
     of the running requests, and self.swapped holds exactly the preempted requests still waiting, as CPU
-    tensors that are copies (not views of the pool) of at least their computed positions; a request swapped in
+    tensors that are copies of at least their computed positions (not views of the pool: they stay as they are
+    while the check changes every page of the pool, and puts it back); a request swapped in
     finds, through its new block table, exactly the keys and values it left with (the tokens alone may not
     show full pages restored in another order: attention over earlier positions does not depend on where
     they are stored, since each stored key already carries its position). Then it serves the workload

@@ -1,6 +1,8 @@
 """Reference solutions for chapter 8: shortest-remaining-job-first admission; preemption by swapping pages
 to host memory."""
 
+import torch
+
 from ..cache import OutOfPagesError
 from ..engine import ServingEngine
 from .ch08 import cached_prefix
@@ -22,8 +24,9 @@ class SwappingEngine(ServingEngine):
     def _preempt(self, req, now):
         computed, P = req.computed, self.page_size            # the positions its pages hold
         pages = self.manager.block_table(req.seq)[:-(-computed // P)]   # more may be reserved
-        keys = self.pool.k_pool[:, pages].cpu()                 # [L, n, P, H_kv, D], a copy
-        values = self.pool.v_pool[:, pages].cpu()
+        copies = [self.pool.page(p) for p in pages]             # (keys, values) [L, P, H_kv, D] each, copies
+        keys = torch.stack([k for k, _ in copies], 1).cpu()     # [L, n, P, H_kv, D] on the host
+        values = torch.stack([v for _, v in copies], 1).cpu()
         self.swapped[req.id] = (keys, values, computed)
         super()._preempt(req, now)             # its pages go back to the pool; it waits at the head
 
@@ -38,8 +41,8 @@ class SwappingEngine(ServingEngine):
         except OutOfPagesError:
             return 0                                            # nothing changed: a later step
         pages = self.manager.block_table(seq)[:keys.shape[1]]   # page i holds what page i held
-        self.pool.k_pool[:, pages] = keys.to(self.pool.device)  # [L, n, P, H_kv, D] back
-        self.pool.v_pool[:, pages] = values.to(self.pool.device)
+        for i, page in enumerate(pages):                        # [L, P, H_kv, D] each, back to the device
+            self.pool.set_page(page, (keys[:, i], values[:, i]))
         del self.swapped[req.id]                                # the host copy is spent
         req.seq, req.computed, req.state = seq, computed, "running"
         req.events["admitted"].append(now)
