@@ -143,12 +143,12 @@ class BlockManager:
         return copies
 
     def victim(self) -> int:
-        """The free page the next allocation takes: the least recently freed (a policy overrides this, as
-        chapter 6's LFU exercise does)."""
+        """The free page the next allocation takes: the least recently freed (a policy
+        overrides this, as chapter 6's LFU exercise does)."""
         return next(iter(self._free))
 
     def free_pages(self) -> list[int]:
-        """The free pages, least recently freed first (named ones among them are cached: evicted if taken)."""
+        """The free pages, least recently freed first (a named one is cached: evicted if taken)."""
         return list(self._free)
 
     def _allocate(self) -> int:

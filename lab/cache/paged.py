@@ -62,16 +62,6 @@ class PagedCache(KVCache):
         self._ids = itertools.count()            # sequence ids in the manager, never reused
         self._rows([next(self._ids) for _ in range(batch_size)])
 
-    @classmethod
-    def pool(cls, config, max_tokens: int, page_size: int = 16, dtype=None, device="cpu", manager=BlockManager):
-        """A pool with no rows of its own: a serving engine's, whose sequences come and go (`new_id`,
-        `reserve`, `plan_step`, `view`)."""
-        cache = cls(config, max_tokens, page_size, 1, dtype, device, manager=manager)
-        cache.manager.release(cache.seqs[0])
-        cache._rows([])
-        cache.batch_size = 0
-        return cache
-
     def _rows(self, seqs):
         """The rows: the manager's sequences `seqs` (new ones start empty), and their buffers."""
         self.seqs = list(seqs)                   # the block manager's id of each batch row
@@ -81,12 +71,22 @@ class PagedCache(KVCache):
         self._tables = [self.manager.block_table(s) for s in self.seqs]  # host copy of block_tables
         tables = [t + [0] * (self.max_pages - len(t)) for t in self._tables]
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.block_tables = torch.tensor(tables, **i32).view(len(tables), self.max_pages)  # [B, max_pages]
+        self.block_tables = torch.tensor(tables, **i32).view(-1, self.max_pages)  # [B, max_pages]
         self._lengths = [self.manager.length(s) for s in self.seqs]     # host copy of lengths
         self.lengths = torch.tensor(self._lengths, **i32)            # [B], after the step in flight
         self.slot_mapping = None                 # [B * T] pool slots of the step in flight
         self._step_T = 0                         # and its T
     # endregion
+
+    @classmethod
+    def pool(cls, config, max_tokens: int, page_size: int = 16, dtype=None, device="cpu", manager=BlockManager):
+        """A pool with no rows of its own: a serving engine's, whose sequences come and go (`new_id`,
+        `reserve`, `plan_step`, `view`)."""
+        cache = cls(config, max_tokens, page_size, 1, dtype, device, manager=manager)
+        cache.manager.release(cache.seqs[0])
+        cache._rows([])
+        cache.batch_size = 0
+        return cache
 
     def _sharing_pool(self, seqs):
         """A cache over sequences `seqs` of this cache's pool. Built explicitly: it shares the pools, the

@@ -52,10 +52,9 @@ SOURCE = r"""
 
 const float LOWEST = std::numeric_limits<float>::lowest();   // no infinities under -ffast-math
 
-// One task: sequence b, positions [start, end) but those in [sinks, lo) (a local layer's past: below
-// its window, past its sinks; a page wholly there is never read). For each query head hq: m[hq] the
-// largest score, l[hq] the sum of exp(score - m), acc[hq] the sum of exp(score - m) * value (D floats).
-// DC: the head size when the compiler knows it (64, 128), so that a head's acc stays in registers.
+// One task: sequence b, positions [start, end) but [sinks, lo), a local layer's past (never read).
+// Per query head hq: m[hq] the largest score, l[hq] the sum of exp(score - m), acc[hq] the sum of
+// exp(score - m) * value (D floats). DC: the head size when the compiler knows it (64, 128).
 template <typename T, int64_t DC>
 void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* table,
                 int64_t start, int64_t end, int64_t sinks, int64_t lo, int64_t Hq, int64_t Hkv,
@@ -65,9 +64,8 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
   std::fill(m, m + Hq, LOWEST), std::fill(l, l + Hq, 0.f);
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t first = start; first < end; first += P) {
-    const int64_t n = std::min(P, end - first);
+    const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
     if (first >= sinks && first + n <= lo) continue;          // outside the sinks and the window
-    const int64_t page = table[first / P] * P * row;           // [P, Hkv, D]
     const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
     for (int64_t h = 0; h < Hkv; ++h) {
       // kv head h's rows, read where they lie as floats, once for its G query heads. The next page

@@ -27,9 +27,10 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
                               check_values=True, window: int = 0, sinks: int = 0):
     """Decode attention over paged keys and values: gather each sequence's pages, then attend.
 
-    q [B, H_q, D]; pools [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths
-    int32 [B]. window, sinks: a local layer (chapter 10) reads only the last `window` positions and the
-    first `sinks` (window 0: every position). Returns [B, H_q, D] in q's dtype, computed in float32.
+    q [B, H_q, D]; pools [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages];
+    lengths int32 [B]. window, sinks: a local layer (chapter 10) reads only the last `window`
+    positions and the first `sinks` (window 0: every position). Returns [B, H_q, D] in q's
+    dtype, computed in float32.
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     page_size = k_pool.shape[1]
@@ -39,9 +40,10 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
         k = k_pool[pages].flatten(0, 1)[:length].transpose(0, 1)      # [H_kv, length, D]
         v = v_pool[pages].flatten(0, 1)[:length].transpose(0, 1)      # [H_kv, length, D]
         query = q[b, :, None]                                         # [H_q, 1, D]
-        o = F.scaled_dot_product_attention(query.float(), k.float(), v.float(), scale=scale, enable_gqa=True,
-                                           attn_mask=read(torch.arange(length), length, window, sinks))
-        out[b] = o[:, 0]                                              # [H_q, 1, D] -> [H_q, D]
+        mask = read(torch.arange(length), length, window, sinks)      # [length] positions read
+        o = F.scaled_dot_product_attention(query.float(), k.float(), v.float(), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)  # [H_q, 1, D]
+        out[b] = o[:, 0]
     return out
 
 
