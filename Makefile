@@ -69,7 +69,7 @@ results: setup vllm peers
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
-	$(PY) -m lab.readme
+	$(PY) -m lab.book.readme
 	$(MAKE) book
 
 # build/book/: a page per chapter, index.html, glossary.html, next.html and print.html, from the committed results

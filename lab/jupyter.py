@@ -219,7 +219,7 @@ _FIRST_CODE = f"[...{_MAIN}.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp
 def check(chapter="ch01_recompute.py", notebooks=NOTEBOOKS, timeout=240, screens=SCREENS) -> dict:
     """Open `chapter` in JupyterLab as a reader does and return what was seen; LabCheckError if it is not a
     notebook, its first code cell gives no output, or saving it changed the file or `git status`."""
-    from .book import chromium
+    from .book.screens import chromium
 
     notebooks = Path(notebooks)
     path = notebooks / chapter

@@ -363,7 +363,7 @@ def format_value(leaf, spec="") -> str:
         |number      the value without its unit: format_value(v, ".1f|number") -> "46.8"
         |bool:A/B    a boolean as a word, A when true, B when false: "|bool:identical/different"
     A "|" therefore cannot be a fill character of the format spec. A boolean without |bool: reads
-    "true" / "false" (lab.book refuses that in prose); |number and a format spec do not apply to booleans.
+    "true" / "false" (lab.book.render refuses that in prose); |number and a format spec do not apply to booleans.
     """
     spec, _, how = spec.partition("|")
     spec, how = spec.strip(), how.strip()

@@ -38,7 +38,7 @@ from lab import results
 from lab.experiments import ch01_recompute as ch01
 from lab.experiments.tables import show
 from lab.models import forward, load
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"matplotlib {matplotlib.__version__}, pandas {pd.__version__}, threads {torch.get_num_threads()}")
@@ -223,7 +223,7 @@ for name, by_T in times.items():
 
 # %% [markdown]
 # Every measuring section of the book's notebooks ends like this: each sentence of the manuscript that
-# compares these measurements, judged on the book's results and on your run's (`lab.verdicts.beside`).
+# compares these measurements, judged on the book's results and on your run's (`lab.book.verdicts.beside`).
 # Quick mode runs shorter sweeps, so some sentences go unjudged and a few may come out otherwise; where one
 # does, the last line says what your run does differently.
 

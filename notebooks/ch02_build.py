@@ -44,7 +44,7 @@ from lab.cache import StaticCache, make_cache
 from lab.experiments import ch02_build as ch02
 from lab.experiments.tables import show, number
 from lab.models import forward, forward_cached, llama, load
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"matplotlib {matplotlib.__version__}, pandas {pd.__version__}, threads {torch.get_num_threads()}")

@@ -42,7 +42,7 @@ from lab.experiments import ch03_savings as ch03
 from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
 from lab.peers import hf_generate
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")

@@ -46,7 +46,7 @@ from lab.models import load, owner
 from lab.models.checks import FINGERPRINT_RUN, FINGERPRINT_SAMPLES, weights_state
 from lab.models.load import scaled_copy
 from lab.models.updates import optimizer_step, private_copy, step_signs
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")

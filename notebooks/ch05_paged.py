@@ -43,7 +43,7 @@ import transformers
 from lab import data, results
 from lab.experiments import ch05_paged as ch05
 from lab.experiments.tables import show
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}, CUDA available: {torch.cuda.is_available()}")
@@ -206,7 +206,7 @@ fig_tables = ch05.plot_block_tables()
 # (`lab/kernels/triton_paged.py`, the region `paged_decode_loop`).
 
 # %%
-from lab.book import code_listing
+from lab.book.render import code_listing
 
 print(code_listing("lab/kernels/triton_paged.py", "paged_decode_loop"))
 

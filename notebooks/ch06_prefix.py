@@ -41,7 +41,7 @@ from IPython.display import display
 from lab import data, results, workloads
 from lab.experiments import ch06_prefix as ch06
 from lab.experiments.tables import show
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pandas {pd.__version__}, threads {torch.get_num_threads()}")

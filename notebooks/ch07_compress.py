@@ -38,7 +38,7 @@ from lab import data, metrics, results
 from lab.experiments import ch07_compress as ch07
 from lab.experiments.tables import show, number
 from lab.peers import hf_quantized
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"threads {torch.get_num_threads()}")

@@ -43,7 +43,7 @@ from lab.engine import ServingEngine
 from lab.experiments import ch08_serving as ch08
 from lab.experiments.tables import show
 from lab.models import load
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())
@@ -424,12 +424,14 @@ print("wrote section ch08 to", results.results_path())
 # 2. **Preempt by swapping, not recomputing.** Recomputation throws away work the pool could not keep.
 #    Write a subclass that, when it preempts a request, copies its pages' keys and values to host memory
 #    (CPU tensors) before releasing them, and on readmission writes them into fresh pages instead of
-#    recomputing. The check, `ex.check_swapping(YourEngine)`, forces preemptions on a small pool and
-#    counts the positions the model runs: exactly what a run without preemption computes. It also checks,
-#    after every step, that a swapped request holds no pages, that its copy is a copy (not a view of the
-#    pool), and that a request swapped back finds its keys and values bit for bit. Comparing tokens alone
-#    would not catch pages restored in the wrong order: each stored key already carries its position, so
-#    attention does not care where it is stored.
+#    recomputing; the pool reads and writes one page in every layer, `self.pool.page(p)` and
+#    `self.pool.set_page(p, kv)` (`help(ex.check_swapping)` says the rest). The check,
+#    `ex.check_swapping(YourEngine)`, forces preemptions on a small pool and counts the positions the
+#    model runs: exactly what a run without preemption computes. It also checks, after every step, that a
+#    swapped request holds no pages, that its copy is a copy (not a view of the pool), and that a request
+#    swapped back finds its keys and values bit for bit. Comparing tokens alone would not catch pages
+#    restored in the wrong order: each stored key already carries its position, so attention does not
+#    care where it is stored.
 # 3. **Open-ended: the watermark.** The engine keeps one free page per running request when it admits.
 #    Replace it with a fixed share of the pool, say 1% or 10%, and rerun
 #    `ch08.preemption(smol, S)`. Where do preemptions appear, and what does each policy cost in throughput?

@@ -43,7 +43,7 @@ from lab.engine.speculative import NoDraft
 from lab.experiments import ch09_speculation as ch09
 from lab.experiments.tables import show
 from lab.models import forward_cached, load
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())

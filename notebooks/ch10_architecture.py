@@ -44,7 +44,7 @@ from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
 from lab.models.retrofit import (RetrofitError, bases, calibration_moments, latent_kv, local_layers, pool_kv_heads,
                                  share_kv)
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())

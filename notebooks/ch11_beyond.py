@@ -41,7 +41,7 @@ from lab.engine.disagg import DecodeEngine, HandoffError, PageSet, prefill
 from lab.experiments import ch11_beyond as ch11
 from lab.experiments.tables import show
 from lab.models import load
-from lab.verdicts import beside
+from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
 print(lab.threads.describe())

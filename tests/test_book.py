@@ -1,4 +1,4 @@
-"""lab.book: references resolve against results.json, listings select and stay readable, math and code render
+"""lab.book.render: references resolve against results.json, listings select and stay readable, math and code render
 offline, figures are numbered, and the committed book renders to pages a reader can read (no network, no
 machine paths, no raw booleans, no unit followed by a noun). lab.experiments.plots keeps figures legible."""
 
@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from lab import book
+from lab.book import render
+from lab.book.__main__ import main
 from lab.results import COMMITTED, REPO_ROOT, ResultsKeyError, not_run, read, value, write_section
 
 PROVENANCE = {
@@ -104,46 +105,46 @@ def write_chapter(lab_dir, text, name="ch01_recompute"):
 def test_references_parses_keys_and_specs():
     text = ("a {{ch01.x.y}} b {{  ch02.step_ms.smollm2.T512 : .1f }} c {{ch03.z:,d}} {not one} {{}} "
             "{{ch01.steps|number}} {{ch01.p:.1f|number}} {{ ch01.same | bool:identical/different }}")
-    assert book.references(text) == [("ch01.x.y", ""), ("ch02.step_ms.smollm2.T512", ".1f"), ("ch03.z", ",d"),
+    assert render.references(text) == [("ch01.x.y", ""), ("ch02.step_ms.smollm2.T512", ".1f"), ("ch03.z", ",d"),
                                      ("ch01.steps", "|number"), ("ch01.p", ".1f|number"),
                                      ("ch01.same", "|bool:identical/different")]
-    assert book.references("no references here") == []
+    assert render.references("no references here") == []
 
 
 def test_render_text_substitutes(lab_dir):
     doc = read(args(lab_dir)[2])
-    text = book.render_text(CHAPTER, doc)
+    text = render.render_text(CHAPTER, doc)
     assert "computes 1,040 positions; with one, 64 positions." in text
     assert "takes 3.1 ms, a speedup of 24.1×. On a GPU: not run (needs a CUDA GPU)." in text
     assert "{{" not in text
     with pytest.raises(ResultsKeyError, match="ch01.positions.uncached"):
-        book.render_text("{{ch01.positions.uncachd}}", doc)
+        render.render_text("{{ch01.positions.uncachd}}", doc)
 
 
 def test_render_text_number_and_bool(lab_dir):
     doc = read(args(lab_dir)[2])
-    assert book.render_text("{{ch01.steps|number}} steps", doc) == "48 steps"
-    assert book.render_text("a perplexity of {{ch01.perplexity:.1f|number}}", doc) == "a perplexity of 46.8"
-    assert book.render_text("{{ch01.speedup:.0f|number}}-fold", doc) == "24-fold"
-    assert book.render_text("the tokens are {{ch01.identical|bool:identical/different}}", doc) == \
+    assert render.render_text("{{ch01.steps|number}} steps", doc) == "48 steps"
+    assert render.render_text("a perplexity of {{ch01.perplexity:.1f|number}}", doc) == "a perplexity of 46.8"
+    assert render.render_text("{{ch01.speedup:.0f|number}}-fold", doc) == "24-fold"
+    assert render.render_text("the tokens are {{ch01.identical|bool:identical/different}}", doc) == \
         "the tokens are identical"
-    assert book.render_text("{{ch01.gpu|number}}", doc) == "not run (needs a CUDA GPU)"
+    assert render.render_text("{{ch01.gpu|number}}", doc) == "not run (needs a CUDA GPU)"
 
 
 def test_a_bare_boolean_is_an_error(lab_dir):
     doc = read(args(lab_dir)[2])
-    with pytest.raises(book.BookError, match=r"ch01\.identical.*boolean.*\|bool:"):
-        book.render_text("{{ch01.identical}}", doc)
-    with pytest.raises(book.BookError, match="boolean"):
-        book.render_text("{{ch01.identical|number}}", doc)
+    with pytest.raises(render.BookError, match=r"ch01\.identical.*boolean.*\|bool:"):
+        render.render_text("{{ch01.identical}}", doc)
+    with pytest.raises(render.BookError, match="boolean"):
+        render.render_text("{{ch01.identical|number}}", doc)
     write_chapter(lab_dir, "It is {{ch01.identical}}.\n")
-    (problem,) = book.check(*args(lab_dir))
+    (problem,) = render.check(*args(lab_dir))
     assert "ch01_recompute.md:1" in problem and "|bool:" in problem
 
 
 def test_a_bad_filter_is_reported(lab_dir):
     write_chapter(lab_dir, "{{ch01.steps|words}} and {{ch01.identical|bool:yes}}\n")
-    problems = book.check(*args(lab_dir))
+    problems = render.check(*args(lab_dir))
     assert len(problems) == 2
     assert "unknown |words" in problems[0] and "two words" in problems[1]
 
@@ -151,9 +152,9 @@ def test_a_bad_filter_is_reported(lab_dir):
 def test_marks_wrap_each_reference(lab_dir):
     doc = read(args(lab_dir)[2])
     marks = []
-    text = book.render_text("{{ch01.steps}} and {{ch01.speedup:.0f|number}}", doc, marks=marks)
-    assert text == (f"{book.MARK_OPEN}0{book.MARK_MID}48 steps{book.MARK_CLOSE} and "
-                    f"{book.MARK_OPEN}1{book.MARK_MID}24{book.MARK_CLOSE}")
+    text = render.render_text("{{ch01.steps}} and {{ch01.speedup:.0f|number}}", doc, marks=marks)
+    assert text == (f"{render.MARK_OPEN}0{render.MARK_MID}48 steps{render.MARK_CLOSE} and "
+                    f"{render.MARK_OPEN}1{render.MARK_MID}24{render.MARK_CLOSE}")
     assert [(k, s, leaf["unit"]) for k, s, leaf in marks] == [("ch01.steps", "", "steps"),
                                                              ("ch01.speedup", ".0f|number", "x")]
 
@@ -163,26 +164,26 @@ def test_marks_wrap_each_reference(lab_dir):
 
 
 def test_listing_of_a_function_a_class_and_the_whole_file(lab_dir):
-    assert book.code_listing("lab/module.py", "top", lab_dir) == "def top(x):\n    return x + 1"
-    cls = book.code_listing("lab/module.py", "Cache", lab_dir)
+    assert render.code_listing("lab/module.py", "top", lab_dir) == "def top(x):\n    return x + 1"
+    cls = render.code_listing("lab/module.py", "Cache", lab_dir)
     assert cls.startswith("class Cache:") and cls.endswith("        n = len(self.k)\n        return n")
     assert "region" not in cls  # marker lines are never shown
-    whole = book.code_listing("lab/module.py", None, lab_dir)
+    whole = render.code_listing("lab/module.py", None, lab_dir)
     assert whole.startswith('"""A module to list."""') and whole.endswith("return math.pi")
     assert "region" not in whole
 
 
 def test_listing_of_a_method_is_dedented_with_its_decorator(lab_dir):
-    assert book.code_listing("lab/module.py", "Cache.size", lab_dir) == \
+    assert render.code_listing("lab/module.py", "Cache.size", lab_dir) == \
         "@property\ndef size(self):\n    return len(self.k)"
-    assert book.code_listing("lab/module.py", "Cache.__init__", lab_dir) == "def __init__(self):\n    self.k = []"
+    assert render.code_listing("lab/module.py", "Cache.__init__", lab_dir) == "def __init__(self):\n    self.k = []"
 
 
 def test_listing_of_a_region_drops_the_markers_and_dedents(lab_dir):
-    assert book.code_listing("lab/module.py", "append", lab_dir) == \
+    assert render.code_listing("lab/module.py", "append", lab_dir) == \
         "self.k.append(k)  # [B, H, T, D]\nn = len(self.k)\nreturn n"
-    assert book.code_listing("lab/module.py", "inner", lab_dir) == "n = len(self.k)"
-    assert book.code_listing("lab/module.py", "helpers", lab_dir) == "def helper():\n    return math.pi"
+    assert render.code_listing("lab/module.py", "inner", lab_dir) == "n = len(self.k)"
+    assert render.code_listing("lab/module.py", "helpers", lab_dir) == "def helper():\n    return math.pi"
 
 
 @pytest.mark.parametrize("path, name, match", [
@@ -192,38 +193,38 @@ def test_listing_of_a_region_drops_the_markers_and_dedents(lab_dir):
     ("lab/module.py", "top.inner", "top.inner"),
 ])
 def test_listing_that_does_not_resolve(lab_dir, path, name, match):
-    with pytest.raises(book.BookError, match=re.escape(match)):
-        book.code_listing(path, name, lab_dir)
+    with pytest.raises(render.BookError, match=re.escape(match)):
+        render.code_listing(path, name, lab_dir)
 
 
 def test_listing_region_without_end_or_twice(lab_dir):
     (lab_dir / "lab" / "bad.py").write_text("# region a\nx = 1\n# region b\ny = 2\n# endregion\n"
                                             "# region b\n# endregion\n")
-    with pytest.raises(book.BookError, match="region 'a' in lab/bad.py has no `# endregion`"):
-        book.code_listing("lab/bad.py", "a", lab_dir)
-    with pytest.raises(book.BookError, match="region 'b' is marked 2 times"):
-        book.code_listing("lab/bad.py", "b", lab_dir)
+    with pytest.raises(render.BookError, match="region 'a' in lab/bad.py has no `# endregion`"):
+        render.code_listing("lab/bad.py", "a", lab_dir)
+    with pytest.raises(render.BookError, match="region 'b' is marked 2 times"):
+        render.code_listing("lab/bad.py", "b", lab_dir)
 
 
 def test_long_and_wide_listings_are_reported_and_refused(lab_dir):
-    body = "\n".join(f"    x{i} = {i}" for i in range(book.MAX_LISTING_LINES))  # 60 lines + the def: 61
-    wide = "    y = '" + "w" * (book.MAX_LISTING_WIDTH - 9) + "'"                  # 101 characters
+    body = "\n".join(f"    x{i} = {i}" for i in range(render.MAX_LISTING_LINES))  # 60 lines + the def: 61
+    wide = "    y = '" + "w" * (render.MAX_LISTING_WIDTH - 9) + "'"                  # 101 characters
     (lab_dir / "lab" / "big.py").write_text(f"def long():\n{body}\n\n\ndef wide():\n{wide}\n\n\n"
                                             f"def fits():\n{wide[:-2]}'\n")
     write_chapter(lab_dir, CHAPTER + "\n::: code lab/big.py long\n\n::: code lab/big.py wide\n\n"
                                      "::: code lab/big.py fits\n")
-    problems = book.check(*args(lab_dir), root=lab_dir)
+    problems = render.check(*args(lab_dir), root=lab_dir)
     assert len(problems) == 2, problems
     assert "ch01_recompute.md:8: code listing lab/big.py long has 61 lines, more than 60" in problems[0]
     assert "ch01_recompute.md:10: code listing lab/big.py wide has 1 line(s) wider than 100" in problems[1]
-    with pytest.raises(book.BookError, match=r"lab/big\.py long has 61 lines[\s\S]*lab/big\.py wide"):
-        book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2], root=lab_dir)
+    with pytest.raises(render.BookError, match=r"lab/big\.py long has 61 lines[\s\S]*lab/big\.py wide"):
+        render.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2], root=lab_dir)
     assert not (lab_dir / "out").exists()
 
 
 def test_a_listing_renders_highlighted(lab_dir):
     write_chapter(lab_dir, "# T\n\n::: code lab/module.py Cache.update\n")
-    book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2], root=lab_dir)
+    render.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2], root=lab_dir)
     page = (lab_dir / "out" / "ch01_recompute.html").read_text()
     assert '<div class="codehilite"><pre>' in page
     assert '<span class="k">def</span>' in page and "# lab/module.py" in page
@@ -233,7 +234,7 @@ def test_a_listing_renders_highlighted(lab_dir):
 
 def test_a_malformed_directive_is_reported(lab_dir):
     write_chapter(lab_dir, CHAPTER + "\n::: code\n\n::: listing lab/module.py top\n")
-    problems = book.check(*args(lab_dir), root=lab_dir)
+    problems = render.check(*args(lab_dir), root=lab_dir)
     assert len(problems) == 2 and all("not a listing directive" in p for p in problems)
 
 
@@ -242,7 +243,7 @@ def test_a_malformed_directive_is_reported(lab_dir):
 
 
 def test_math_becomes_mathml_but_not_in_code():
-    body, _ = book.to_html("Inline $q_t \\cdot k_j$ and `$x$`, it costs \\$5 or $6.\n\n"
+    body, _ = render.to_html("Inline $q_t \\cdot k_j$ and `$x$`, it costs \\$5 or $6.\n\n"
                            "$$\\sum_{i \\le t} a_i = \\frac{n(n-1)}{2}$$\n\n"
                            "```python\nprice = '$a$'\n```\n")
     assert body.count("<math") == 2
@@ -255,10 +256,10 @@ def test_math_becomes_mathml_but_not_in_code():
 
 def test_math_that_does_not_convert_is_reported(lab_dir):
     write_chapter(lab_dir, CHAPTER + "\n$\\left( x$\n")
-    (problem,) = book.check(*args(lab_dir))
+    (problem,) = render.check(*args(lab_dir))
     assert "MathML" in problem and "ch01_recompute.md" in problem
     write_chapter(lab_dir, CHAPTER + "\n$\\foo{x}$\n")
-    (problem,) = book.check(*args(lab_dir))
+    (problem,) = render.check(*args(lab_dir))
     assert "unknown TeX \\foo" in problem
 
 
@@ -267,7 +268,7 @@ def test_figures_are_numbered_with_their_caption(lab_dir):
     write_chapter(lab_dir, "# Three\n\n![First figure.](../results/figures/speedup.png)\n\ntext\n\n"
                            "![Second *figure*.](../results/figures/two.png)\n", "ch03_savings")
     (lab_dir / "book" / "ch01_recompute.md").unlink()
-    book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2])
+    render.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2])
     page = (lab_dir / "out" / "ch03_savings.html").read_text()
     assert re.search(r'<figure>\s*<img alt="First figure." src="figures/speedup.png"\s*/?>\s*'
                      r"<figcaption>Figure 3.1. First figure.</figcaption>\s*</figure>", page), page
@@ -276,37 +277,37 @@ def test_figures_are_numbered_with_their_caption(lab_dir):
 
 def test_a_figure_without_caption_or_inside_a_sentence_is_refused(lab_dir):
     write_chapter(lab_dir, "# T\n\n![](../results/figures/speedup.png)\n")
-    (problem,) = book.check(*args(lab_dir))
+    (problem,) = render.check(*args(lab_dir))
     assert "no alt text" in problem
     write_chapter(lab_dir, "# T\n\nSee ![A figure.](../results/figures/speedup.png) here.\n")
-    (problem,) = book.check(*args(lab_dir))
+    (problem,) = render.check(*args(lab_dir))
     assert "paragraph of its own" in problem
     write_chapter(lab_dir, "# T\n\n![A remote figure.](https://example.org/x.png)\n")
-    (problem,) = book.check(*args(lab_dir))
+    (problem,) = render.check(*args(lab_dir))
     assert "not a local file" in problem
 
 
 def test_numeric_table_columns_are_right_aligned():
-    body, _ = book.to_html("| model | step | note |\n|---|---|---|\n| gpt2 | 3.1 ms | fast |\n"
+    body, _ = render.to_html("| model | step | note |\n|---|---|---|\n| gpt2 | 3.1 ms | fast |\n"
                            "| smollm2 | 1,040 positions | slow |\n| gpt2-xl | — | n/a |\n")
     assert '<th class="num">step</th>' in body and '<td class="num">3.1 ms</td>' in body
     assert "<td>gpt2</td>" in body and "<td>fast</td>" in body
 
 
 def test_check_of_a_sound_book_is_empty(lab_dir):
-    assert book.check(*args(lab_dir)) == []
+    assert render.check(*args(lab_dir)) == []
 
 
 def test_check_reports_a_chapter_without_notebook(lab_dir):
     (lab_dir / "book" / "ch02_sizing.md").write_text("# Sizing\n")
-    problems = book.check(*args(lab_dir))
+    problems = render.check(*args(lab_dir))
     assert len(problems) == 1
     assert "ch02_sizing.md" in problems[0] and "ch02_sizing.py" in problems[0]
 
 
 def test_check_reports_an_unresolved_key_with_its_line(lab_dir):
     write_chapter(lab_dir, CHAPTER + "\nAnd {{ch01.positions.uncahced}}.\n")
-    problems = book.check(*args(lab_dir))
+    problems = render.check(*args(lab_dir))
     assert len(problems) == 1
     assert "ch01_recompute.md:8" in problems[0]
     assert "ch01.positions.uncahced" in problems[0] and "ch01.positions.uncached" in problems[0]
@@ -314,26 +315,26 @@ def test_check_reports_an_unresolved_key_with_its_line(lab_dir):
 
 def test_check_reports_a_bad_format_spec(lab_dir):
     write_chapter(lab_dir, "{{ch01.gpu:.1f}} {{ch01.speedup:d}}\n")
-    problems = book.check(*args(lab_dir))
+    problems = render.check(*args(lab_dir))
     assert len(problems) == 1 and "'d'" in problems[0]
 
 
 def test_check_reports_a_missing_figure(lab_dir):
     (lab_dir / "results" / "figures" / "speedup.png").unlink()
-    problems = book.check(*args(lab_dir))
+    problems = render.check(*args(lab_dir))
     assert len(problems) == 1
     assert "ch01_recompute.md" in problems[0] and "speedup.png" in problems[0]
 
 
 def test_check_reports_a_corrupt_results_file(lab_dir):
     args(lab_dir)[2].write_text("{")
-    problems = book.check(*args(lab_dir))
+    problems = render.check(*args(lab_dir))
     assert any("not valid JSON" in p for p in problems)
 
 
 def test_render_writes_chapters_index_print_and_figures(lab_dir, capsys):
     out = lab_dir / "build" / "book"
-    written = book.render(lab_dir / "book", out, args(lab_dir)[2])
+    written = render.render(lab_dir / "book", out, args(lab_dir)[2])
     assert [p.name for p in written] == ["ch01_recompute.html", "index.html", "print.html"]
     page = (out / "ch01_recompute.html").read_text()
     assert '<h1 id="the-cost-of-recomputation">The cost of recomputation</h1>' in page
@@ -354,7 +355,7 @@ def test_chapters_link_to_each_other_and_list_their_sections(lab_dir):
     for name in ("ch02_build", "ch03_savings"):
         (lab_dir / "notebooks" / f"{name}.py").write_text("# %%\n")
     out = lab_dir / "out"
-    book.render(lab_dir / "book", out, args(lab_dir)[2])
+    render.render(lab_dir / "book", out, args(lab_dir)[2])
     first, second, third = ((out / f"{n}.html").read_text() for n in ("ch01_recompute", "ch02_build", "ch03_savings"))
     assert first.count('<a href="ch02_build.html">Building the cache →</a>') == 2  # top and bottom
     assert "← " not in first
@@ -375,24 +376,24 @@ def test_chapters_link_to_each_other_and_list_their_sections(lab_dir):
 def test_render_refuses_a_book_with_a_missing_figure(lab_dir):
     (lab_dir / "results" / "figures" / "speedup.png").unlink()
     out = lab_dir / "build" / "book"
-    with pytest.raises(book.BookError, match=r"ch01_recompute\.md.*speedup\.png"):
-        book.render(lab_dir / "book", out, args(lab_dir)[2])
+    with pytest.raises(render.BookError, match=r"ch01_recompute\.md.*speedup\.png"):
+        render.render(lab_dir / "book", out, args(lab_dir)[2])
     assert not out.exists()  # nothing half-rendered
 
 
 def test_main_check_exit_status(lab_dir):
     book_dir, notebooks, results = args(lab_dir)
     common = ["--book", str(book_dir), "--notebooks", str(notebooks), "--results", str(results), "--check"]
-    assert book.main(common) == 0
+    assert main(common) == 0
     (notebooks / "ch01_recompute.py").unlink()
-    assert book.main(common) == 1
+    assert main(common) == 1
 
 
 def test_main_renders_the_committed_results_by_default(monkeypatch):
     monkeypatch.setenv("LAB_QUICK", "1")  # the mode does not choose the book's numbers
     seen = []
-    monkeypatch.setattr(book, "check", lambda b, n, results: seen.append(results) or [])
-    assert book.main(["--check"]) == 0
+    monkeypatch.setattr(render, "check", lambda b, n, results: seen.append(results) or [])
+    assert main(["--check"]) == 0
     assert seen == [COMMITTED]
 
 
@@ -449,17 +450,17 @@ One machine.
 
 
 def test_glossary_terms_are_headwords_and_aliases():
-    terms = book.glossary_terms(GLOSSARY)
+    terms = render.glossary_terms(GLOSSARY)
     assert [(t.head, t.slug, t.phrases) for t in terms] == [
         ("Page", "page", ("Page", "pages")), ("Block table", "block-table", ("Block table",)),
         ("KV cache", "kv-cache", ("KV cache", "key-value cache"))]
-    with pytest.raises(book.BookError, match="'pages' names both 'Page' and 'Pages'"):
-        book.glossary_terms(GLOSSARY + "\n### Pages\n\nx\n")
+    with pytest.raises(render.BookError, match="'pages' names both 'Page' and 'Pages'"):
+        render.glossary_terms(GLOSSARY + "\n### Pages\n\nx\n")
 
 
 def test_glossary_entry_ids_are_the_slugs():
-    body, _ = book.to_html(GLOSSARY)
-    for term in book.glossary_terms(GLOSSARY):
+    body, _ = render.to_html(GLOSSARY)
+    for term in render.glossary_terms(GLOSSARY):
         assert f'<h3 id="{term.slug}">{term.head}</h3>' in body
     assert '<p class="also"><em>Also:</em> pages</p>' in body
 
@@ -470,7 +471,7 @@ def test_first_use_of_a_term_links_to_the_glossary():
             "pages follow.\n\n## The block table\n\nA key-value\ncache holds a block table; the block table "
             "again, and KV caches.\n\n![A page in a caption.](figure.png)\n\n"
             "| page | KV cache |\n|---|---|\n| x | y |\n")
-    body, _ = book.to_html(text, links=book.glossary_terms(GLOSSARY))
+    body, _ = render.to_html(text, links=render.glossary_terms(GLOSSARY))
     links = re.findall(r'<a class="term" href="glossary.html#([\w-]+)">([^<]*)</a>', body)
     assert links == [("page", "Page"), ("kv-cache", "key-value\ncache"), ("block-table", "block table")]
     assert "<h1 id=\"pages-and-the-kv-cache\">Pages and the KV cache</h1>" in body  # headings: never
@@ -480,38 +481,38 @@ def test_first_use_of_a_term_links_to_the_glossary():
 
 
 def test_a_term_in_a_table_or_a_list_is_running_text():
-    body, _ = book.to_html("| a | b |\n|---|---|\n| the pages | x |\n\n- a block table\n",
-                           links=book.glossary_terms(GLOSSARY))
+    body, _ = render.to_html("| a | b |\n|---|---|\n| the pages | x |\n\n- a block table\n",
+                           links=render.glossary_terms(GLOSSARY))
     assert '<td>the <a class="term" href="glossary.html#page">pages</a></td>' in body
     assert '<li>a <a class="term" href="glossary.html#block-table">block table</a></li>' in body
 
 
 def test_summary_is_found_and_styled():
-    assert book.summary(SUMMARIZED) == "**In short.** A cache saves work. It costs memory."
-    assert book.first_sentence(book.summary(SUMMARIZED)) == "A cache saves work."
-    assert book.summary(CHAPTER) is None
-    assert book.summary(SUMMARIZED.replace("\n\n**In short.**", "\n\nIntro.\n\n**In short.**")) is None
-    body, _ = book.to_html(SUMMARIZED)
+    assert render.summary(SUMMARIZED) == "**In short.** A cache saves work. It costs memory."
+    assert render.first_sentence(render.summary(SUMMARIZED)) == "A cache saves work."
+    assert render.summary(CHAPTER) is None
+    assert render.summary(SUMMARIZED.replace("\n\n**In short.**", "\n\nIntro.\n\n**In short.**")) is None
+    body, _ = render.to_html(SUMMARIZED)
     assert '<p class="summary"><strong>In short.</strong> A cache saves work.' in body
 
 
 def test_layout_problems_name_each_departure():
-    assert book.layout_problems(SUMMARIZED) == []
-    assert book.layout_problems(CHAPTER) == [
+    assert render.layout_problems(SUMMARIZED) == []
+    assert render.layout_problems(CHAPTER) == [
         "no summary: the paragraph right under the `# ` title line must start `**In short.**`",
         "the last section must be `## References`, not none",
         "the sections before References must be `## N. What the numbers do not show` then `## N+1. Exercises`, "
         "not []"]
     unnumbered = SUMMARIZED.replace("## 3. Exercises", "## Exercises")
-    assert any("must be numbered" in p and "'Exercises'" in p for p in book.layout_problems(unnumbered))
+    assert any("must be numbered" in p and "'Exercises'" in p for p in render.layout_problems(unnumbered))
     skipped = SUMMARIZED.replace("## 3. Exercises", "## 4. Exercises")
-    assert book.layout_problems(skipped) == ["sections are numbered [1, 2, 4], not 1, 2, 3, ..."]
+    assert render.layout_problems(skipped) == ["sections are numbered [1, 2, 4], not 1, 2, 3, ..."]
     swapped = SUMMARIZED.replace("2. What the numbers do not show", "2. X").replace("3. Exercises", "3. Y")
-    assert "not ['X', 'Y']" in book.layout_problems(swapped)[0]
+    assert "not ['X', 'Y']" in render.layout_problems(swapped)[0]
     late = SUMMARIZED.replace("## References\n", "## References\n\n## 4. Later\n")
-    assert "the last section must be `## References`" in book.layout_problems(late)[0]
+    assert "the last section must be `## References`" in render.layout_problems(late)[0]
     fenced = SUMMARIZED.replace("One machine.", "```\n## not a section\n```")
-    assert book.layout_problems(fenced) == []
+    assert render.layout_problems(fenced) == []
 
 
 @pytest.fixture
@@ -533,7 +534,7 @@ def whole_book(lab_dir):
 
 def test_render_writes_the_pages_around_the_chapters(whole_book):
     out = whole_book / "out"
-    written = book.render(whole_book / "book", out, args(whole_book)[2])
+    written = render.render(whole_book / "book", out, args(whole_book)[2])
     names = [p.name for p in written]
     assert names == ["ch01_recompute.html", "ch02_paging.html", "next.html", "glossary.html", "index.html",
                      "print.html"]
@@ -559,7 +560,7 @@ def test_render_writes_the_pages_around_the_chapters(whole_book):
 
 def test_print_keeps_every_link_on_its_own_page(whole_book):
     out = whole_book / "out"
-    book.render(whole_book / "book", out, args(whole_book)[2])
+    render.render(whole_book / "book", out, args(whole_book)[2])
     printed = (out / "print.html").read_text()
     ids = set(re.findall(r'\bid="([^"]+)"', printed))
     hrefs = re.findall(r'href="([^"]*)"', printed)
@@ -572,14 +573,14 @@ def test_print_keeps_every_link_on_its_own_page(whole_book):
 
 
 def test_book_renders_without_the_pages_around_the_chapters(lab_dir):
-    written = book.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2])
+    written = render.render(lab_dir / "book", lab_dir / "out", args(lab_dir)[2])
     assert [p.name for p in written] == ["ch01_recompute.html", "index.html", "print.html"]
     assert "Glossary" not in (lab_dir / "out" / "ch01_recompute.html").read_text()
 
 
 def test_a_bad_reference_around_the_chapters_is_a_problem(whole_book):
     (whole_book / "book" / "next.md").write_text("# Next\n\n{{ch01.nothing}}\n")
-    (problem,) = book.check(*args(whole_book))
+    (problem,) = render.check(*args(whole_book))
     assert problem.startswith("book/next.md:3:") and "ch01.nothing" in problem
 
 
@@ -590,9 +591,9 @@ def test_a_bad_reference_around_the_chapters_is_a_problem(whole_book):
 def test_plots_column_is_the_books():
     from lab.experiments import plots
 
-    assert plots.COLUMN_PX == book.COLUMN_PX
-    assert f"max-width: {book.COLUMN_REM}rem" in book.CSS
-    assert plots.COLUMN_IN * plots.DPI == pytest.approx(book.COLUMN_PX)
+    assert plots.COLUMN_PX == render.COLUMN_PX
+    assert f"max-width: {render.COLUMN_REM}rem" in render.CSS
+    assert plots.COLUMN_IN * plots.DPI == pytest.approx(render.COLUMN_PX)
 
 
 def test_plots_refuse_small_text_at_the_shown_size(tmp_path):
@@ -601,7 +602,7 @@ def test_plots_refuse_small_text_at_the_shown_size(tmp_path):
     fig, ax = plots.plt.subplots(figsize=(12, 4))
     ax.plot([1, 2], [3, 4], label="five points")
     ax.legend(fontsize=5)
-    assert plots.shown_scale(fig) == pytest.approx(book.COLUMN_PX / (12 * plots.DPI))
+    assert plots.shown_scale(fig) == pytest.approx(render.COLUMN_PX / (12 * plots.DPI))
     with pytest.raises(plots.FigureLegibilityError, match=r"wide\.png: .*'five points' \(5 pt -> 2\.9 pt\)"):
         plots.check_legible(fig, "wide.png")
     # finish() narrows the figure to the column, but 5-pt text is still under 8 pt: nothing is saved
@@ -637,7 +638,7 @@ def test_plots_defaults_pass_and_a_wide_figure_is_narrowed(tmp_path):
 # the committed book, rendered
 
 
-CHAPTERS = [c.stem for c in book.chapters(REPO_ROOT / "book")]
+CHAPTERS = [c.stem for c in render.chapters(REPO_ROOT / "book")]
 # a unit word followed by one of these reads wrong: "48 steps tokens", "512 tokens prefix", "5 calls misses"
 NOUNS = {"tokens", "positions", "steps", "calls", "misses", "hits", "prefix", "logits", "trials", "bytes",
          "requests", "pages", "entries", "heads", "layers", "seconds"}
@@ -703,8 +704,8 @@ def rendered(tmp_path_factory, committed):
         book_dir.mkdir()
         shutil.copy(REPO_ROOT / "book" / f"{name}.md", book_dir)
         try:
-            pages[name] = book.render(book_dir, book_dir.parent / "out", COMMITTED)
-        except book.BookError as e:
+            pages[name] = render.render(book_dir, book_dir.parent / "out", COMMITTED)
+        except render.BookError as e:
             pages[name] = e
     return pages
 
@@ -718,17 +719,17 @@ def pages_of(rendered, name):
 def test_committed_book_references_resolve():
     if not CHAPTERS:
         pytest.skip("book/ has no chapters yet")
-    assert book.check(REPO_ROOT / "book", REPO_ROOT / "notebooks", COMMITTED) == []
+    assert render.check(REPO_ROOT / "book", REPO_ROOT / "notebooks", COMMITTED) == []
 
 
 def test_committed_book_renders_whole(tmp_path, committed):
-    written = book.render(REPO_ROOT / "book", tmp_path, COMMITTED)
+    written = render.render(REPO_ROOT / "book", tmp_path, COMMITTED)
     assert [p.name for p in written] == [f"{n}.html" for n in CHAPTERS] + \
         ["next.html", "glossary.html", "index.html", "print.html"]
     pages = {p.name: p.read_text() for p in written}
     for name, page in pages.items():
         assert _dangling(page, pages) == [], f"{name} links to what the book does not have"
-        assert not book.REF.search(page) and "{{" not in _prose(page), f"{name}: an unresolved reference"
+        assert not render.REF.search(page) and "{{" not in _prose(page), f"{name}: an unresolved reference"
         assert [p for p in MACHINE_PATHS if p in page] == [], f"{name} shows a path of this machine"
         assert "<script" not in page, f"{name} has a script; the book needs none"
     index = pages["index.html"]
@@ -736,7 +737,7 @@ def test_committed_book_renders_whole(tmp_path, committed):
         row = re.search(rf'<tr>\s*<td class="num">\d+</td>\s*<td><a href="{n}.html">[\s\S]*?</tr>', index)
         assert row, f"index.html has no row for {n}"
         assert re.search(r'<td class="num">\d+ min</td>', row[0]), row[0]
-    assert f"at {book.READING_WPM} words a minute" in index and "measured on " in index
+    assert f"at {render.READING_WPM} words a minute" in index and "measured on " in index
     last = pages[f"{CHAPTERS[-1]}.html"]
     assert last.count('<a href="next.html">Where to go next →</a>') == 2  # the last chapter leads to next.html
     printed = pages["print.html"]
@@ -770,7 +771,7 @@ def test_rendered_pages_load_nothing_from_the_network(rendered, name):
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_rendered_pages_have_no_unresolved_reference_or_directive(rendered, name):
     for file, page in pages_of(rendered, name).items():
-        assert not book.REF.search(page), f"{file}: unresolved reference {book.REF.search(page)[0]}"
+        assert not render.REF.search(page), f"{file}: unresolved reference {render.REF.search(page)[0]}"
         prose = _prose(page)
         assert "{{" not in prose and "}}" not in prose, f"{file}: stray braces in the prose"
         directives = re.findall(r"^\s*:::.*$", _text(page), re.MULTILINE)
@@ -798,7 +799,7 @@ def test_rendered_figures_are_numbered_with_a_caption(rendered, name):
 
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_rendered_prose_has_no_raw_boolean(committed, name):
-    body = book.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED)
+    body = render.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED)
     raw = [m[0] for m in re.finditer(r".{0,40}\b(?:true|false)\b.{0,20}", _prose(body), re.IGNORECASE)]
     assert raw == [], f"raw booleans in the prose of {name}: {raw}"
 
@@ -807,8 +808,8 @@ def _rendered_references(name, committed):
     """(key, spec, leaf, rendered text, the word right after it) for every reference of a chapter, read off
     the chapter's rendered text."""
     marks = []
-    body = book.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED, marks=marks)
-    found = re.finditer(rf"{book.MARK_OPEN}(\d+){book.MARK_MID}([^{book.MARK_CLOSE}]*){book.MARK_CLOSE}"
+    body = render.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED, marks=marks)
+    found = re.finditer(rf"{render.MARK_OPEN}(\d+){render.MARK_MID}([^{render.MARK_CLOSE}]*){render.MARK_CLOSE}"
                         rf"(?:[ \t]+([A-Za-z]+))?", _text(body))
     return [(*marks[int(m[1])], m[2], m[3]) for m in found]
 
@@ -833,13 +834,14 @@ def _repeated_units(text, marks) -> list[str]:
     """References rendered with a word unit whose noun comes again within six words of the same clause:
     "one of 4 prompts secret system prompts", "42,192 tokens of the conversation's prompt tokens"."""
     wrong = []
-    for m in re.finditer(rf"{book.MARK_OPEN}(\d+){book.MARK_MID}([^{book.MARK_CLOSE}]*){book.MARK_CLOSE}", text):
+    marked = rf"{render.MARK_OPEN}(\d+){render.MARK_MID}([^{render.MARK_CLOSE}]*){render.MARK_CLOSE}"
+    for m in re.finditer(marked, text):
         key, spec, leaf = marks[int(m[1])]
         unit = (leaf.get("unit") or "").lower()
         if len(unit) < 3 or not unit.isalpha() or spec.partition("|")[2].strip() or leaf["value"] == "NOT_RUN":
             continue  # no word unit, or rendered without it
         stem = unit[:-1] if unit.endswith("s") else unit
-        after = " ".join(re.split(rf"[.;:,()\n{book.MARK_OPEN}]", text[m.end():], maxsplit=1)[0].split()[:6])
+        after = " ".join(re.split(rf"[.;:,()\n{render.MARK_OPEN}]", text[m.end():], maxsplit=1)[0].split()[:6])
         if re.search(rf"\b{re.escape(stem)}s?\b", after, re.IGNORECASE):
             wrong.append(f"{{{{{key}}}}} reads {m[2]!r}, then {after!r}: write {{{{{key}|number}}}} and the noun once")
     return wrong
@@ -848,7 +850,7 @@ def _repeated_units(text, marks) -> list[str]:
 def test_a_repeated_unit_is_found(lab_dir):
     doc = read(args(lab_dir)[2])
     marks = []
-    text = book.render_text("one of {{ch01.steps}} secret steps; {{ch01.steps}} of the run. {{ch01.steps|number}} "
+    text = render.render_text("one of {{ch01.steps}} secret steps; {{ch01.steps}} of the run. {{ch01.steps|number}} "
                             "steps", doc, marks=marks)
     assert _repeated_units(text, marks) == ["{{ch01.steps}} reads '48 steps', then 'secret steps': write "
                                             "{{ch01.steps|number}} and the noun once"]
@@ -857,7 +859,7 @@ def test_a_repeated_unit_is_found(lab_dir):
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_rendered_prose_does_not_repeat_a_unit(committed, name):
     marks = []
-    body = book.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED, marks=marks)
+    body = render.chapter_html(REPO_ROOT / "book" / f"{name}.md", committed, COMMITTED, marks=marks)
     wrong = _repeated_units(_text(body), marks)
     assert wrong == [], f"{name}:\n  " + "\n  ".join(wrong)
 
@@ -885,12 +887,12 @@ def test_committed_results_units_make_the_vocabulary():
 def test_committed_chapter_has_the_books_layout(name):
     """A summary (`**In short.** ...`) right under the title; sections numbered 1, 2, 3, ... whose last two are
     "What the numbers do not show" and "Exercises"; then `## References`, last."""
-    problems = book.layout_problems((REPO_ROOT / "book" / f"{name}.md").read_text())
+    problems = render.layout_problems((REPO_ROOT / "book" / f"{name}.md").read_text())
     assert problems == [], f"book/{name}.md:\n  " + "\n  ".join(problems)
 
 
 def test_committed_glossary_defines_the_books_terms():
-    terms = book.glossary_terms((REPO_ROOT / "book" / "glossary.md").read_text())
+    terms = render.glossary_terms((REPO_ROOT / "book" / "glossary.md").read_text())
     slugs = {t.slug for t in terms}
     for needed in ("prefill", "decode", "page", "slot", "block-table", "slot-mapping", "lookahead", "state-identity",
                    "prefix-caching", "copy-on-write", "kl-divergence", "perplexity", "top-1-agreement", "ttft", "itl",

@@ -1,4 +1,4 @@
-"""Formulas are TeX, rendered as MathML: in the manuscript ($...$ and $$...$$, converted offline by lab.book)
+"""Formulas are TeX, rendered as MathML: in the manuscript ($...$ and $$...$$, converted offline by lab.book.render)
 and in the notebooks' markdown cells (the same TeX, which JupyterLab typesets with MathJax). A formula typed
 as code (`Σ_t p_t s_t`), as plain text with ^ or _ (10^-5, T²), or as TeX that did not convert fails here.
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from latex2mathml.converter import convert as latex_to_mathml
 
-from lab import book
+from lab.book import render
 from lab.results import COMMITTED, REPO_ROOT, read
 
-CHAPTERS = [p.stem for p in book.chapters(REPO_ROOT / "book")]
+CHAPTERS = [p.stem for p in render.chapters(REPO_ROOT / "book")]
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("ch*.py"))
 
 # The chapters whose manuscript and notebook hold formulas (all of them, after the pass that wrote every
@@ -178,11 +178,11 @@ def test_plain_prose_is_not_flagged(text):
 
 
 def test_the_detectors_agree_with_the_renderer():
-    body, _ = book.to_html("Inline $q_t \\cdot k_j$, a price of $4.50, and `Σ_t p_t` as code.\n\n$$T^2$$\n")
+    body, _ = render.to_html("Inline $q_t \\cdot k_j$, a price of $4.50, and `Σ_t p_t` as code.\n\n$$T^2$$\n")
     assert _math_count(body) == 2
     assert [c for c in _code_spans(body) if math_like(c)] == ["Σ_t p_t"]
     assert prose_residue(_prose(body)) == []
-    body, _ = book.to_html("Left as text: $ x^2$ and 10^-5.\n")
+    body, _ = render.to_html("Left as text: $ x^2$ and 10^-5.\n")
     assert _math_count(body) == 0
     assert any("text: $ x" in r for r in prose_residue(_prose(body)))
     assert any("10^-5" in r for r in prose_residue(_prose(body)))
@@ -212,7 +212,7 @@ def bodies():
     if not CHAPTERS:
         pytest.skip("book/ has no chapters yet")
     doc = read(COMMITTED)
-    return {name: book.chapter_html(REPO_ROOT / "book" / f"{name}.md", doc, COMMITTED) for name in CHAPTERS}
+    return {name: render.chapter_html(REPO_ROOT / "book" / f"{name}.md", doc, COMMITTED) for name in CHAPTERS}
 
 
 @pytest.mark.parametrize("name", CHAPTERS)
@@ -256,9 +256,9 @@ CODE_SPAN = re.compile(r"(?<!`)`((?:[^`\n]|\n(?![ \t]*\n))+)`(?!`)")  # may wrap
 
 
 def _notebook_math(text) -> list[tuple[str, str]]:
-    """(TeX, "block" or "inline") of every formula of a markdown cell, found as lab.book finds them."""
+    """(TeX, "block" or "inline") of every formula of a markdown cell, found as lab.book.render finds them."""
     return [(m["display"], "block") if m["display"] is not None else (m["inline"], "inline")
-            for m in re.finditer(book.MATH, CODE_SPAN.sub(" ", text))]
+            for m in re.finditer(render.MATH, CODE_SPAN.sub(" ", text))]
 
 
 def test_markdown_cells_are_read_from_the_percent_format(tmp_path):
@@ -280,7 +280,7 @@ def test_notebook_formulas_are_tex_not_code(path):
 def test_notebook_prose_has_no_formula_left_as_text(path):
     found = []
     for line, text in markdown_cells(path):
-        prose = re.sub(book.MATH, " ", CODE_SPAN.sub(" ", text))
+        prose = re.sub(render.MATH, " ", CODE_SPAN.sub(" ", text))
         found += [f"{path.name}:{line}: {r}" for r in prose_residue(prose)]
     assert found == [], f"math left as plain text or unpaired $: {found}"
 

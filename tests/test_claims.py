@@ -1,4 +1,4 @@
-"""lab.claims: verdicts in words are chosen by the numbers or guarded by claims the build evaluates; a false
+"""lab.book.claims: verdicts in words are chosen by the numbers or guarded by claims the build evaluates; a false
 claim fails the book and names its sentence."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from test_book import PROVENANCE
 
-from lab import book, claims
+from lab.book import claims, render
 from lab.results import COMMITTED, REPO_ROOT, lookup, not_run, read, value, write_section
 
 
@@ -56,27 +56,27 @@ def test_evaluate_refuses(doc, expr, match):
 
 def test_a_verdict_renders_the_word_the_numbers_choose(doc):
     text = "It comes {{verdict: ch08.ttft.chunked < ch08.ttft.whole|earlier/later}} in chunks."
-    assert book.render_text(text, doc) == "It comes earlier in chunks."
+    assert render.render_text(text, doc) == "It comes earlier in chunks."
     flipped = text.replace("<", ">")
-    assert book.render_text(flipped, doc) == "It comes later in chunks."
-    with pytest.raises(book.BookError, match="two words"):
-        book.render_text("{{verdict: ch08.same|earlier}}", doc)
-    with pytest.raises(book.BookError, match="not a comparison"):
-        book.render_text("{{verdict: ch08.ttft.whole|more/less}}", doc)
+    assert render.render_text(flipped, doc) == "It comes later in chunks."
+    with pytest.raises(render.BookError, match="two words"):
+        render.render_text("{{verdict: ch08.same|earlier}}", doc)
+    with pytest.raises(render.BookError, match="not a comparison"):
+        render.render_text("{{verdict: ch08.ttft.whole|more/less}}", doc)
 
 
 def test_a_true_claim_renders_nothing_and_references_still_fill(doc):
     text = ("Goodput peaks near 3 requests per second ({{ch08.goodput.r3}}). "
             "{{claim: ch08.goodput.r3 > ch08.goodput.r4}}\nNext.")
-    assert book.render_text(text, doc) == "Goodput peaks near 3 requests per second (2.10 req/s). \nNext."
-    assert book.references(text) == [("ch08.goodput.r3", "")]
+    assert render.render_text(text, doc) == "Goodput peaks near 3 requests per second (2.10 req/s). \nNext."
+    assert render.references(text) == [("ch08.goodput.r3", "")]
 
 
 def test_a_false_claim_names_its_sentence_with_its_numbers(doc):
     text = ("First sentence. The long prompt pays: its first token comes after {{ch08.ttft.chunked}} "
             "instead of\n{{ch08.ttft.whole}}. {{claim: ch08.ttft.chunked > ch08.ttft.whole}} Next sentence.")
-    with pytest.raises(book.BookError) as e:
-        book.render_text(text, doc)
+    with pytest.raises(render.BookError) as e:
+        render.render_text(text, doc)
     assert "'ch08.ttft.chunked > ch08.ttft.whole' is false" in str(e.value)
     assert "\u201cThe long prompt pays: its first token comes after 3,315 ms instead of 3,403 ms.\u201d" \
         in str(e.value)
@@ -84,8 +84,8 @@ def test_a_false_claim_names_its_sentence_with_its_numbers(doc):
 
 def test_a_claim_inside_a_sentence_names_that_sentence(doc):
     text = "One. It peaks near 4 {{claim: ch08.goodput.r4 > ch08.goodput.r3}} requests per second, and falls. Two."
-    with pytest.raises(book.BookError, match="\u201cIt peaks near 4 requests per second, and falls.\u201d"):
-        book.render_text(text, doc)
+    with pytest.raises(render.BookError, match="\u201cIt peaks near 4 requests per second, and falls.\u201d"):
+        render.render_text(text, doc)
 
 
 def test_book_check_reports_a_false_claim_with_its_line(tmp_path, doc):
@@ -97,25 +97,25 @@ def test_book_check_reports_a_false_claim_with_its_line(tmp_path, doc):
     (tmp_path / "book" / "ch08_serving.md").write_text(
         "# Serving\n\nChunks come earlier. {{claim: ch08.ttft.chunked < ch08.ttft.whole}}\n\n"
         "They come later.\n{{claim: ch08.ttft.chunked > ch08.ttft.whole}}\n")
-    (problem,) = book.check(tmp_path / "book", tmp_path / "notebooks", results)
+    (problem,) = render.check(tmp_path / "book", tmp_path / "notebooks", results)
     assert problem.startswith("book/ch08_serving.md:6: ") and "\u201cThey come later.\u201d" in problem
-    with pytest.raises(book.BookError, match="They come later"):
-        book.render(tmp_path / "book", tmp_path / "out", results)
+    with pytest.raises(render.BookError, match="They come later"):
+        render.render(tmp_path / "book", tmp_path / "out", results)
     assert not (tmp_path / "out").exists()
 
 
 def test_a_claim_with_words_is_refused(doc):
-    with pytest.raises(book.BookError, match="belongs to a verdict"):
-        book.render_text("{{claim: ch08.ttft.chunked < ch08.ttft.whole|earlier/later}}", doc)
+    with pytest.raises(render.BookError, match="belongs to a verdict"):
+        render.render_text("{{claim: ch08.ttft.chunked < ch08.ttft.whole|earlier/later}}", doc)
 
 
 def test_a_calc_renders_a_number_the_values_determine(doc):
-    assert book.render_text("{{calc: ch08.ttft.whole - ch08.ttft.chunked|,.0f}} ms", doc) == "88 ms"
-    assert book.render_text("{{calc: 2 ** 3}}", doc) == "8"
-    with pytest.raises(book.BookError, match="not a number"):
-        book.render_text("{{calc: ch08.ttft.whole > 1|.1f}}", doc)
-    with pytest.raises(book.BookError, match="format"):
-        book.render_text("{{calc: ch08.ttft.whole|.1q}}", doc)
+    assert render.render_text("{{calc: ch08.ttft.whole - ch08.ttft.chunked|,.0f}} ms", doc) == "88 ms"
+    assert render.render_text("{{calc: 2 ** 3}}", doc) == "8"
+    with pytest.raises(render.BookError, match="not a number"):
+        render.render_text("{{calc: ch08.ttft.whole > 1|.1f}}", doc)
+    with pytest.raises(render.BookError, match="format"):
+        render.render_text("{{calc: ch08.ttft.whole|.1q}}", doc)
 
 
 # -----------------------------------------------------------------------------
@@ -142,11 +142,11 @@ def unguarded_comparisons(text, doc) -> list[str]:
         sentences = SENTENCE.split(para)
         for i, s in enumerate(sentences):
             plain = claims.CLAIM.sub("", s)
-            if not (book.references(plain) and COMPARATIVES.search(plain)):
+            if not (render.references(plain) and COMPARATIVES.search(plain)):
                 continue
             nxt = sentences[i + 1].lstrip() if i + 1 < len(sentences) else ""
             guarded = claims.CLAIM.search(s) or nxt.startswith("{{claim:")
-            computed = any(isinstance(lookup(doc, key)["value"], str | list) for key, _ in book.references(plain))
+            computed = any(isinstance(lookup(doc, key)["value"], str | list) for key, _ in render.references(plain))
             if not (guarded or computed):
                 found.append(" ".join(plain.split()))
     return found
@@ -161,9 +161,9 @@ def test_the_comparison_lint_finds_an_unguarded_verdict(doc):
         "The long prompt pays: it comes after {{ch08.ttft.chunked}}, later than {{ch08.ttft.whole}}."]
 
 
-@pytest.mark.parametrize("name", [c.stem for c in book.chapters(REPO_ROOT / "book")])
+@pytest.mark.parametrize("name", [c.stem for c in render.chapters(REPO_ROOT / "book")])
 def test_committed_comparisons_are_guarded(name):
     doc = read(COMMITTED)
     found = unguarded_comparisons((REPO_ROOT / "book" / f"{name}.md").read_text(), doc)
     assert found == [], (f"{name}: sentences that compare results in words with no claim, verdict or calc "
-                         f"(lab.claims):\n  " + "\n  ".join(found))
+                         f"(lab.book.claims):\n  " + "\n  ".join(found))

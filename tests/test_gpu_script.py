@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lab import book, kernel_bench, kernels, loadgen, results, serving_bench, step_cost
+from lab import kernel_bench, kernels, loadgen, results, serving_bench, step_cost
+from lab.book import render
 from lab.experiments import gpu
 from lab.models import load
 from lab.peers import vllm_gpu
@@ -73,7 +74,7 @@ def test_measured_run_writes_every_value_the_book_cites(dry_run):
     # Regression: a measured run wrote `ch05_gpu.bandwidth` and `ch03_gpu.step_ms` as groups of shapes, which
     # the manuscript reads as values, and never wrote `ch05_gpu.int8_bandwidth`, which chapter 7 cites.
     filled = {"sections": {DRY[name]: section for name, section in dry_run["sections"].items()}}
-    cited = {key for chapter in GPU_CHAPTERS for key, _ in book.references((BOOK / f"{chapter}.md").read_text())
+    cited = {key for chapter in GPU_CHAPTERS for key, _ in render.references((BOOK / f"{chapter}.md").read_text())
              if key.split(".")[0] in DRY.values()}
     assert {"ch03_gpu.step_ms", "ch05_gpu.bandwidth", "ch05_gpu.int8_bandwidth"} <= cited
     on_the_cpu = ("a CPU run has no CUDA allocator", "no peak bandwidth is known for the CPU", "vLLM")
@@ -145,7 +146,7 @@ def test_not_run_writes_the_keys_a_measured_run_writes(dry_run, results_file, mo
 def committed_problems():
     """What `lab.book --check` finds with the committed results (tests/test_book.py requires none): the
     problems a GPU section's values would add are the others."""
-    return book.check(BOOK, NOTEBOOKS, results.COMMITTED)
+    return render.check(BOOK, NOTEBOOKS, results.COMMITTED)
 
 
 def added_problems(problems: list, path: Path, committed: list) -> list:
@@ -180,7 +181,7 @@ def test_a_measured_run_renders_the_book(dry_run, committed_problems, tmp_path):
         section["provenance"]["run"] = f"dry run of lab.experiments.gpu, standing for {real} in a test"
         sections[real] = section
     path = with_gpu_sections(tmp_path, sections)
-    problems = book.check(BOOK, NOTEBOOKS, path)
+    problems = render.check(BOOK, NOTEBOOKS, path)
     assert added_problems(problems, path, committed_problems) == []
     doc = results.read(path)
     for chapter in GPU_CHAPTERS:
@@ -201,7 +202,7 @@ def test_a_run_without_a_gpu_renders_the_book(committed_problems, tmp_path, monk
     monkeypatch.setenv("LAB_RESULTS", str(path))
     gpu.run()
     assert results.get("ch05_gpu.bandwidth")["value"] == results.NOT_RUN
-    problems = book.check(BOOK, NOTEBOOKS, path)
+    problems = render.check(BOOK, NOTEBOOKS, path)
     assert added_problems(problems, path, committed_problems) == []
 
 

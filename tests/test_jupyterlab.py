@@ -120,12 +120,13 @@ def test_a_readers_edit_is_saved(tmp_path):
 
 # Slow: JupyterLab and headless Chromium start, the chapter's first cell imports torch and transformers
 # (12-30 s here). `make test-slow` runs it; it skips where JupyterLab is not installed (the [lab] extra) or no
-# Chromium can be found or installed (lab.book.chromium installs Debian's package when run as root).
+# Chromium can be found or installed (lab.book.screens.chromium installs Debian's package when run as root).
 @pytest.mark.slow
 def test_a_double_click_in_jupyterlab_opens_a_chapter_as_a_notebook_that_runs_and_saves_clean():
     pytest.importorskip("jupyterlab", reason="the [lab] extra (make lab) is not installed")
     pytest.importorskip("websocket", reason="the [lab] extra (make lab) is not installed")
-    from lab.book import BookError, chromium
+    from lab.book.render import BookError
+    from lab.book.screens import chromium
 
     try:
         chromium()

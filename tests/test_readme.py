@@ -2,7 +2,7 @@
 
 import pytest
 
-from lab import readme
+from lab.book import readme
 from lab.results import COMMITTED, REPO_ROOT, read
 
 
@@ -10,7 +10,7 @@ def test_readme_table_is_current():
     if not COMMITTED.exists():
         pytest.skip("no committed results.json yet")
     text = (REPO_ROOT / "README.md").read_text()
-    assert readme.block(read(COMMITTED)) in text, "README is stale: run `python -m lab.readme` (make results does)"
+    assert readme.block(read(COMMITTED)) in text, "README is stale: run `python -m lab.book.readme` (make results does)"
 
 
 def test_readme_names_the_two_commands():

@@ -347,7 +347,7 @@ def test_results_path_in_full_mode_and_with_override(tmp_path, monkeypatch):
     (value(False, None), "|bool:identical/different", "different"),
     (value(False, None), "|bool: yes / no ", "no"),
     (value([True, False], None), "|bool:on/off", "on, off"),
-    (value(True, None), "", "true"),  # lab.book refuses this in prose; the README table may show it
+    (value(True, None), "", "true"),  # lab.book.render refuses this in prose; the README table may show it
     # one of a plural word unit reads in the singular; 1.0, abbreviations and other words do not change
     (value(1, "requests"), "", "1 request"),
     (value(1, "entries"), "", "1 entry"),

@@ -1,6 +1,6 @@
 """Every table of the rendered book fits the text column (COLUMN_PX, 52rem).
 
-The browser check (`python -m lab.book --screens`, lab.book.wide_tables) measures the tables in headless
+The browser check (`python -m lab.book --screens`, lab.book.screens.wide_tables) measures the tables in headless
 Chromium. This file estimates the same from the rendered HTML, cheaply, for `make test`: a table is at
 least as wide as the sum of its columns' narrowest widths (min-content), and a column is as narrow as its
 widest unbreakable run of text: a whole cell in a numeric column (class "num", nowrap), the longest word
@@ -17,7 +17,7 @@ import pytest
 from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import TextToPath
 
-from lab import book
+from lab.book import render, screens
 from lab.results import COMMITTED, read
 
 FONT_PX = 16 * 0.92               # table { font-size: 0.92em } on the browser's 16-px default
@@ -129,18 +129,18 @@ NARROW = WIDE.replace("from cache, smallest pool", "from cache,<br>smallest pool
 
 
 def test_the_estimate_catches_a_wide_table_and_passes_it_rewrapped():
-    wide, narrow = (tables_of(book.to_html(md)[0])[0] for md in (WIDE, NARROW))
-    assert min_width_px(wide) > book.COLUMN_PX + 100       # Chromium measured 1,051.9 px
-    assert min_width_px(narrow) < book.COLUMN_PX - MARGIN_PX
+    wide, narrow = (tables_of(render.to_html(md)[0])[0] for md in (WIDE, NARROW))
+    assert min_width_px(wide) > render.COLUMN_PX + 100       # Chromium measured 1,051.9 px
+    assert min_width_px(narrow) < render.COLUMN_PX - MARGIN_PX
 
 
-@pytest.mark.parametrize("chapter", [c.name for c in book.chapters(book.REPO_ROOT / "book")])
+@pytest.mark.parametrize("chapter", [c.name for c in render.chapters(render.REPO_ROOT / "book")])
 def test_every_table_fits_the_column(chapter):
     doc = read(COMMITTED)
-    body = book.chapter_html(book.REPO_ROOT / "book" / chapter, doc, COMMITTED)
+    body = render.chapter_html(render.REPO_ROOT / "book" / chapter, doc, COMMITTED)
     wide = [f"table {i} ({_describe(t)}): at least {min_width_px(t):.0f} px" for i, t in enumerate(tables_of(body), 1)
-            if min_width_px(t) > book.COLUMN_PX - MARGIN_PX]
-    assert not wide, (f"{chapter}: tables wider than the {book.COLUMN_PX}-px column: {'; '.join(wide)}. Shorten "
+            if min_width_px(t) > render.COLUMN_PX - MARGIN_PX]
+    assert not wide, (f"{chapter}: tables wider than the {render.COLUMN_PX}-px column: {'; '.join(wide)}. Shorten "
                       f"their headers, drop a column, or break a header with <br>")
 
 
@@ -148,16 +148,16 @@ def test_every_table_fits_the_column(chapter):
                     reason="needs headless Chromium (make book-check installs it)")
 def test_estimate_matches_chromium(tmp_path):
     """The estimate against the browser's own min-content width, and wide_tables against an overflow."""
-    body = book.to_html(WIDE + "\n" + NARROW.replace("system prompts", "`few-shot`, SmolLM2-135M"))[0]
+    body = render.to_html(WIDE + "\n" + NARROW.replace("system prompts", "`few-shot`, SmolLM2-135M"))[0]
     page = tmp_path / "tables.html"
-    page.write_text(book._page("tables", body))
-    browser = book.chromium()
-    problems = book.wide_tables(browser, page)
+    page.write_text(render._page("tables", body))
+    browser = screens.chromium()
+    problems = screens.wide_tables(browser, page)
     assert len(problems) == 1 and problems[0].startswith("tables.html: table 1 ('workload (synthetic)")
-    probe = book._with_extra(page, "<script>window.addEventListener('load', () => { document.title = 'W=' + "
+    probe = screens._with_extra(page, "<script>window.addEventListener('load', () => { document.title = 'W=' + "
                                    "[...document.querySelectorAll('table')].map(t => { t.style.width = 'min-content'; "
                                    "return t.getBoundingClientRect().width; }).join(','); });</script>", "min")
-    dom = book._browser(browser, "--window-size=1280,1000", "--dump-dom", probe.as_uri())
+    dom = screens._browser(browser, "--window-size=1280,1000", "--dump-dom", probe.as_uri())
     measured = [float(x) for x in re.search(r"W=([\d.,]+)", dom)[1].split(",")]
     for table, px in zip(tables_of(body), measured, strict=True):
         assert min_width_px(table) == pytest.approx(px, rel=0.005)

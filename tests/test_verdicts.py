@@ -1,4 +1,4 @@
-"""The book's verdicts beside the reader's (lab.verdicts): the manuscript's own claims and verdicts, judged on two
+"""The book's verdicts beside the reader's (lab.book.verdicts): the manuscript's own claims and verdicts, judged on two
 results documents, with the sentence each guards; and every claim of a chapter set beside the reader's run by
 some cell of its notebook.
 
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from lab import claims, verdicts
+from lab.book import claims, verdicts
 from lab.results import REPO_ROOT, provenance
 
 CHAPTER = """# Chapter 98 — A test

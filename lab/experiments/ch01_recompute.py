@@ -284,7 +284,7 @@ def measure(quick_mode=None) -> dict:
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     v = {}
     if "load" in m:
         v["load_seconds"] = value(m["load"]["median"], "s", max=m["load"]["max"], n=m["load"]["n"],

@@ -299,7 +299,7 @@ PARTS = {"times": ("contexts", "step_ms", "speedup", "speedup_range", "pays_from
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     values = {k: {} for part, keys in PARTS.items() if part in m for k in keys}
     if "times" in m:
         values["rounds"] = value(m["settings"]["rounds"], None, note="interleaved rounds per context, after warm-up")

@@ -262,7 +262,7 @@ def measure(quick_mode=None) -> dict:
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     values = {"hazards": {}} if "hazards" in m else {}
     for name, r in m.get("hazards", {}).items():
         values["hazards"][name] = {

@@ -265,7 +265,7 @@ def measure(quick_mode=None) -> dict:
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     values = {k: {} for k in ("utilization", "concurrency", "speed", "agreement") if k in m}
     for d, u in m.get("utilization", {}).items():
         values["utilization"][d] = {k: value(x * 100, "%") for k, x in u.items()}

@@ -273,7 +273,7 @@ def measure(quick_mode=None) -> dict:
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     v = {k: {} for k, part in (("workloads", "sweep"), ("ttft", "ttft")) if part in m}
     for name, r in m.get("sweep", {}).items():
         key, sh = name.replace(" ", "_").replace("-", "_"), r["shape"]

@@ -260,7 +260,7 @@ def _quality_values(r: dict, **extra) -> dict:
 
 def values(m: dict) -> dict:
     """The measurements `m` as section ch07 records them (results.value leaves), from every part that m holds: a
-    notebook sets each part's verdicts beside the book's as soon as it has measured that part (lab.verdicts)."""
+    notebook sets each part's verdicts beside the book's as soon as it has measured that part (lab.book.verdicts)."""
     s, v = m["settings"], {}
     if "prefill" in m:
         v["passages"] = value(s["passages"], "passages", tokens=s["tokens"], prefill=m["prefill"],

@@ -417,7 +417,7 @@ NAMES = {"plain": "plain decoding", "lookup": "prompt lookup", "window": "self-d
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     s = m["settings"]
     v = {"settings": value(s["passages"], "prompts", prompt_tokens=s["prompt"], new_tokens=s["new"],
                            threads=m["threads"], note="SmolLM2, float32, greedy, per workload")}

@@ -258,7 +258,7 @@ def key(name: str) -> str:
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     s, bf16, v = m["settings"], m["bf16_bytes"], {}
     if "quality" in m:
         ref_loss = next(iter(next(iter(m["quality"].values())).values()))["ref_loss"]

@@ -424,7 +424,7 @@ def key(name: str) -> str:
 
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
-    verdicts beside the book's as soon as it has measured that part (lab.verdicts); record() writes them all."""
+    verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
     s, v = m["settings"], {}
     if "tiers" in m:
         v["tiers"] = {}

@@ -5,9 +5,9 @@
     ...
     plots.finish(fig, path)                   # lay out; save a PNG at 120 dpi if path (legibility checked)
 
-A saved PNG is shown in the book's column (lab/book.py, COLUMN_PX pixels wide) at its natural size when it
-is narrower, scaled down when it is wider; finish() therefore narrows a wider figure to the column. It then
-computes the scale at which the PNG is shown and refuses (FigureLegibilityError) to save a figure in which
+A saved PNG is shown in the book's column (lab/book/render.py, COLUMN_PX pixels wide) at its natural size
+when it is narrower, scaled down when it is wider; finish() therefore narrows a wider figure to the column. It
+then computes the scale at which the PNG is shown and refuses (FigureLegibilityError) to save a figure in which
 a visible text (title, axis label, tick label, legend, annotation) would read smaller than MIN_PT points
 in the book, whose tick labels collide, or with an axis that labels a single tick, from which no scale can
 be read (check_legible). Importing this module sets matplotlib's defaults (rcParams) to sizes
@@ -22,7 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.axis import Axis
 from matplotlib.text import Text
 
-from ..book import COLUMN_PX
+from ..book.render import COLUMN_PX
 
 DPI = 120                  # the PNGs' resolution
 COLUMN_IN = COLUMN_PX / DPI  # a figure this wide (6.93 in) is shown at exactly its size in the column

@@ -6,16 +6,8 @@ print.html (the whole book on one page, for printing). See "the pages around the
 layout every chapter follows (a summary under the title, fixed closing sections) and "the glossary" for how
 the first use of a term in a chapter links to its entry.
 
-    python -m lab.book                       # render from the committed results/results.json
-    python -m lab.book --results PATH --out build/book
-    python -m lab.book --check               # list problems (missing notebook, key, figure, listing), render nothing
-    python -m lab.book --screens             # render, then a PNG of every page (chapters, index, glossary,
-                                             # next, print.html) in headless Chromium (build/book/screens/;
-                                             # installs Debian's chromium if missing); exit 1 if a table is
-                                             # wider than the column
-
-The book shows the full measurements, so it renders from the committed results by default, whatever the
-mode; `--results` renders another file (e.g. a quick run's /tmp/lab-quick/results.json).
+`python -m lab.book` renders the book, checks it, or renders it and takes screenshots of every page (see
+lab/book/__main__.py and lab/book/screens.py).
 
 References. The manuscript never types a measured number. It writes a reference to a key of results.json:
 
@@ -33,7 +25,7 @@ in everywhere, code blocks included.
 Verdicts. A sentence that compares measured values in words ("earlier", "beats", "a tenth of") either lets
 the result choose the word, {{verdict: KEY_A < KEY_B|earlier/later}}, or is guarded by a claim that
 renders nothing, {{claim: KEY_A < KEY_B}}; a false claim is a problem that names the sentence, and the
-book is not rendered (lab.claims).
+book is not rendered (lab.book.claims).
 
 Listings. A line `::: code PATH NAME` inserts the source of NAME in the repository file PATH: a top-level
 function or class, a method (`Class.method`), or a region marked in the source by a line `# region NAME`
@@ -54,18 +46,12 @@ Every page is self-contained: the CSS (Pygments' highlighting included) is embed
 from the network, and no path of the machine it was rendered on appears in it.
 """
 
-import argparse
 import ast
 import contextlib
 import html
-import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
 import textwrap
-import time
 import xml.etree.ElementTree as etree
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +64,8 @@ from markdown.inlinepatterns import InlineProcessor
 from markdown.treeprocessors import Treeprocessor
 from pygments.formatters import HtmlFormatter
 
-from lab import claims
-from lab.results import COMMITTED, REPO_ROOT, ResultsError, format_value, lookup, read
+from lab.book import claims
+from lab.results import REPO_ROOT, ResultsError, format_value, lookup, read
 
 # {{ key }}, {{ key:spec }}, {{ key|number }}, {{ key:.1f|number }}, {{ key|bool:identical/different }}
 REF = re.compile(r"\{\{\s*(?P<key>[^\s{}:|]+)\s*(?::(?P<spec>[^{}|]*?))?\s*(?:\|\s*(?P<how>[^{}]*?))?\s*\}\}")
@@ -159,7 +145,7 @@ def _spec(m) -> str:
 def references(text) -> list[tuple[str, str]]:
     """Every reference in text as (key, spec), in order; spec is "" when none was given, and carries
     `|number` or `|bool:A/B` when the reference has one (".1f|number"). Claims and verdicts are not
-    references (see lab.claims)."""
+    references (see lab.book.claims)."""
     return [(m["key"], _spec(m)) for m in REF.finditer(_blank_claims(text))]
 
 
@@ -935,179 +921,3 @@ def _console(path) -> str:
 def _strip_div(toc) -> str:
     """The <ul> of a toc extension's <div class="toc">...</div>."""
     return re.sub(r'^\s*<div class="toc">\s*|\s*</div>\s*$', "", toc)
-
-
-# -----------------------------------------------------------------------------
-# screenshots in headless Chromium
-
-
-def chromium() -> str:
-    """The headless browser; installs Debian's `chromium` package when none is found and this is root."""
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        if found := shutil.which(name):
-            return found
-    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")):
-        raise BookError("the browser check needs headless Chromium: install it "
-                        "(Debian/Ubuntu: `sudo apt-get install chromium`) and run again")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    print("installing chromium (apt-get) for the browser check ...", flush=True)
-    subprocess.run(["apt-get", "update"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "chromium"], check=True, env=env)
-    return shutil.which("chromium") or "chromium"
-
-
-def _browser(browser, *args, timeout=180) -> str:
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--mute-audio",
-           "--no-first-run", "--disable-dev-shm-usage", "--run-all-compositor-stages-before-draw",
-           "--virtual-time-budget=5000", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise BookError(f"{Path(browser).name} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
-    return done.stdout
-
-
-def _with_extra(page: Path, extra: str, tag: str) -> Path:
-    """A copy of page, beside it (so its figures resolve), with extra inserted before </body>."""
-    copy = page.with_name(f".{tag}-{page.name}")
-    copy.write_text(page.read_text().replace("</body>", f"{extra}\n</body>"))
-    return copy
-
-
-def page_height(browser, page: Path, width) -> int:
-    """The height in CSS pixels of page laid out at width, as the browser measures it."""
-    probe = _with_extra(page, "<script>window.addEventListener('load', () => { document.title = "
-                              "'HEIGHT=' + Math.ceil(document.documentElement.scrollHeight); });</script>",
-                        "measure")
-    try:
-        dom = _browser(browser, f"--window-size={width},1000", "--dump-dom", probe.as_uri())
-    finally:
-        probe.unlink(missing_ok=True)
-    m = re.search(r"HEIGHT=(\d+)", dom)
-    if not m:
-        raise BookError(f"could not measure the height of {page.name} in the browser")
-    return int(m[1])
-
-
-def screenshot(browser, page: Path, png: Path, width=1280, tile=4000) -> Path:
-    """A full-page PNG of page: the page is measured, shot in tiles of `tile` pixels, and the tiles stacked."""
-    from PIL import Image
-
-    height = page_height(browser, page, width)
-    tiles = []
-    with tempfile.TemporaryDirectory(prefix="book-screens-") as tmp:
-        for k, top in enumerate(range(0, height, tile)):
-            h = min(tile, height - top)
-            shifted = _with_extra(page, f"<style>html {{ overflow: hidden; }} "
-                                        f"body {{ transform: translateY(-{top}px); }}</style>", f"tile{k}")
-            shot = Path(tmp) / f"{k}.png"
-            try:
-                _browser(browser, f"--window-size={width},{h}", f"--screenshot={shot}", shifted.as_uri())
-            finally:
-                shifted.unlink(missing_ok=True)
-            tiles.append(Image.open(shot).convert("RGB").crop((0, 0, width, h)))
-        whole = Image.new("RGB", (width, height), "white")
-        for k, im in enumerate(tiles):
-            whole.paste(im, (0, k * tile))
-        png.parent.mkdir(parents=True, exist_ok=True)
-        whole.save(png, optimize=True)
-    return png
-
-
-# every table's width against the width its container leaves it (the text column), as the browser lays it out
-TABLE_WIDTHS = """<script>window.addEventListener('load', () => {
-  const out = [];
-  document.querySelectorAll('table').forEach(t => {
-    const box = t.parentElement, style = getComputedStyle(box);
-    const column = box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
-    const head = t.rows.length ? t.rows[0].textContent.replace(/\\s+/g, ' ').trim().slice(0, 70) : '';
-    out.push([t.scrollWidth, Math.floor(column), head]);
-  });
-  document.title = 'TABLES=' + JSON.stringify(out);
-});</script>"""
-
-
-def wide_tables(browser, page: Path, width=1280) -> list[str]:
-    """The tables of page wider than the text column at a window `width` CSS pixels wide (a table's
-    scrollWidth against its container's content width), described; an empty list when all fit."""
-    import json
-
-    probe = _with_extra(page, TABLE_WIDTHS, "tables")
-    try:
-        dom = _browser(browser, f"--window-size={width},1000", "--dump-dom", probe.as_uri())
-    finally:
-        probe.unlink(missing_ok=True)
-    m = re.search(r"<title>TABLES=(.*?)</title>", dom, re.DOTALL)
-    if not m:
-        raise BookError(f"could not measure the tables of {page.name} in the browser")
-    return [f"{page.name}: table {i} ({head!r} ...) is {wide} px wide, the column {column} px: shorten its "
-            f"headers, drop a column, or break a header with <br>"
-            for i, (wide, column, head) in enumerate(json.loads(html.unescape(m[1])), 1) if wide > column]
-
-
-def screens(pages, out_dir, width=1280) -> list[Path]:
-    """A full-page screenshot of each page (every page render() wrote), out_dir/NAME.png."""
-    browser = chromium()
-    shots = []
-    for page in pages:
-        png = screenshot(browser, Path(page), Path(out_dir) / f"{Path(page).stem}.png", width)
-        print(f"screenshot {_console(png)} ({_size(png)})", flush=True)
-        shots.append(png)
-    return shots
-
-
-def _size(png) -> str:
-    """A PNG's width×height from its header (opening print.html's PNG would trip PIL's size guard)."""
-    import struct
-
-    with open(png, "rb") as f:
-        width, height = struct.unpack(">II", f.read(24)[16:24])   # IHDR: the first chunk, after the signature
-    return f"{width}×{height}"
-
-
-# -----------------------------------------------------------------------------
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lab.book", description=__doc__.strip().split("\n\n")[0])
-    parser.add_argument("--book", type=Path, default=REPO_ROOT / "book", help="manuscript folder")
-    parser.add_argument("--notebooks", type=Path, default=REPO_ROOT / "notebooks", help="notebooks folder")
-    parser.add_argument("--results", type=Path, default=COMMITTED,
-                        help="results file (default: the committed results/results.json, whatever the mode)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "book", help="output folder")
-    parser.add_argument("--check", action="store_true", help="only list problems; exit 1 if any")
-    parser.add_argument("--screens", action="store_true",
-                        help="render, then save a full-page PNG of every page (chapters, index, glossary, next, "
-                             "print.html) to OUT/screens/ "
-                             "(headless Chromium); exit 1 if a table is wider than the text column")
-    args = parser.parse_args(argv)
-    if args.check:
-        problems = check(args.book, args.notebooks, args.results)
-        for p in problems:
-            print(p, file=sys.stderr)
-        print(f"{len(problems)} problem(s) in {args.book.name}/", file=sys.stderr if problems else sys.stdout)
-        return 1 if problems else 0
-    try:
-        written = render(args.book, args.out, args.results)
-        for chapter in chapters(args.book):
-            for problem in layout_problems(chapter.read_text()):
-                print(f"note: {args.book.name}/{chapter.name}: {problem}", file=sys.stderr)
-        if args.screens:
-            t0 = time.perf_counter()
-            shown = [p for p in written if p.suffix == ".html"]
-            screens(shown, args.out / "screens")
-            print(f"{len(shown)} screenshot(s) in {time.perf_counter() - t0:.0f} s")
-            browser = chromium()
-            wide = [problem for page in shown for problem in wide_tables(browser, page)]
-            for problem in wide:
-                print(problem, file=sys.stderr)
-            print(f"{len(wide)} table(s) wider than the text column", file=sys.stderr if wide else sys.stdout)
-            if wide:
-                return 1
-    except (BookError, ResultsError, subprocess.SubprocessError) as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,10 +2,10 @@
 The book's verdicts beside the reader's own run.
 
 Every sentence of the manuscript that compares measured values is guarded by a {{claim: ...}} or lets a
-{{verdict: ...|A/B}} choose its word (lab.claims), evaluated on the committed results, a full run. A reader runs
-the notebook in quick mode: shorter sweeps, fewer requests, a smaller pool, on another machine. Their numbers
-can reverse a verdict, and a notebook that only showed them would contradict the book without a word. So each
-measuring section of a notebook ends with
+{{verdict: ...|A/B}} choose its word (lab.book.claims), evaluated on the committed results, a full run. A
+reader runs the notebook in quick mode: shorter sweeps, fewer requests, a smaller pool, on another machine.
+Their numbers can reverse a verdict, and a notebook that only showed them would contradict the book without
+a word. So each measuring section of a notebook ends with
 
     beside("ch11", "ch11.scheduling", values=ch11.values(m), why="16 requests on 20 pages; the book's 40 on 96")
 
@@ -28,7 +28,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import claims
+from lab.book import claims
+from lab.book.render import REF, BookError, render_text
 from lab.results import COMMITTED, NOT_RUN, REPO_ROOT, ResultsError, format_value, lookup, quick, read, results_path
 
 BOOK = REPO_ROOT / "book"
@@ -98,8 +99,6 @@ def _reader(chapter, values, mine) -> tuple[dict, str]:
 
 def _render(said, doc, source) -> str:
     """said with every reference, verdict and calc filled in from doc; one that doc cannot fill reads "…"."""
-    from lab.book import REF, BookError, render_text  # lab.book imports lab.claims: imported here, not above
-
     def one(m):
         try:
             return render_text(m[0], doc, source)

@@ -1,4 +1,4 @@
-"""The README's headline table, generated from results.json (`python -m lab.readme`; `make book` runs it).
+"""The README's headline table, generated from results.json (`python -m lab.book.readme`; `make book` runs it).
 
 The README never types a measured number: the block between the markers is rewritten from the results
 file, and a test fails when the committed README differs from what the committed results produce.
@@ -6,7 +6,7 @@ file, and a test fails when the committed README differs from what the committed
 
 import sys
 
-from .results import COMMITTED, REPO_ROOT, format_value, lookup, read
+from lab.results import COMMITTED, REPO_ROOT, format_value, lookup, read
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

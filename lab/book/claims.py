@@ -17,7 +17,7 @@ An expression reads values of results.json by their dotted keys and combines the
 ones too: 0.05 < a / b < 0.2), and, or, not, parentheses, abs(), min(), max(), and key[i] for one
 element of a list value. Nothing else: no names, attributes or calls besides these.
 
-A false claim, or one that reads a value that was not run, is a problem lab.book reports with the
+A false claim, or one that reads a value that was not run, is a problem lab.book.render reports with the
 chapter, the line and the sentence it guards, filled in with its numbers, so `make book` and the tests
 fail naming it.
 """
