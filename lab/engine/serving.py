@@ -552,8 +552,8 @@ def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_sec
         if max_steps is not None and engine.stats["steps"] - first >= max_steps:
             raise RuntimeError(f"the requests did not finish in {max_steps} steps: {engine!r}")
         new = engine.step()
-        if engine.waiting and not engine.running and not engine.stats["batch_sizes"][-1]:   # a bug, never a wait
-            raise RuntimeError(f"the scheduler admitted nothing into an idle engine: {engine!r}")
         if on_step is not None:
             on_step(engine, new)
+        if engine.waiting and not engine.running and not engine.stats["batch_sizes"][-1]:   # a bug, never a wait
+            raise RuntimeError(f"the scheduler admitted nothing into an idle engine: {engine!r}")
     return rids

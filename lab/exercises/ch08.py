@@ -13,7 +13,7 @@ import random
 import torch
 
 from ..cache import ConcatCache
-from ..engine import ServingEngine
+from ..engine import ServingEngine, drive
 from ..engine import serving as serving_module
 from ..loadgen import percentile
 from ..models import forward_cached, load
@@ -53,28 +53,26 @@ def alone(prompt: tuple, n: int) -> tuple:
 
 
 def serve(engine, prompts, max_new_tokens, arrivals, after_step=None, max_steps=1000) -> list[int]:
-    """Run a workload through `engine` as `generate` does (request i is added just before step arrivals[i]),
-    but one step at a time, calling after_step(engine) after each. Returns the requests' ids. Fails when a
-    request that arrived is neither waiting, running nor done (dropped from the queue), or after max_steps."""
-    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    rids, k = [None] * len(prompts), 0
-    for step in range(max_steps):
-        while k < len(order) and arrivals[order[k]] <= step:
-            i = order[k]
-            rids[i], k = engine.add_request(list(prompts[i]), max_new_tokens[i]), k + 1
-        engine.step()
+    """`drive` a workload through `engine` (request i added just before step arrivals[i]), calling
+    after_step(engine) after each step. Returns the requests' ids. Fails when a request that arrived is
+    neither waiting, running nor done (dropped from the queue), or after max_steps."""
+    def watch(engine, new):
         if after_step is not None:
             after_step(engine)
         present = set(map(id, engine.waiting)) | set(map(id, engine.running))
-        lost = [i for i, r in enumerate(rids) if r is not None and not engine.requests[r].done
-                and id(engine.requests[r]) not in present]
-        assert not lost, (f"after step {step}, request(s) {lost} are neither waiting, running nor done: "
-                          "dropped from the queue. Every request must be served")
-        if k == len(order) and all(engine.requests[r].done for r in rids):
-            return rids
-    raise AssertionError(f"the workload did not finish in {max_steps} steps: requests "
-                         f"{[i for i, r in enumerate(rids) if r is None or not engine.requests[r].done]} "
-                         "are still waiting or running")
+        lost = [r.id for r in engine.requests.values() if not r.done and id(r) not in present]
+        assert not lost, (f"after step {engine.stats['steps'] - 1}, request(s) {lost} are neither waiting, "
+                          "running nor done: dropped from the queue. Every request must be served")
+
+    try:
+        return drive(engine, [list(p) for p in prompts], list(max_new_tokens), arrivals, on_step=watch,
+                     max_steps=max_steps)
+    except RuntimeError as e:
+        if engine.stats["steps"] < max_steps:
+            raise
+        left = [r.id for r in engine.requests.values() if not r.done]
+        raise AssertionError(f"the workload did not finish in {max_steps} steps: requests {left} are still "
+                             "waiting or running") from e
 
 
 def _check_config(engine, engine_class, num_pages, page_size, max_batch_tokens):
