@@ -6,7 +6,8 @@
   `counted_step`: its FLOPs counted by PyTorch; `predicted_shares`: the share FLOPs and bytes read predict;
 - `attention_case`: one decode attention over pages, read in place and gathered, against a contiguous cache;
 - `profile`, `step_costs`: where a serving engine's decode step spends its time; `run_timed`: a serving
-  engine's run with every step timed (`seconds_between` sums a stretch of it).
+  engine's run with every step timed (`seconds_between` sums a stretch of it); `engine_steps`: the decode
+  steps of several engines (plain, hybrid, radix) at the same batch and positions, side by side.
 
 Every timing runs its variants in interleaved rounds (`lab.bench.time_rounds`): each round runs every
 variant once, in turn, so that a slow spell of a shared machine hits all of them alike; ratios are taken
@@ -362,3 +363,28 @@ def step_sweep(contexts: dict, load, rounds=11, warmup=1, deadline=float("inf"))
             steps[name, T] = step_times(model, [T], rounds, warmup, progress=False)[T]
         del model
     return steps, manifests
+
+
+def engine_steps(engines: dict, prompts, rounds=9, warmup=2, base="plain", new_tokens=64) -> dict:
+    """A decode step of several serving engines at the same batch and positions (name -> ServingEngine):
+    each takes `prompts` (up to `new_tokens` each: enough to outlast the prefill and the rounds), prefills
+    them, then steps in interleaved rounds, every step a decode of all of them. Returns, per engine, its step's median seconds, the KV bytes that step reads
+    (every layer's keys and values it attends to: a local layer's window and sinks only) and, beside
+    `base`, the ratio of their step times round by round."""
+    for engine in engines.values():
+        for p in prompts:
+            engine.add_request(p, new_tokens)
+        while engine.waiting or any(r.num_tokens - r.computed > 1 for r in engine.running):
+            engine.step()
+    t = time_rounds({name: e.step for name, e in engines.items()}, warmup=warmup, rounds=rounds, samples=True)
+    if any(e.stats["batch_sizes"][-1] != len(prompts) for e in engines.values()):
+        raise RuntimeError("a timed step did not decode every prompt")
+    out = {}
+    for name, e in engines.items():
+        cfg = e.model.config
+        rules = [cfg.window_of(j) for j in range(cfg.kv_layout[0])]              # (window, sinks) per layer
+        read = sum(min(r.computed, w + s) if w else r.computed for r in e.running for w, s in rules)
+        per_layer = cfg.kv_bytes_per_position(e.pool.dtype) // cfg.kv_layout[0]  # one position of one layer
+        out[name] = dict(step_s=t[name]["median"], kv_read_bytes=read * per_layer,
+                         over_base=ratio_summary(t[name]["samples"], t[base]["samples"]))
+    return out
