@@ -8,16 +8,17 @@ by any other, so *where* a request goes decides the fleet's hit rate as much as 
     router.next_logits(ids)                                  # routed, then scored by that worker: [V]
     simulate(trace, workers=8, policy="kv_aware", pages_per_worker=256)["hit_rate"]
 
-Three policies:
+Three policies, one `choose(policy, states)` for this router and the server's (lab/serve/fleet.py), over a
+WorkerState per worker (the tokens of the request it would take from its pages, its load, its requests and
+tokens computed so far):
 
-- "round_robin": the next worker in turn, whatever it holds.
-- "least_loaded": the worker with the smallest load (below), ties to the fewest tokens computed so far, then
-  the lowest index.
+- "round_robin": the next worker in turn, whatever it holds: the k-th request routed goes to worker k mod N.
+- "least_loaded": the worker with the smallest load (below).
 - "kv_aware": NVIDIA Dynamo's KV router cost (below): prefill work left on that worker against its load.
 
-or one of your own: a callable `policy(ids, workers) -> index` in place of the name, called once per request
-with a copy of its ids and a WorkerState per worker (what kv_aware reads: the tokens it would take from its
-pages, its load, its calls and computed tokens so far); it returns the index of the worker to send it to.
+Ties, in both: the lower load, then the fewer tokens computed so far, then the lowest index. Or a policy of
+your own: a callable `policy(ids, workers) -> index` in place of the name, called once per request with a copy
+of its ids and the WorkerStates; it returns the index of the worker to send it to.
 
 Load, for a synchronous router. Each call here finishes before the next one starts, so nothing is ever in
 flight. To give load a meaning, the router counts as in flight the last `window` requests it routed
@@ -31,11 +32,11 @@ The kv_aware cost, per worker w, for a request of T tokens with `cached_w` of th
     decode_blocks_w  = load_w + ceil(T / page_size)           # active pages, the new request's included
     cost_w           = overlap_weight * prefill_blocks_w + decode_blocks_w
 
-the lowest cost wins, ties to the least loaded, then the lowest index. This is the cost NVIDIA Dynamo's KV
-router documents ("cost = overlap_score_weight * prefill_blocks + decode_blocks", lower is better, the
-weight defaulting to 1.0: higher favours cache reuse, lower even load), docs.nvidia.com/dynamo, "Router >
-Routing Concepts > Cost Calculation" and the frontend's `--router-kv-overlap-score-weight`. Dynamo counts
-prefill blocks still running on the worker as well; here prefill ends within the call, so there are none.
+the lowest cost wins (ties as above). This is the cost NVIDIA Dynamo's KV router documents ("cost =
+overlap_score_weight * prefill_blocks + decode_blocks", lower is better, the weight defaulting to 1.0: higher
+favours cache reuse, lower even load), docs.nvidia.com/dynamo, "Router > Routing Concepts > Cost Calculation"
+and the frontend's `--router-kv-overlap-score-weight`. Dynamo counts prefill blocks still running on the
+worker as well; here prefill ends within the call, so there are none.
 `cached_w` is what the worker would really take: the leading full pages of the request, at most
 (T - 1) // page_size of them (one token is always run), named in its BlockManager under the page keys the
 worker itself computes (`PrefixCachingBackend.page_keys`: its model's state identity and the salt).
@@ -71,12 +72,36 @@ class FleetError(ValueError):
 
 @dataclass(frozen=True)
 class WorkerState:
-    """What a callable policy sees of one worker when a request arrives (the Router's own counts)."""
-    cached: int         # tokens of this request the worker would take from its named pages (cached_tokens)
-    load: int           # pages held by its in-flight requests (the module's docstring)
-    calls: int          # requests routed to it so far
-    computed: int       # tokens it has run so far
-    page_size: int      # tokens per page of its pool: load * page_size tokens are in flight
+    """One worker as a router sees it when a request of `tokens` tokens arrives: what `choose` and a callable
+    policy read. Load has one meaning on both routers: the pages its requests in flight hold, ceil(T_r /
+    page_size) for a request of T_r prompt tokens (Dynamo's active blocks; the module's docstring says which
+    requests count as in flight here, lab/serve/fleet.py there)."""
+    cached: int             # tokens of this request the worker would take from its named pages (cached_tokens)
+    load: int               # pages held by its in-flight requests
+    calls: int              # requests routed to it so far
+    computed: int           # tokens it has run so far (the server's Fleet: prompt tokens routed it did not hold)
+    page_size: int          # tokens per page of its pool: load * page_size tokens are in flight
+    tokens: int             # the request's length T, the same for every worker
+
+
+# region fleet_route
+def choose(policy: str, states: list[WorkerState], weight: float = 1.0) -> int:
+    """The index of the worker a named policy sends a request to, from one WorkerState per worker.
+
+    round_robin: the k-th request routed (k: the calls so far) to worker k mod N. least_loaded:
+    the lowest load. kv_aware: the lowest kv_cost, `weight` on the pages to prefill. Ties: the
+    lower load, then the fewer tokens computed, then the lowest index."""
+    n = len(states)
+    if policy == "round_robin":
+        return sum(s.calls for s in states) % n
+    if policy not in POLICIES:
+        raise FleetError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    if policy == "kv_aware":
+        cost = [kv_cost(s.tokens, s.cached, s.load, s.page_size, weight) for s in states]
+    else:                                                   # least_loaded: the load alone
+        cost = [0] * n
+    return min(range(n), key=lambda w: (cost[w], states[w].load, states[w].computed, w))
+# endregion
 
 
 def _known(policy) -> bool:
@@ -88,7 +113,8 @@ class Router:
     """Requests in, each to one of `engines` by `policy`; `next_logits` (and `dry_run`) route, then call.
 
     engines: backends with `next_logits(ids, salt=None)`; "kv_aware" and a callable policy also read their
-    named pages, so they need PrefixCachingBackends (`page_keys`, `page_size`, `pool.manager`). route(ids)
+    named pages, so they need PrefixCachingBackends (`page_keys`, `page_size`, `pool.manager`); any other
+    backend holds no pages: its `cached` is 0, its load counts pages of 16 tokens. route(ids)
     decides and changes nothing of the router's (a callable policy is called once); next_logits / dry_run
     route, call the chosen worker, then record the request: per-worker `calls`, `tokens` (prompt tokens
     routed), `computed` (tokens it ran: its stats' computed_tokens grew by that much) and `load` (pages of its
@@ -114,7 +140,6 @@ class Router:
             raise FleetError(f"window must be an int >= 0 (requests counted in flight), got {window!r}")
         self.engines, self.policy, self.overlap_weight, self.window = engines, policy, overlap_weight, window
         n = len(engines)
-        self.turn = 0                                   # round_robin: the next worker
         self.calls, self.tokens, self.computed, self.load = [0] * n, [0] * n, [0] * n, [0] * n
         self.in_flight = deque()                        # (worker, pages) of the last `window` requests
 
@@ -132,6 +157,9 @@ class Router:
     def _cached_tokens(self, ids: list, salt) -> list[int]:
         keys_of, out = {}, []
         for e in self.engines:
+            if not isinstance(e, PrefixCachingBackend):
+                out.append(0)
+                continue
             P = e.page_size
             group = (id(e.model), type(e.pool), str(e.pool.dtype), P)
             if group not in keys_of:
@@ -144,36 +172,28 @@ class Router:
             out.append(n * P)
         return out
 
+    def states(self, ids, salt=None) -> list[WorkerState]:
+        """What `choose` and a callable policy read of each worker, for `ids` now."""
+        return self._states(self._ids(ids), salt)
+
+    def _states(self, ids: list, salt) -> list[WorkerState]:
+        return [WorkerState(c, self.load[w], self.calls[w], self.computed[w], getattr(e, "page_size", 16), len(ids))
+                for w, (e, c) in enumerate(zip(self.engines, self._cached_tokens(ids, salt), strict=True))]
+
     def costs(self, ids, salt=None) -> list[float]:
         """kv_aware's cost of each worker for `ids` (module docstring): weight * prefill pages + decode pages."""
-        return self._costs(self._ids(ids), salt)
-
-    # region fleet_route
-    def _costs(self, ids: list, salt) -> list[float]:
-        T, cached = len(ids), self._cached_tokens(ids, salt)
-        return [kv_cost(T, c, self.load[w], e.page_size, self.overlap_weight)
-                for w, (e, c) in enumerate(zip(self.engines, cached, strict=True))]
+        return [kv_cost(s.tokens, s.cached, s.load, s.page_size, self.overlap_weight) for s in self.states(ids, salt)]
 
     def route(self, ids, salt=None) -> int:
         """The index of the worker `policy` sends `ids` to now. Changes nothing."""
         return self._route(self._ids(ids), salt)
 
     def _route(self, ids: list, salt) -> int:
-        n = len(self.engines)
-        if callable(self.policy):
-            return self._ask(ids, salt)
-        if self.policy == "round_robin":
-            return self.turn % n
-        if self.policy == "least_loaded":
-            return min(range(n), key=lambda w: (self.load[w], self.computed[w], w))
-        cost = self._costs(ids, salt)
-        return min(range(n), key=lambda w: (cost[w], self.load[w], self.computed[w], w))
-    # endregion
+        states = self._states(ids, salt)
+        return self._ask(ids, states) if callable(self.policy) else choose(self.policy, states, self.overlap_weight)
 
-    def _ask(self, ids: list, salt) -> int:
+    def _ask(self, ids: list, workers: list) -> int:
         """A callable policy's choice for `ids`: FleetError unless it is a worker's index (an integer, no bool)."""
-        workers = [WorkerState(c, self.load[w], self.calls[w], self.computed[w], self.engines[w].page_size)
-                   for w, c in enumerate(self._cached_tokens(ids, salt))]
         w = self.policy(list(ids), workers)
         try:
             index = operator.index(w)                   # an int, numpy's or torch's integers too; no float
@@ -200,7 +220,6 @@ class Router:
         out = getattr(engine, method)(ids, salt=salt)       # the engine's own checks run before any change
         after = _computed(engine)
         pages = -(-len(ids) // getattr(engine, "page_size", 16))
-        self.turn = w + 1 if self.policy == "round_robin" else self.turn
         self.calls[w] += 1
         self.tokens[w] += len(ids)
         self.computed[w] += len(ids) if before is None else after - before

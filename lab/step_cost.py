@@ -368,9 +368,9 @@ def step_sweep(contexts: dict, load, rounds=11, warmup=1, deadline=float("inf"))
 def engine_steps(engines: dict, prompts, rounds=9, warmup=2, base="plain", new_tokens=64) -> dict:
     """A decode step of several serving engines at the same batch and positions (name -> ServingEngine):
     each takes `prompts` (up to `new_tokens` each: enough to outlast the prefill and the rounds), prefills
-    them, then steps in interleaved rounds, every step a decode of all of them. Returns, per engine, its step's median seconds, the KV bytes that step reads
-    (every layer's keys and values it attends to: a local layer's window and sinks only) and, beside
-    `base`, the ratio of their step times round by round."""
+    them, then steps in interleaved rounds, every step a decode of all of them. Returns, per engine, its
+    step's median seconds, the KV bytes that step reads (every layer's keys and values it attends to: a
+    local layer's window and sinks only) and, beside `base`, the ratio of their step times round by round."""
     for engine in engines.values():
         for p in prompts:
             engine.add_request(p, new_tokens)

@@ -113,21 +113,21 @@ def test_a_dead_engine_process_fails_requests_and_the_server_exits_nonzero():
 def test_a_dead_engine_process_makes_health_503_and_refuses_requests():
     """The app served in this process over an EngineProcess whose process is killed (nothing stops the
     server here): /health and new requests answer 503 for good."""
-    from lab.serve import EngineProcess
+    from lab.serve import EngineClient, EngineProcess
 
-    engine = EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, threads=1)
-    engine.start()
+    client = EngineClient(EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, threads=1))
+    client.start()
     try:
-        with serving(engine) as (port, _):
+        with serving(client) as (port, _):
             assert call(port, "/health", method="GET") == (200, {"status": "ok"})
-            engine.process.kill()
-            wait_until(lambda: not engine.alive, what="the engine's process to be seen dead")
+            client.engine.process.kill()
+            wait_until(lambda: not client.alive, what="the engine's process to be seen dead")
             status, answer = call(port, "/health", method="GET")
             assert status == 503 and answer["error"]["code"] == "engine_failed", answer
             status, answer = call(port, "/v1/completions", dict(prompt=[1, 2], max_tokens=2))
             assert status == 503 and "exit code" in answer["error"]["message"], answer
     finally:
-        engine.stop()
+        client.stop()
 
 
 # ---- 5: a client that leaves before a whole answer ----

@@ -7,12 +7,15 @@ a fleet of one; the closed form of round robin on a repeated prompt; the sums ov
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from lab.engine import PrefixCachingBackend, RecomputeBackend, common_prefix
-from lab.fleet import POLICIES, FleetError, Router, simulate
+from lab.engine.hashing import page_keys
+from lab.fleet import POLICIES, FleetError, Router, choose, simulate
 from lab.models import InputError, load
+from lab.serve import Fleet
 from lab.workloads import conversation, hit_rate, random_tokens, shared_system_prompts
 
 ATOL = 1e-5
@@ -61,6 +64,55 @@ def test_kv_aware_counts_pages_under_the_salt(tiny):
     router = Router([PrefixCachingBackend(tiny, 16, 16) for _ in range(2)], "kv_aware")
     router.dry_run(ids)
     assert router.cached_tokens(ids) == [96, 0] and router.cached_tokens(ids, salt="b") == [0, 0]
+
+
+def both_routers(tiny, policy, ids, cached, load, calls, computed, P=16):
+    """lab.fleet's Router and the server's Fleet (lab/serve/fleet.py) of len(cached) workers, where worker w
+    holds the first cached[w] tokens of `ids` named, has load[w] pages in flight, and took calls[w] requests
+    computing computed[w] tokens: the Router's engines really hold the pages (a dry run of those tokens), the
+    Fleet's workers stand in for engine processes (their KV events' digests, one request in flight)."""
+    router = Router([PrefixCachingBackend(tiny, 16, P) for _ in cached], policy)
+    for e, c in zip(router.engines, cached, strict=True):
+        if c:
+            e.dry_run(ids[:c + 1])                              # names its c // P full pages
+    router.load, router.calls, router.computed = list(load), list(calls), list(computed)
+    digests = [d for d, _, _ in page_keys(ids, P, ("fake",))]
+    workers = [SimpleNamespace(name="m", config=None, tokenizer=None, num_pages=16, page_size=P,
+                               engine=SimpleNamespace(extra=("fake",)), named=set(digests[:c // P]),
+                               in_flight=lambda n=n: [n * P] if n else []) for c, n in zip(cached, load, strict=True)]
+    fleet = Fleet(workers, policy)
+    fleet.routed, fleet.computed = list(calls), list(computed)
+    assert router.cached_tokens(ids) == fleet.cached_tokens(ids) == cached
+    return router, fleet
+
+
+# T = 100, pages of 16: a worker holding 96 tokens computes 1 page, one holding 32 computes 5, an empty one 7
+@pytest.mark.parametrize("policy, cached, load, calls, computed, want", [
+    ("round_robin", [96, 0, 0], [0, 0, 0], [2, 1, 1], [0, 0, 0], 1),        # the 5th request: 4 mod 3
+    ("least_loaded", [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], 0),        # all equal: the lowest index
+    ("least_loaded", [96, 0, 0], [7, 0, 0], [0, 3, 0], [0, 50, 50], 1),     # load, computed tie: lowest index
+    ("least_loaded", [0, 0, 0], [7, 0, 0], [0, 0, 0], [0, 50, 20], 2),      # load tie: fewer tokens computed
+    ("kv_aware", [96, 0, 0], [0, 0, 0], [5, 0, 0], [900, 0, 0], 0),         # the hit: 1 + 0 + 7 against 7 + 0 + 7
+    ("kv_aware", [96, 0, 0], [7, 0, 0], [0, 0, 0], [0, 50, 20], 2),         # 15, 14, 14: fewer tokens computed
+    ("kv_aware", [96, 32, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0], 1),          # 12, 12, 14: the lower load
+])
+def test_both_routers_choose_as_documented(tiny, policy, cached, load, calls, computed, want):
+    ids = random_tokens(random.Random(7), 100, 320)
+    router, fleet = both_routers(tiny, policy, ids, cached, load, calls, computed)
+    assert router.states(ids) == fleet.states(ids)
+    assert router.route(ids) == fleet.route(ids) == choose(policy, router.states(ids)) == want
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_both_routers_make_the_same_choice_for_the_same_states(tiny, policy):
+    """Random states of 3 workers drawn from few values, so that most tie somewhere: the same worker."""
+    rng = random.Random(POLICIES.index(policy))
+    ids = random_tokens(rng, 100, 320)
+    for _ in range(40):
+        draw = [[rng.choice(values) for _ in range(3)] for values in ((0, 32, 96), (0, 4, 7), (0, 1, 2), (0, 50))]
+        router, fleet = both_routers(tiny, policy, ids, *draw)
+        assert router.states(ids) == fleet.states(ids), draw
+        assert router.route(ids) == fleet.route(ids) == choose(policy, fleet.states(ids)), draw
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 8])

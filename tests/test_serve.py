@@ -28,7 +28,7 @@ from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
 from lab.models import load
 from lab.models.load import RANDOM, smollm2_folder
 from lab.models.tokenizer import ByteTokenizer, Tokenizer
-from lab.serve import EngineProcess, IncrementalDetokenizer, RequestIdError
+from lab.serve import EngineClient, EngineProcess, IncrementalDetokenizer, RequestIdError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 NUM_PAGES, PAGE_SIZE = 64, 16                       # 1,024 positions; tiny-llama has 2,048
@@ -352,14 +352,14 @@ def test_a_draining_server_refuses_new_requests(server):
 # ---- the engine in a process of its own ----
 @pytest.fixture(scope="module")
 def remote(tiny):
-    engine = EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1)
-    engine.start()
+    client = EngineClient(EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1))
+    client.start()
     try:
-        with serving(engine) as (port, app):
-            yield port, engine
+        with serving(client) as (port, app):
+            yield port, client
     finally:
-        engine.stop()
-    assert not engine.process.is_alive()
+        client.stop()
+    assert not client.engine.process.is_alive()
 
 
 def wait_idle_remote(engine, timeout=10) -> dict:
@@ -390,7 +390,8 @@ def test_an_engine_process_in_bfloat16_answers_what_a_bfloat16_engine_computes()
     """Regression: `python -m lab.serve` always loaded float32. With --dtype bfloat16 the engine's process
     loads the model in bfloat16 (the server's side reads the same dtype into its config) and answers what
     an engine over `load("tiny-llama", dtype="bfloat16")` computes."""
-    engine = EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1, dtype="bfloat16")
+    engine = EngineClient(EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1,
+                                        dtype="bfloat16"))
     ps = prompts([5, 17, 9], seed=12)
     engine.start()
     try:

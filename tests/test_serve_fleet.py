@@ -26,7 +26,7 @@ from lab.engine import ServingEngine
 from lab.engine.hashing import page_keys
 from lab.fleet import POLICIES
 from lab.models import load
-from lab.serve import EngineProcess, Fleet, cli
+from lab.serve import EngineClient, EngineProcess, Fleet, cli
 from lab.serve.engine_loop import KVEvents
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -41,7 +41,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def fleet():
     """Two engine processes of tiny-llama behind one Fleet, served by uvicorn in a thread: (port, fleet)."""
-    fleet = Fleet([EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1)
+    fleet = Fleet([EngineClient(EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1))
                    for _ in range(2)])
     fleet.start()
     try:
@@ -49,7 +49,7 @@ def fleet():
             yield port, fleet
     finally:
         fleet.stop()
-    assert not any(w.process.is_alive() for w in fleet.workers)
+    assert not any(w.engine.process.is_alive() for w in fleet.workers)
 
 
 @pytest.fixture
@@ -104,6 +104,13 @@ def served_by(fleet, send) -> tuple[int, int]:
     return w, after[w]["cached_tokens"] - before[w]["cached_tokens"]
 
 
+def turn_to(fleet, port, w):
+    """Round robin's turn moved to worker `w`: short requests of their own sent until it is (the k-th request
+    routed goes to worker k mod N), each to another worker than `w`."""
+    while sum(fleet.routed) % len(fleet.workers) != w:
+        complete(port, prompts([5], seed=sum(fleet.routed))[0], 1)
+
+
 # ---- answers ----
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_router_answers_what_one_engine_computes(use, tiny, policy):
@@ -140,34 +147,37 @@ def test_models_health_and_fleet(fleet):
 # ---- where requests go ----
 def test_kv_aware_sends_a_shared_prefix_to_the_worker_that_holds_it(use):
     """The first request is put on worker 1 (round robin's turn); a second sharing its 64-token prefix goes
-    to worker 1 under kv_aware, although idle workers tie to worker 0, and takes the 64 tokens from cache,
-    as the router predicted. Under round robin the next request sharing it goes where the turn says."""
+    to worker 1 under kv_aware and takes the 64 tokens from cache, as the router predicted. Under round robin
+    the next request sharing it goes where the turn says."""
     port, fleet = use("round_robin")
     prefix = prompts([64], seed=21)[0]
     first, second, third = [prefix + p for p in prompts([10, 12, 9], seed=22)]
-    fleet.turn = 1
+    turn_to(fleet, port, 1)
     assert served_by(fleet, lambda: complete(port, first, 4)) == (1, 0)
     fleet.policy = "kv_aware"
     assert fleet.cached_tokens(second) == [0, 64]
     assert served_by(fleet, lambda: complete(port, second, 4)) == (1, 64)
     fleet.policy = "round_robin"
-    fleet.turn = 0
+    turn_to(fleet, port, 0)
     assert served_by(fleet, lambda: complete(port, third, 4)) == (0, 0)    # computed again on worker 0
 
 
 def test_kv_aware_weighs_the_hit_against_the_load(use):
-    """A worker holding the prefix but busy loses to an idle one when the weight is low: Dynamo's cost."""
-    port, fleet = use("kv_aware")
+    """A worker holding the prefix but busy loses to an idle one when the weight is low: Dynamo's cost.
+    Round robin puts the prefix and the busy stream on worker 0, then kv_aware routes."""
+    port, fleet = use("round_robin")
     prefix = prompts([32], seed=31)[0]
     warm, busy, probe = prompts([8, 10, 6], seed=32)
+    turn_to(fleet, port, 0)
     assert served_by(fleet, lambda: complete(port, prefix + warm, 2))[0] == 0
-    conn = open_stream(port, busy, 500)                           # no hit anywhere, idle: to worker 0
+    turn_to(fleet, port, 0)
+    conn = open_stream(port, busy, 500)
+    fleet.policy = "kv_aware"
     try:
-        assert fleet.workers[0].in_flight() == [len(busy)]
-        cached, flying = fleet.cached_tokens(prefix + probe), [w.in_flight() for w in fleet.workers]
-        assert cached == [32, 0]
+        assert fleet.workers[0].in_flight() == [len(busy)] and fleet.workers[1].in_flight() == []
+        assert fleet.cached_tokens(prefix + probe) == [32, 0]
         # T = 38: worker 0 computes 1 page and holds 1; worker 1 computes 3 pages; both add 3
-        assert fleet.costs(prefix + probe, flying) == [1 + 1 + 3, 3 + 0 + 3]
+        assert fleet.costs(prefix + probe) == [1 + 1 + 3, 3 + 0 + 3]
         assert fleet.route(prefix + probe) == 0
         fleet.overlap_weight = 0.0                                # load alone: the idle worker
         assert fleet.route(prefix + probe) == 1
@@ -192,15 +202,18 @@ def test_least_loaded_balances_requests_in_flight(use):
 def test_the_router_knows_the_pages_each_worker_holds_after_evictions(use):
     """Five prompts of 500 tokens, 31 pages named each, overflow a worker's 128 pages (evictions): the
     router's set of named digests has the engine's count of named pages, and for every prompt sent, old and
-    new, the tokens the router predicts cached are the tokens the engine then takes from cache."""
-    port, fleet = use("least_loaded")                             # idle: everything goes to worker 0
+    new, the tokens the router predicts cached are the tokens the engine then takes from cache. Round robin
+    sends each to worker 0 (turn_to: the requests that move the turn go to worker 1)."""
+    port, fleet = use("round_robin")
     ps = prompts([500] * 5, seed=51)
     for p in ps:
+        turn_to(fleet, port, 0)
         complete(port, p, 2)
     snaps = wait_idle(fleet)
     assert snaps[0]["evicted_pages"] > 0
     assert [len(w.named) for w in fleet.workers] == [s["named_pages"] for s in snaps]
     for p in ps[::-1] + [ps[0][:200] + prompts([50], seed=52)[0]]:
+        turn_to(fleet, port, 0)
         predicted = fleet.cached_tokens(p)[0]
         assert served_by(fleet, lambda p=p: complete(port, p, 2)) == (0, predicted)
 
@@ -232,13 +245,13 @@ def test_a_worker_of_another_identity_never_counts_as_a_hit():
 
     def worker(extra, flying=()):
         return SimpleNamespace(name="m", config=None, tokenizer=None, num_pages=64, page_size=PAGE_SIZE,
-                               extra=extra, named=set(mine), in_flight=lambda: list(flying))
+                               engine=SimpleNamespace(extra=extra), named=set(mine), in_flight=lambda: list(flying))
 
     fleet = Fleet([worker(("mine",), flying=[100]), worker(("theirs",)), worker(None)], "kv_aware")
     assert fleet.cached_tokens(ids) == [32, 0, 0]          # at most (40 - 1) // 16 pages: one token is run
     # T = 40: prefill pages ceil((40 - cached) / 16), active pages ceil(100 / 16) = 7, the request's own 3
     assert fleet.costs(ids) == [1 + 7 + 3, 3 + 0 + 3, 3 + 0 + 3]
-    assert fleet.route(ids) == 1                            # ties to the fewest in flight, then the lowest index
+    assert fleet.route(ids) == 1                            # ties: the lower load, fewer computed, lower index
     fleet.overlap_weight = 5.0
     assert fleet.costs(ids) == [5 + 7 + 3, 15 + 0 + 3, 15 + 0 + 3] and fleet.route(ids) == 0
 
@@ -263,8 +276,8 @@ class Built(Exception):
 
 
 def test_one_worker_is_the_single_engine_server_and_more_are_a_fleet(monkeypatch):
-    """--workers 1 (the default) gives the app one EngineProcess, as before the flag; --workers 3 a Fleet
-    of three with the router and weight asked for. Nothing is started."""
+    """--workers 1 (the default) gives the app the EngineClient of one EngineProcess, as before the flag;
+    --workers 3 a Fleet of three with the router and weight asked for. Nothing is started."""
     clients = []
 
     def built(client, **kwargs):
@@ -277,10 +290,10 @@ def test_one_worker_is_the_single_engine_server_and_more_are_a_fleet(monkeypatch
         with pytest.raises(Built):
             cli.main(["--model", "tiny-llama", "--num-pages", "32", *args])
     one, also_one, three = clients
-    assert type(one) is EngineProcess and type(also_one) is EngineProcess
     assert type(three) is Fleet and (three.policy, three.overlap_weight) == ("least_loaded", 2.5)
-    assert len(three.workers) == 3 and all(type(w) is EngineProcess and w.num_pages == 32 for w in three.workers)
-    assert not any(w.process.is_alive() for w in [one, also_one, *three.workers])
+    assert len(three.workers) == 3 and all(w.num_pages == 32 for w in three.workers)
+    for w in [one, also_one, *three.workers]:
+        assert type(w) is EngineClient and type(w.engine) is EngineProcess and not w.engine.process.is_alive()
 
 
 @pytest.mark.slow                                    # 14 s on the 2-core machine: a server and two engines start

@@ -422,8 +422,9 @@ def check_routing_policy(policy, seed=None) -> dict:
     ids: the request's token ids (a copy); workers: one `lab.fleet.WorkerState` per worker, as the router sees it
     when the request arrives: `cached` (tokens of this request the worker would take from its named pages),
     `load` (pages its in-flight requests hold: the last W requests routed count as in flight), `calls` (requests
-    sent to it so far), `computed` (tokens it has run) and `page_size`. The policy is called once per request, in
-    order, for a fleet of 4 workers and then one of 8; one that keeps state of its own must not assume one fleet.
+    sent to it so far), `computed` (tokens it has run), `page_size` and `tokens` (the request's length). The policy
+    is called once per request, in order, for a fleet of 4 workers and then one of 8; one that keeps state of its
+    own must not assume one fleet.
 
     The check draws a trace per fleet from `seed` (`routing_cases`: 400 requests, 32 system prompts of Zipf
     popularity, pages per worker a 1/W share of the trace's distinct pages) and replays it with

@@ -8,7 +8,7 @@
 - app.py: the HTTP app (FastAPI): the endpoints, OpenAI's response shapes, streaming.
 - engine_loop.py: the one loop that steps the engine, run on a thread (EngineThread) or in a process of
   its own (EngineProcess, the default of `python -m lab.serve`, as vLLM runs its engine core).
-- router.py: the server's side of the engine: request id -> the stream its tokens go to.
+- client.py: the server's side of the engine (EngineClient): request id -> the stream its tokens go to.
 - fleet.py: several engine processes behind one router (`--workers N --router kv_aware`, chapter 11):
   round robin, least loaded, or NVIDIA Dynamo's KV-aware cost over the pages each engine reports named.
 - detokenizer.py: a reply's text, token by token, in time linear in its length.
@@ -21,10 +21,10 @@ each choice (`prompt_token_ids`, `token_ids`), as vLLM does.
 
 from .api import MAX_BODY_BYTES, APIError
 from .app import create_app
+from .client import EngineClient, EngineFailed, RequestIdError
 from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineLoop, EngineProcess, EngineThread
 from .fleet import Fleet
-from .router import EngineFailed, RequestIdError, Router
 
-__all__ = ["create_app", "APIError", "MAX_BODY_BYTES", "EngineLoop", "EngineThread", "EngineProcess", "Router",
-           "Fleet", "EngineFailed", "RequestIdError", "IncrementalDetokenizer"]
+__all__ = ["create_app", "APIError", "MAX_BODY_BYTES", "EngineLoop", "EngineThread", "EngineProcess",
+           "EngineClient", "Fleet", "EngineFailed", "RequestIdError", "IncrementalDetokenizer"]

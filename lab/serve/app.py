@@ -25,22 +25,22 @@ from ..cache import OutOfPagesError
 from ..engine import ServingEngine
 from ..models import InputError, PositionLimitError
 from .api import MAX_BODY_BYTES, APIError, ChatRequest, CompletionRequest, parse, read_body, server_error
+from .client import EngineClient, EngineFailed
 from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineThread
 from .fleet import Fleet
-from .router import EngineFailed, Router
 
 # ---- the app ----
 
 
-def create_app(engine: "ServingEngine | Router | Fleet", name: str | None = None, eos_id: int | None = None,
+def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None = None, eos_id: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops
     at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. A ServingEngine
-    is stepped by an EngineThread that starts and stops with the app (its lifespan); an EngineThread,
-    EngineProcess or Fleet given instead is started by the caller, and the app's shutdown stops it.
+    is stepped by an EngineThread that starts and stops with the app (its lifespan); an EngineClient or a
+    Fleet given instead is started by the caller, and the app's shutdown stops it.
     `app.state.draining = True` refuses new requests (503)."""
-    client = EngineThread(engine) if isinstance(engine, ServingEngine) else engine
+    client = EngineClient(EngineThread(engine)) if isinstance(engine, ServingEngine) else engine
     config, tok = client.config, client.tokenizer
     name = name or client.name
     if eos_id is None:                                # SmolLM2's <|im_end|>; the random models have none

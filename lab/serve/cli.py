@@ -31,6 +31,7 @@ from ..models import load
 from ..models.config import DTYPES
 from .api import MAX_BODY_BYTES
 from .app import create_app
+from .client import EngineClient
 from .engine_loop import EngineProcess, EngineThread
 from .fleet import Fleet
 
@@ -90,7 +91,7 @@ def main(argv=None):
     p.add_argument("--workers", type=workers_arg, default=1, help="engines, each in a process of its own, "
                    "behind one router (default 1: one engine, without a router)")
     p.add_argument("--router", default="round_robin", choices=POLICIES, help="which worker takes a request, "
-                   "with --workers above 1 (default round_robin; least_loaded: fewest requests in flight; "
+                   "with --workers above 1 (default round_robin; least_loaded: fewest pages in flight; "
                    "kv_aware: NVIDIA Dynamo's cost, prefill pages not cached against pages in use)")
     p.add_argument("--router-overlap-weight", type=weight_arg, default=1.0, help="kv_aware's weight on the "
                    "pages to prefill (default 1.0, Dynamo's: higher favours cache hits, lower even load)")
@@ -102,12 +103,12 @@ def main(argv=None):
     if args.one_process:
         if args.threads:
             torch.set_num_threads(args.threads)
-        client = EngineThread(ServingEngine(load(args.model, args.dtype), *engine_args,
-                                            prefix_caching=not args.no_prefix_caching))
+        client = EngineClient(EngineThread(ServingEngine(load(args.model, args.dtype), *engine_args,
+                                                         prefix_caching=not args.no_prefix_caching)))
     else:
         torch.set_num_threads(1)       # this process parses and detokenizes; the engines' have the threads
-        workers = [EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
-                                 threads=args.threads, dtype=args.dtype) for _ in range(args.workers)]
+        workers = [EngineClient(EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
+                                              threads=args.threads, dtype=args.dtype)) for _ in range(args.workers)]
         client = workers[0] if args.workers == 1 else Fleet(workers, args.router, args.router_overlap_weight)
     app = create_app(client, max_body_bytes=args.max_body_bytes)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
@@ -139,7 +140,7 @@ def main(argv=None):
     raise SystemExit(0 if server.started and not died else 1)
 
 
-def serve_beside(server, client: EngineThread):
+def serve_beside(server, client: EngineClient):
     """HTTP from a second thread, the engine stepped in the main thread: torch ran the engine's steps about
     1.3 times slower from a second thread on the book's 2-core machine (chapter 8). Both share one
     interpreter lock."""
@@ -151,5 +152,5 @@ def serve_beside(server, client: EngineThread):
 
     http = threading.Thread(target=serve_http, name="http", daemon=True)
     http.start()
-    client.run()                       # the engine steps here until the server stops
+    client.engine.run()                # the engine steps here until the server stops
     http.join()

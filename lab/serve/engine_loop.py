@@ -9,14 +9,15 @@ side knows which prefixes the engine holds (lab/serve/fleet.py routes on them). 
 difference between the two modes:
 
 - `EngineThread`: the loop on a thread of this process; messages go through a queue, answers are handed
-  to the Router directly. Server and engine then share one interpreter lock.
+  to `deliver` directly. Server and engine then share one interpreter lock.
 - `EngineProcess`: the loop in a process of its own, as vLLM runs its engine core apart from its API
-  server; messages and answers go through a pipe, and a reader thread hands the answers to the Router.
+  server; messages and answers go through a pipe, and a reader thread hands the answers to `deliver`.
   Only the tokenizer and the config are loaded on the server's side; the engine's process loads the model.
 
-Both are a `Router` (lab/serve/router.py) with `start`/`stop`, and describe the engine to the HTTP app
-(`name`, `config`, `tokenizer`, `num_pages`, `page_size`) and to a fleet's router (`extra`: what the
-engine's page names chain from, None without prefix caching).
+Both are the server's end of the loop, wrapped by an `EngineClient` (lab/serve/client.py), which sends
+through their `send` and is their `deliver`. They `start` and `stop` the loop, and describe the engine to
+the HTTP app (`name`, `config`, `tokenizer`, `num_pages`, `page_size`) and to a fleet's router (`extra`:
+what the engine's page names chain from, None without prefix caching).
 """
 
 import contextlib
@@ -32,7 +33,6 @@ from ..cache import BlockManager
 from ..engine import ServingEngine
 from ..models import load
 from ..models.load import load_config
-from .router import EngineFailed, Router
 
 # ---- the loop ----
 
@@ -133,7 +133,7 @@ def finished_tokens(engine: ServingEngine, new: dict) -> list:
 
 
 class QueueTransport:
-    """The loop's side in a thread: messages from a queue, answers straight to `deliver` (the Router)."""
+    """The loop's side in a thread: messages from a queue, answers straight to `deliver` (the EngineClient's)."""
 
     def __init__(self, deliver):
         self.inbox, self.deliver = queue.SimpleQueue(), deliver
@@ -172,13 +172,13 @@ class PipeTransport:
 # ---- the two modes ----
 
 
-class EngineThread(Router):
+class EngineThread:
     """The loop on a thread of this process. `start` runs it on a thread of its own (an app served inside
     another program: the tests); `python -m lab.serve --one-process` calls `run` in its main thread."""
 
     def __init__(self, engine: ServingEngine):
-        transport = QueueTransport(self.receive)
-        super().__init__(transport.inbox.put)
+        transport = QueueTransport(lambda message: self.deliver(message))
+        self.send, self.deliver = transport.inbox.put, None       # deliver: the EngineClient's, once it wraps this
         self.engine, self.loop, self.thread = engine, EngineLoop(engine, transport), None
         self.name, self.config, self.tokenizer = engine.model.name, engine.model.config, engine.model.tokenizer
         self.num_pages, self.page_size, self.extra = engine.num_pages, engine.page_size, engine.extra
@@ -197,13 +197,13 @@ class EngineThread(Router):
             self.thread.join()
 
 
-class EngineProcess(Router):
+class EngineProcess:
     """The loop in a process of its own, over the model `load(model, dtype)` returns (a name or a folder).
 
     The server's side loads only the tokenizer and the config (`load_config`); `extra` (the identity its
     page names chain from) comes from the engine's process once it is ready. The engine's process ending
-    unexpectedly fails every request in flight, and `alive` turns False for good; `on_exit(why)`, if set,
-    is then called from the reader thread (`python -m lab.serve` stops the server with it).
+    unexpectedly is delivered as ("exited", why), from the reader thread: its EngineClient fails every
+    request in flight and refuses every later one.
     """
 
     def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
@@ -213,13 +213,12 @@ class EngineProcess(Router):
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
         self.conn, child = ctx.Pipe()
         self.send_lock = threading.Lock()               # one message at a time into the pipe, whichever thread
-        super().__init__(self._send)
         engine_args = dict(num_pages=num_pages, page_size=page_size, max_batch_tokens=max_batch_tokens,
                            prefix_caching=prefix_caching)
         self.process = ctx.Process(target=engine_process, args=(child, model, engine_args, threads, self.config.dtype),
                                    name="lab-engine", daemon=True)
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-        self.on_exit, self.extra = None, None
+        self.extra, self.deliver = None, None           # deliver: the EngineClient's, once it wraps this
 
     def start(self, timeout_s: float = 600):
         """Start the engine's process and wait until its model is loaded; RuntimeError if it fails to."""
@@ -258,31 +257,27 @@ class EngineProcess(Router):
         if self.process.pid is None:
             return
         with contextlib.suppress(OSError):
-            self._send(("stop",))
+            self.send(("stop",))
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
         if self.reader.ident is not None:               # started: the process was ready
             self.reader.join(5)
 
-    def _send(self, message):
+    def send(self, message):
         with self.send_lock:
             self.conn.send(message)
 
     def _read(self):
-        """This process's side of the pipe: every answer to the Router, until the engine ends."""
+        """This process's side of the pipe: every answer to `deliver`, until the engine ends."""
         while True:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):                  # the engine's process ended without a word
                 self.process.join(5)
-                why = f"the engine's process ended (exit code {self.process.exitcode})"
-                self.fail(EngineFailed(why), final=True)
-                if self.on_exit is not None:
-                    self.on_exit(why)
-                return
-            self.receive(message)
-            if message[0] == "stopped":
+                message = ("exited", f"the engine's process ended (exit code {self.process.exitcode})")
+            self.deliver(message)
+            if message[0] in ("stopped", "exited"):
                 return
 
 

@@ -1,28 +1,26 @@
 """Several engines behind one server: `python -m lab.serve --workers N --router kv_aware` (chapter 11, served).
 
-`Fleet` stands where one EngineProcess stood in front of the HTTP app, and has its face (`add`, `cancel`,
-`alive`, `start`, `stop`, the model's `name`, `config`, `tokenizer`): each request goes to one of N
-workers, each a ServingEngine in a process of its own, chosen before the request is sent. The policies are
-lab.fleet's, over live workers:
+`Fleet` stands where one engine's EngineClient stood in front of the HTTP app, and has its face (`add`,
+`cancel`, `alive`, `start`, `stop`, the model's `name`, `config`, `tokenizer`): each request goes to one of
+N workers, each a ServingEngine in a process of its own, chosen before it is sent by `lab.fleet.choose`
+(as the chapter's in-process Router chooses) from a WorkerState per worker: the request's tokens it holds
+named (`cached_w`), its load, the requests routed to it, and their prompt tokens it held no page of.
 
-- "round_robin": the next worker in turn.
-- "least_loaded": the fewest requests in flight (sent, not yet finished, cancelled or failed), ties to the
-  lowest index.
-- "kv_aware": NVIDIA Dynamo's KV router cost, as lab.fleet computes it. For a request of T tokens, with
+- "round_robin": the next worker in turn (the k-th request routed goes to worker k mod N).
+- "least_loaded": the lowest load: the pages of its requests in flight (sent, not yet finished, cancelled
+  or failed), ceil(T_r / page_size) for a prompt of T_r tokens (lab.fleet counts the same).
+- "kv_aware": NVIDIA Dynamo's KV router cost (lab.fleet's `kv_cost`), for a request of T tokens with
   `cached_w` of them in pages worker w holds named:
 
-      prefill_blocks_w = ceil((T - cached_w) / page_size)
-      decode_blocks_w  = active blocks on w + ceil(T / page_size)
-      cost_w           = overlap_weight * prefill_blocks_w + decode_blocks_w
+      cost_w = overlap_weight * ceil((T - cached_w) / page_size) + load_w + ceil(T / page_size)
 
-  lowest cost wins, ties to the fewest requests in flight, then the lowest index. A request in flight
-  counts ceil(T_r / page_size) active blocks, its prompt's pages (lab.fleet counts the same).
+Ties: the lower load, then the fewer prompt tokens computed, then the lowest index.
 
 `cached_w` is exact, not guessed: every step's message from a worker's engine loop carries its KV events,
 the digests of the pages it named and evicted (lab/serve/engine_loop.py `KVEvents`, Dynamo's BlockStored
-and BlockRemoved), and each worker's Router keeps the set they add up to. The router names the request's
-pages as the engine will, `page_keys` chained from the identity the worker reported when it started (its
-`extra`: model, tokenizer, dtypes, cache kind), and counts the leading ones in that set, at most
+and BlockRemoved), and each worker's EngineClient keeps the set they add up to. The router names the
+request's pages as the engine will, `page_keys` chained from the identity the worker reported when it
+started (its `extra`: model, tokenizer, dtypes, cache kind), and counts the leading ones in that set, at most
 (T - 1) // page_size of them (one token is always computed). A worker whose identity differs names every
 page otherwise, so its pages never count as hits for another's keys. The alternative, remembering the
 chains routed to each worker (SGLang's approximate tree), guesses wrong after evictions and preemptions;
@@ -37,13 +35,13 @@ stops and exits 1 for its supervisor to restart it, as with one engine (lab/serv
 import math
 
 from ..engine.hashing import page_keys
-from ..fleet import POLICIES, kv_cost
-from .router import RequestIdError
+from ..fleet import POLICIES, WorkerState, choose, kv_cost
+from .client import RequestIdError
 
 
 class Fleet:
-    """`workers`, EngineProcesses of one model, behind one router of `policy` (a weight of `overlap_weight`
-    for kv_aware). A request's id is worker w's id r as r * len(workers) + w."""
+    """`workers`, EngineClients of EngineProcesses of one model, behind one router of `policy` (a weight of
+    `overlap_weight` for kv_aware). A request's id is worker w's id r as r * len(workers) + w."""
 
     def __init__(self, workers: list, policy: str = "round_robin", overlap_weight: float = 1.0):
         if not isinstance(workers, list) or not workers:
@@ -57,8 +55,8 @@ class Fleet:
         first = workers[0]
         self.name, self.config, self.tokenizer = first.name, first.config, first.tokenizer
         self.num_pages, self.page_size = first.num_pages, first.page_size
-        self.turn = 0                                   # round_robin: the next worker
-        self.routed = [0] * len(workers)                # requests each worker took
+        self.routed = [0] * len(workers)                # requests routed to each worker
+        self.computed = [0] * len(workers)              # their prompt tokens it held no named page of, when routed
         self.on_exit = None
 
     # ---- the face of one engine ----
@@ -76,9 +74,9 @@ class Fleet:
         try:
             for i, w in enumerate(self.workers):
                 w.on_exit = lambda why, i=i: self._exited(i, why)
-                w.launch()
+                w.engine.launch()
             for w in self.workers:
-                w.wait_ready(timeout_s)
+                w.engine.wait_ready(timeout_s)
         except Exception:
             self.stop()
             raise
@@ -92,10 +90,12 @@ class Fleet:
             self.on_exit(f"worker {i}: {why}")
 
     async def add(self, ids, max_new_tokens: int, eos_id: int | None):
-        """Route, then queue the request on that worker: (fleet id, its tokens' queue), as Router.add."""
-        w = self.route(ids)
+        """Route, then queue the request on that worker: (fleet id, its tokens' queue), as EngineClient.add."""
+        states = self.states(ids)
+        w = choose(self.policy, states, self.overlap_weight)
+        self.routed[w] += 1                             # before the await: the next request routed sees them
+        self.computed[w] += len(ids) - states[w].cached
         rid, tokens = await self.workers[w].add(ids, max_new_tokens, eos_id)
-        self.routed[w] += 1
         return rid * len(self.workers) + w, tokens
 
     def cancel(self, rid: int):
@@ -106,37 +106,31 @@ class Fleet:
 
     # ---- routing ----
     def route(self, ids) -> int:
-        """The worker `policy` sends `ids` to now; round_robin's turn moves on."""
-        n = len(self.workers)
-        if self.policy == "round_robin":
-            self.turn += 1
-            return (self.turn - 1) % n
-        requests = [w.in_flight() for w in self.workers]
-        if self.policy == "least_loaded":
-            return min(range(n), key=lambda w: (len(requests[w]), w))
-        cost = self.costs(ids, requests)
-        return min(range(n), key=lambda w: (cost[w], len(requests[w]), w))
+        """The worker `policy` sends `ids` to now (lab.fleet.choose). Changes nothing."""
+        return choose(self.policy, self.states(ids), self.overlap_weight)
 
-    def costs(self, ids, requests=None) -> list[float]:
-        """kv_aware's cost of each worker for `ids` (module docstring); `requests`: each worker's in_flight()."""
-        requests = [w.in_flight() for w in self.workers] if requests is None else requests
-        T, out = len(ids), []
-        for w, c, flying in zip(self.workers, self.cached_tokens(ids), requests, strict=True):
-            active = sum(-(-t // w.page_size) for t in flying)
-            out.append(kv_cost(T, c, active, w.page_size, self.overlap_weight))
-        return out
+    def states(self, ids) -> list[WorkerState]:
+        """Per worker, what `choose` reads for `ids` now."""
+        cached = self.cached_tokens(ids)
+        return [WorkerState(cached[i], sum(-(-t // w.page_size) for t in w.in_flight()), self.routed[i],
+                            self.computed[i], w.page_size, len(ids)) for i, w in enumerate(self.workers)]
+
+    def costs(self, ids) -> list[float]:
+        """kv_aware's cost of each worker for `ids` (module docstring)."""
+        return [kv_cost(s.tokens, s.cached, s.load, s.page_size, self.overlap_weight) for s in self.states(ids)]
 
     def cached_tokens(self, ids) -> list[int]:
         """Per worker, the leading tokens of `ids` its engine would take from its named pages now."""
         keys_of, out = {}, []
         for w in self.workers:
-            if w.extra is None:                          # no prefix caching: nothing is ever named
+            extra = w.engine.extra
+            if extra is None:                            # no prefix caching: nothing is ever named
                 out.append(0)
                 continue
             P = w.page_size
-            group = (P, w.extra)
+            group = (P, extra)
             if group not in keys_of:                     # workers of one identity name pages alike
-                keys_of[group] = [d for d, _, _ in page_keys(list(ids[:P * ((len(ids) - 1) // P)]), P, w.extra)]
+                keys_of[group] = [d for d, _, _ in page_keys(list(ids[:P * ((len(ids) - 1) // P)]), P, extra)]
             n = 0
             for digest in keys_of[group]:
                 if digest not in w.named:

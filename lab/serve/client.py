@@ -1,11 +1,11 @@
 """The server's side of the engine: which request each message from the engine's loop belongs to.
 
-`Router` sends requests to the loop (`send`, the transport's way in) and hands what comes back to the
-asyncio queue of the request it belongs to: admissions, every step's tokens, failures. It is the one
-place that knows request id -> stream, and the one place that fails them all when the engine fails or
-its process ends. It also keeps what a router in front of several engines reads (lab/serve/fleet.py): the
-prompt sizes of the requests in flight, and the digests of the pages the engine holds named, from the KV
-events each step's message carries.
+`EngineClient` sends requests through an EngineThread or EngineProcess (lab/serve/engine_loop.py), which
+hands it every answer of the loop, and puts each on the asyncio queue of the request it belongs to:
+admissions, every step's tokens, failures. It is the one place that knows request id -> stream, and the
+one place that fails them all when the engine fails or its process ends. It also keeps what a router in
+front of several engines reads (lab/serve/fleet.py): the prompt sizes of the requests in flight, and the
+digests of the pages the engine holds named, from the KV events each step's message carries.
 """
 
 import asyncio
@@ -22,23 +22,26 @@ class RequestIdError(TypeError):
     """A request id that is not an int (True and 2.0 are not the ids 1 and 2)."""
 
 
-class Router:
+class EngineClient:
     """Requests in, (token, finish_reason) pairs out, each to its request's asyncio.Queue.
 
-    `send(message)` puts a message on the way to the engine's loop; `receive(message)` is called with each
-    of the loop's answers, from whichever thread reads them. `alive` turns False for good once the engine
-    failed or ended; why is in `failure`.
+    `engine`, an EngineThread or EngineProcess, runs the loop (`start`, `stop`) and describes it. `alive` turns
+    False for good once the engine failed or ended; why is in `failure`. `on_exit(why)`, if set, is called
+    when the engine's process ends unexpectedly (`python -m lab.serve` stops the server with it).
     """
 
-    def __init__(self, send):
-        self.send = send
+    def __init__(self, engine):
+        self.engine, self.send, engine.deliver = engine, engine.send, self.receive
+        self.name, self.config, self.tokenizer = engine.name, engine.config, engine.tokenizer
+        self.num_pages, self.page_size = engine.num_pages, engine.page_size
+        self.start, self.stop = engine.start, engine.stop
         self.keys = itertools.count()
         self.pending = {}                   # key -> (event loop, admitted future, tokens queue, prompt tokens)
         self.streams = {}                   # request id -> (event loop, tokens queue, prompt tokens)
         self.named = set()                  # digests of the pages the engine holds named (its KV events)
         self.replies = queue.SimpleQueue()  # answers to `snapshot`
         self.lock = threading.Lock()        # pending and streams: the event loop's thread and the reader's
-        self.failure = None                 # an EngineFailed, once the engine can take nothing more
+        self.failure, self.on_exit = None, None   # an EngineFailed, once the engine can take nothing more
 
     @property
     def alive(self) -> bool:
@@ -77,9 +80,10 @@ class Router:
 
     def receive(self, message: tuple):
         """One message from the engine's loop: ("admitted", key, rid, error), ("tokens", [(rid, token,
-        finish_reason), ...], kv_events), ("snapshot", dict), ("failed", why) or ("stopped",). kv_events:
-        ("stored" or "removed", digest) for each page the step named or evicted, in order; applied before
-        the tokens are handed on, so a client that has its answer finds its pages counted."""
+        finish_reason), ...], kv_events), ("snapshot", dict), ("failed", why), ("stopped",), or ("exited",
+        why) from an EngineProcess whose process ended without a word. kv_events: ("stored" or "removed",
+        digest) for each page the step named or evicted, in order; applied before the tokens are handed on,
+        so a client that has its answer finds its pages counted."""
         kind, *args = message
         if kind == "admitted":
             key, rid, error = args
@@ -109,6 +113,10 @@ class Router:
             self.fail(EngineFailed(args[0]))
         elif kind == "stopped":
             self.fail(EngineFailed("the server stopped"), final=True)
+        elif kind == "exited":
+            self.fail(EngineFailed(args[0]), final=True)
+            if self.on_exit is not None:
+                self.on_exit(args[0])
 
     def fail(self, error: EngineFailed, final: bool = False):
         """Hand `error` to every request waiting for an id or tokens; with `final`, refuse every later one."""
@@ -123,11 +131,11 @@ class Router:
             loop.call_soon_threadsafe(tokens.put_nowait, error)
 
 
-def settle(router: Router, admitted: asyncio.Future, rid, error):
+def settle(client: EngineClient, admitted: asyncio.Future, rid, error):
     """On the event loop: answer the handler waiting in `add`, or cancel if it stopped waiting."""
     if admitted.cancelled():                              # the client left before its request was in
         if rid is not None:
-            router.cancel(rid)
+            client.cancel(rid)
     elif error is not None:
         admitted.set_exception(error)
     else:
