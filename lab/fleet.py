@@ -164,12 +164,7 @@ class Router:
             group = (id(e.model), type(e.pool), str(e.pool.dtype), P)
             if group not in keys_of:
                 keys_of[group] = e.page_keys(ids[: P * ((len(ids) - 1) // P)], salt)  # pages it may take
-            manager, n = e.pool.manager, 0
-            for key in keys_of[group]:
-                if manager.cached(key) is None:
-                    break
-                n += 1
-            out.append(n * P)
+            out.append(e.pool.manager.cached_prefix(keys_of[group]))
         return out
 
     def states(self, ids, salt=None) -> list[WorkerState]:

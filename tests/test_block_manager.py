@@ -679,3 +679,22 @@ def test_many_sequences_start_grow_and_cancel(page_size):
     print(f"page_size {page_size}: {ids} requests, pool exhausted {exhausted} times, {cancelled} cancelled")
     assert exhausted > 0 and cancelled > 0                # the pool really ran out
     sim.release_all()                                     # every page back: 256 free, each once
+
+
+def test_cached_prefix_counts_the_positions_reserve_prefix_would_take():
+    """cached_prefix(keys) looks and changes nothing: the same positions reserve_prefix then takes, up to the
+    first miss (a key named for other tokens is a miss)."""
+    from lab.engine.hashing import page_keys
+
+    m = BlockManager(8, 4)
+    ids = list(range(1, 13))                                   # 3 full pages
+    keys = page_keys(ids, 4)
+    m.reserve(0, 12)
+    for i, key in enumerate(keys[:2]):
+        m.register(0, i, *key)
+    free_before = m.num_free
+    assert m.cached_prefix(keys) == 8 and m.num_free == free_before and 1 not in m
+    other = page_keys([1, 2, 3, 4, 9, 9, 9, 9], 4)
+    assert m.cached_prefix(other) == 4                         # the second page differs: a miss there
+    assert m.cached_prefix([(keys[0][0], keys[0][1], (7, 7, 7, 7))]) == 0   # named for other tokens
+    assert m.reserve_prefix(1, keys) * 4 == 8

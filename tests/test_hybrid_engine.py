@@ -347,3 +347,23 @@ def test_a_model_without_local_layers_keeps_its_paged_cache(base):
         out = engine.generate(prompts((9, 14)), 4)
         assert out == [uncached(base, p, 4) for p in prompts((9, 14))]
         assert engine.stats["held_pages"] == {"full": 0} and engine.stats["peak_held_pages"]["full"] > 0
+
+
+def test_longest_prefix_first_runs_on_a_hybrid_pool(models):
+    """schedule="lpm" ranks waiting requests by manager.cached_prefix (it asked the hybrid manager for a
+    method it lacked, AttributeError): the request whose prefix the pool holds goes first, and every request
+    still gets its greedy tokens."""
+    model = models["w8s2"]
+    stem = [(5 * i + 3) % 250 + 1 for i in range(24)]
+    engine = ServingEngine(model, num_pages=64, page_size=4, schedule="lpm")
+    engine.generate([stem + [7]], 2)                                   # names stem's pages
+    a, b = [9, 8, 7, 6, 5, 4, 3, 2, 1] * 2, stem + [11, 12]
+    ids = [engine.add_request(p, NEW) for p in (a, b)]
+    assert [engine.cached_prefix(engine.requests[i]) for i in ids] == [0, 24]
+    assert engine.next_to_admit().id == ids[1]
+    while engine.running or engine.waiting:
+        engine.step()
+    for p, i in zip((a, b), ids, strict=True):
+        if not near_tie(model, p, NEW):
+            assert engine.output(i) == uncached(model, p)
+    check_idle(engine)

@@ -251,18 +251,28 @@ class BlockManager:
         if self._new_or_live(seq):
             raise CacheStateError(f"reserve_prefix({seq!r}): the sequence exists; "
                                   "a prefix starts a new one")
-        pages = []
-        for key in keys:
-            page = self.cached(key)
-            if page is None:
-                break
-            pages.append(page)
+        pages = self._hits(keys)
         for page in pages:
             if self._refs[page] == 0:
                 del self._free[page]          # cached but free: now owned again, O(1)
             self._refs[page] += 1
         self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
         return len(pages)
+
+    def cached_prefix(self, keys) -> int:
+        """Positions a new sequence would take from the cache now for `keys` (reserve_prefix's), changing
+        nothing: what a scheduler or a router ranks by."""
+        return len(self._hits(keys)) * self.page_size
+
+    def _hits(self, keys) -> list[int]:
+        """The pages named by the leading keys, up to the first miss."""
+        pages = []
+        for key in keys:
+            page = self.cached(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
     def cached(self, key) -> int | None:
         """The page named by `key`, (digest, parent, tokens), owned or free; None for a miss or a

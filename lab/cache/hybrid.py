@@ -204,16 +204,26 @@ class HybridBlockManager:
         per full page, as BlockManager.reserve_prefix takes): h pages such that every group holds what the
         query at position h * page_size reads, a full group pages 0..h-1, a local group the pages of its
         window and its sinks (NULL entries before the window). Returns h, in pages."""
+        h, found = self._hit(keys)
+        for group, bm in self._bms.items():         # the first adopt refuses a bad id, changing nothing
+            reads = set(self._reads(group, h))
+            bm.adopt(seq, [found[group][i] if i in reads else NULL for i in range(h)])
+        return h
+
+    def cached_prefix(self, keys) -> int:
+        """Positions a new sequence would take from the cache now for `keys` (reserve_prefix's), changing
+        nothing."""
+        return self._hit(keys)[0] * self.page_size
+
+    def _hit(self, keys) -> tuple[int, dict]:
+        """(h, group -> the page named by each key or None): h as reserve_prefix takes it."""
         keys = list(keys)
         found = {group: [bm.cached(key) for key in keys] for group, bm in self._bms.items()}  # page or None
         local = [group for group in found if self.rule(group)[0]]
         h = min([(found[group] + [None]).index(None) for group in found if group not in local], default=len(keys))
         while any(found[group][i] is None for group in local for i in self._reads(group, h)):
             h -= 1                                  # a local group evicted part of that window: try shorter
-        for group, bm in self._bms.items():         # the first adopt refuses a bad id, changing nothing
-            reads = set(self._reads(group, h))
-            bm.adopt(seq, [found[group][i] if i in reads else NULL for i in range(h)])
-        return h
+        return h, found
 
     # ---- checking ----
     def check(self):

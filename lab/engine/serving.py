@@ -383,12 +383,7 @@ class ServingEngine:
         """Positions of `req` its admission would take from the cache now (changes nothing)."""
         if self.radix:
             return self.manager.cached_prefix(req.tokens[:req.num_tokens - 1], self.extra)
-        n = 0
-        for key in self._page_keys(req, (req.num_tokens - 1) // self.page_size):
-            if self.manager.cached(key) is None:
-                break
-            n += self.page_size
-        return n
+        return self.manager.cached_prefix(self._page_keys(req, (req.num_tokens - 1) // self.page_size))
 
     def _admit(self, req, budget, now) -> int:
         """Give a waiting request its cached prefix and its first chunk; the chunk's tokens, or 0 (nothing

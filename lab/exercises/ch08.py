@@ -138,12 +138,8 @@ def cached_prefix(engine, req) -> int:
     with the same start named), at most all but its last token. Looks, changes nothing."""
     if not engine.prefix_caching:
         return 0
-    P, n = engine.page_size, 0
-    for key in engine._page_keys(req, (req.num_tokens - 1) // P):    # (digest, parent, tokens) per full page
-        if engine.manager.cached(key) is None:           # not named, or named for other tokens (a collision)
-            break
-        n += P
-    return n
+    keys = engine._page_keys(req, (req.num_tokens - 1) // engine.page_size)   # (digest, parent, tokens) a page
+    return engine.manager.cached_prefix(keys)            # a key named for other tokens (a collision) is a miss
 
 
 def _work_left(engine, req) -> int:
