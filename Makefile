@@ -67,6 +67,7 @@ test-all: test test-slow test-peers
 # chapter 3 measures both settings), into "notebooks".
 results: setup vllm peers
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments
+	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.steps
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
 	$(PY) -m lab.book.readme

@@ -224,3 +224,21 @@ def test_ch08_values_hold_only_the_parts_measured_so_far(tiny):
     v = grows_by_parts(ch08.values, m, [("timeline",), ("batching",), ("chunked",), ("preemption", "prefix"),
                                         ("profile",), ("step_costs",), ("http",)])
     assert v["http"]["lab"]["value"] == "NOT_RUN"
+
+
+@pytest.mark.slow  # over 8 s (SmolLM2's weights, three engines): `make test-slow`
+def test_the_steps_experiment_in_quick_mode(tmp_path, monkeypatch):
+    """lab.experiments.steps measures every engine shape beside the plain one and writes section `steps`:
+    the hybrid engine reads fewer bytes than the plain one, the radix engines as many (the same positions)."""
+    from lab import results
+    from lab.experiments import steps
+
+    monkeypatch.setenv("LAB_RESULTS", str(tmp_path / "results.json"))
+    m = steps.measure(quick_mode=True)
+    steps.record(m)
+    v = results.read(tmp_path / "results.json")["sections"]["steps"]["values"]
+    h = v["hybrid_256"]
+    assert h["hybrid"]["read_mib"]["value"] < h["plain"]["read_mib"]["value"]
+    r = v["radix"]
+    assert r["pages_16"]["read_mib"]["value"] == r["plain"]["read_mib"]["value"] == r["pages_1"]["read_mib"]["value"]
+    assert r["plain"]["over_plain"]["value"] == 1.0 and h["hybrid"]["over_plain"]["n"] == 3

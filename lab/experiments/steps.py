@@ -1,0 +1,81 @@
+"""`LAB_FULL=1 python -m lab.experiments.steps`: one decode step of every engine shape beside the plain one,
+at the same batch and positions (section `steps`, cited by chapters 10 and 11). Quick mode by default.
+
+The engines ride one planned step and one decode kernel, so a shape should cost what it reads:
+- the hybrid engine (chapter 10: one global layer in six, window 1,024, pages of 16) at 4,096 and 8,120
+  positions: its local layers read their window and sinks only, in place;
+- the radix engine (chapter 11) at 1,000 positions, pages of 16 (the tree's tokens whole pages) and of one
+  position (a prefix to the token: block tables 16 times as wide).
+
+The model: SmolLM2's heads and widths with 6 of its 30 layers, random token ids (a step's time does not
+depend on the text). Fewer layers leave the per-layer ratio of attention to weights as it is, and make the
+per-step work outside the layers (planning, sampling) a larger share: a harsher test of the engines' own
+bookkeeping, in a fifth of the time. 16 sequences, each engine's steps interleaved round by round
+(`lab.step_cost.engine_steps`); ratios are per round, medians with their quartiles.
+"""
+
+import dataclasses
+import random
+import time
+
+import torch
+
+from ..engine import ServingEngine
+from ..models import load
+from ..models.retrofit import local_layers
+from ..results import provenance, quick, value, write_section
+from ..step_cost import engine_steps
+
+FULL = dict(batch=16, layers=6, window=1024, hybrid=(4096, 8120), radix=1000, rounds=9)
+QUICK = dict(batch=4, layers=6, window=64, hybrid=(256,), radix=128, rounds=3)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def measure(quick_mode=None) -> dict:
+    s = QUICK if (quick() if quick_mode is None else quick_mode) else FULL
+    base = load("smollm2")
+    model = dataclasses.replace(base, config=dataclasses.replace(base.config, n_layers=s["layers"]))
+    hybrid = local_layers(model, window=s["window"], global_every=6)
+    B, V = s["batch"], model.config.vocab_size
+    out = dict(settings=s, manifest=base.manifest, threads=torch.get_num_threads())
+    for T in s["hybrid"]:
+        pages = B * (T // 16 + 8)
+        engines = dict(plain=ServingEngine(model, pages, 16, 2048, prefix_caching=False),
+                       hybrid=ServingEngine(hybrid, pages, 16, 2048, prefix_caching=False))
+        out[f"hybrid_{T}"] = engine_steps(engines, prompts(B, T, V, T), rounds=s["rounds"])
+    T, pages = s["radix"], B * (s["radix"] // 16 + 8)
+    engines = dict(plain=ServingEngine(model, pages, 16, 2048), radix=ServingEngine(model, pages, 16, 2048,
+                   prefix_caching="radix"), radix_1=ServingEngine(model, pages * 16, 1, 2048, prefix_caching="radix"))
+    out["radix"] = engine_steps(engines, prompts(B, T, V, T), rounds=s["rounds"])
+    return out
+
+
+def values(m: dict) -> dict:
+    def side(r, name):
+        ratio = r[name]["over_base"]
+        return dict(ms=value(r[name]["step_s"] * 1e3, "ms"), read_mib=value(r[name]["kv_read_bytes"] / 2**20, "MiB"),
+                    over_plain=value(ratio["median"], "x", q1=ratio["q1"], q3=ratio["q3"], n=ratio["n"]))
+
+    s, v = m["settings"], {}
+    for T in s["hybrid"]:
+        r = m[f"hybrid_{T}"]
+        v[f"hybrid_{T}"] = dict(plain=side(r, "plain"), hybrid=side(r, "hybrid"))
+    r = m["radix"]
+    v["radix"] = dict(plain=side(r, "plain"), pages_16=side(r, "radix"), pages_1=side(r, "radix_1"))
+    v["settings"] = dict(sequences=value(s["batch"], "sequences"), layers=value(s["layers"], "layers"),
+                         window=value(s["window"], "positions"), radix_positions=value(s["radix"], "positions"))
+    return v
+
+
+def record(m: dict):
+    write_section("steps", values(m), provenance(manifest=m["manifest"], threads=m["threads"]))
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    record(measure())
+    print(f"steps: done in {time.perf_counter() - t0:.0f} s")
