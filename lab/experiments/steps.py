@@ -2,8 +2,8 @@
 at the same batch and positions (section `steps`, cited by chapters 10 and 11). Quick mode by default.
 
 The engines ride one planned step and one decode kernel, so a shape should cost what it reads:
-- the hybrid engine (chapter 10: one global layer in six, window 1,024, pages of 16) at 4,096 and 8,120
-  positions: its local layers read their window and sinks only, in place;
+- the hybrid engine (chapter 10: one global layer in six, window 1,024, pages of 16) at 4,096 and 8,000
+  positions (near SmolLM2's 8,192): its local layers read their window and sinks only, in place;
 - the radix engine (chapter 11) at 1,000 positions, pages of 16 (the tree's tokens whole pages) and of one
   position (a prefix to the token: block tables 16 times as wide).
 
@@ -26,13 +26,19 @@ from ..models.retrofit import local_layers
 from ..results import provenance, quick, value, write_section
 from ..step_cost import engine_steps
 
-FULL = dict(batch=16, layers=6, window=1024, hybrid=(4096, 8120), radix=1000, rounds=9)
+FULL = dict(batch=16, layers=6, window=1024, hybrid=(4096, 8000), radix=1000, rounds=9)
 QUICK = dict(batch=4, layers=6, window=64, hybrid=(256,), radix=128, rounds=3)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def new(batch: int, length: int) -> int:
+    """Tokens each request may generate: enough to outlast the prefill (the first requests decode while the
+    last prefill, 2,048 tokens a step) and the timed rounds."""
+    return batch * length // 2048 + 32
 
 
 def measure(quick_mode=None) -> dict:
@@ -46,11 +52,11 @@ def measure(quick_mode=None) -> dict:
         pages = B * (T // 16 + 8)
         engines = dict(plain=ServingEngine(model, pages, 16, 2048, prefix_caching=False),
                        hybrid=ServingEngine(hybrid, pages, 16, 2048, prefix_caching=False))
-        out[f"hybrid_{T}"] = engine_steps(engines, prompts(B, T, V, T), rounds=s["rounds"])
+        out[f"hybrid_{T}"] = engine_steps(engines, prompts(B, T, V, T), rounds=s["rounds"], new_tokens=new(B, T))
     T, pages = s["radix"], B * (s["radix"] // 16 + 8)
     engines = dict(plain=ServingEngine(model, pages, 16, 2048), radix=ServingEngine(model, pages, 16, 2048,
                    prefix_caching="radix"), radix_1=ServingEngine(model, pages * 16, 1, 2048, prefix_caching="radix"))
-    out["radix"] = engine_steps(engines, prompts(B, T, V, T), rounds=s["rounds"])
+    out["radix"] = engine_steps(engines, prompts(B, T, V, T), rounds=s["rounds"], new_tokens=new(B, T))
     return out
 
 
