@@ -260,8 +260,8 @@ class BlockManager:
         return len(pages)
 
     def cached_prefix(self, keys) -> int:
-        """Positions a new sequence would take from the cache now for `keys` (reserve_prefix's), changing
-        nothing: what a scheduler or a router ranks by."""
+        """Positions a new sequence would take from the cache now for `keys` (as reserve_prefix),
+        changing nothing: what a scheduler or a router ranks by."""
         return len(self._hits(keys)) * self.page_size
 
     def _hits(self, keys) -> list[int]:
