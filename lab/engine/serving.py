@@ -513,7 +513,6 @@ def pages_in(freed) -> list:
     return [page for pages in freed.values() for page in pages] if isinstance(freed, dict) else freed
 
 
-
 @torch.inference_mode()
 def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_seconds=False, on_step=None,
           max_steps=None) -> list[int]:
