@@ -367,10 +367,11 @@ print("wrote section ch11 to", results.results_path())
 #    of one token per node, or a list of every sequence scanned at each match, fails.
 # 2. **A router that beats round robin.** Write `policy(ids, workers) -> worker index`; each worker is a
 #    `lab.fleet.WorkerState` (`cached`: the request's tokens that worker holds, `load`, `calls`,
-#    `computed`, `page_size`, `tokens`: the request's length). `ex.check_routing_policy(policy)` replays hidden traces through
-#    `lab.fleet.simulate` with 4 and 8 workers: your policy must win back most of what round robin loses
-#    against one pool of the whole fleet's memory, with requests spread evenly. Sending everything to one
-#    worker fails, and so, on these traces, does Dynamo's cost at its default weight (`"kv_aware"`).
+#    `computed`, `page_size`, `tokens`: the request's length). `ex.check_routing_policy(policy)` replays
+#    hidden traces through `lab.fleet.simulate` with 4 and 8 workers: your policy must win back most of
+#    what round robin loses against one pool of the whole fleet's memory, with requests spread evenly.
+#    Sending everything to one worker fails, and so, on these traces, does Dynamo's cost at its default
+#    weight (`"kv_aware"`).
 # 3. **Open-ended: restore or recompute on your machine.** `ex.measure_restore()` times a page restored from
 #    host memory and from disk against the same page computed again, and sets your numbers beside the
 #    book's. At what model size would your disk lose?
