@@ -134,6 +134,22 @@ print(f"the same tokens; b's {len(b)} prompt tokens taken from the cache: {taken
       f"(pages of 16), {taken['radix'][1]} by the radix tree")
 
 # %% [markdown]
+# With larger pages each token of the tree is a whole page's ids, and the engine's step is the hash chain's.
+# One decode step of the radix engine beside the hash engine's, at the same batch and positions (SmolLM2's
+# heads and widths over 6 layers; quick mode: 4 sequences at 128 positions, the book's: 16 at 1,000):
+
+# %%
+from lab.experiments import steps  # noqa: E402
+
+st = steps.radix()
+r = st["radix"]
+print(f"pages of 16: {r['radix']['over_base']['median']:.2f}x the hash engine's step; pages of one position: "
+      f"{r['radix_1']['over_base']['median']:.2f}x")
+beside("ch11", "steps.radix", values=steps.values(st), section="steps",
+       why="4 sequences at 128 positions take a few milliseconds a step, where a few rounds on a busy machine "
+       "are noisy; the book times 16 at 1,000")
+
+# %% [markdown]
 # ## 2. Tiers below the pool, by hand
 #
 # When the pool must reuse a named page, the page need not be lost: it can move to a **host tier**, a

@@ -237,8 +237,9 @@ def test_the_steps_experiment_in_quick_mode(tmp_path, monkeypatch):
     m = steps.measure(quick_mode=True)
     steps.record(m)
     v = results.read(tmp_path / "results.json")["sections"]["steps"]["values"]
-    h = v["hybrid_256"]
+    h = v["hybrid_short"]
     assert h["hybrid"]["read_mib"]["value"] < h["plain"]["read_mib"]["value"]
     r = v["radix"]
     assert r["pages_16"]["read_mib"]["value"] == r["plain"]["read_mib"]["value"] == r["pages_1"]["read_mib"]["value"]
     assert r["plain"]["over_plain"]["value"] == 1.0 and h["hybrid"]["over_plain"]["n"] == 3
+    assert v["hybrid_long"]["positions"]["value"] == 512 and r["positions"]["value"] == 128

@@ -88,11 +88,11 @@ def _shown(doc, key, source) -> str:
     return format_value(leaf)
 
 
-def _reader(chapter, values, mine) -> tuple[dict, str]:
-    """The reader's results as a document, and what to call it: `values` (a chapter's values dict) as section
-    `chapter`, else the file `mine` (by default lab.results.results_path())."""
+def _reader(section, values, mine) -> tuple[dict, str]:
+    """The reader's results as a document, and what to call it: `values` (a section's values dict) as section
+    `section`, else the file `mine` (by default lab.results.results_path())."""
     if values is not None:
-        return {"sections": {chapter: {"values": values}}}, "your run"
+        return {"sections": {section: {"values": values}}}, "your run"
     mine = Path(mine or results_path())
     return (read(mine) if mine.exists() else {"sections": {}}), str(mine)
 
@@ -108,12 +108,14 @@ def _render(said, doc, source) -> str:
     return REF.sub(one, claims.CLAIM.sub(one, said))
 
 
-def verdicts(chapter, *prefixes, values=None, mine=None, book=COMMITTED, book_dir=BOOK) -> list[Verdict]:
+def verdicts(chapter, *prefixes, values=None, section=None, mine=None, book=COMMITTED,
+             book_dir=BOOK) -> list[Verdict]:
     """Every claim and verdict of chapter `chapter` ("ch11") that reads a key starting with one of `prefixes`
-    (all of them when none is given), judged on the book's results (`book`) and on the reader's (see _reader).
-    The sentences are rendered with the book's numbers."""
+    (all of them when none is given), judged on the book's results (`book`) and on the reader's (see _reader:
+    `values` stand for section `section`, the chapter's by default). The sentences are rendered with the
+    book's numbers."""
     text = chapter_file(chapter, book_dir).read_text()
-    book_doc, (mine_doc, mine) = read(book), _reader(chapter, values, mine)
+    book_doc, (mine_doc, mine) = read(book), _reader(section or chapter, values, mine)
     out = []
     for m in claims.CLAIM.finditer(text):
         if m["kind"] == "calc":
@@ -130,11 +132,12 @@ def verdicts(chapter, *prefixes, values=None, mine=None, book=COMMITTED, book_di
     return out
 
 
-def beside(chapter, *prefixes, why="", values=None, mine=None, book=COMMITTED, book_dir=BOOK) -> None:
+def beside(chapter, *prefixes, why="", values=None, section=None, mine=None, book=COMMITTED,
+           book_dir=BOOK) -> None:
     """Print the book's verdict beside the reader's for every claim of `chapter` under `prefixes` (see verdicts());
     where they differ, the values each read. `why`: what the reader's quick run does differently, said once
     where a verdict differs."""
-    rows = verdicts(chapter, *prefixes, values=values, mine=mine, book=book, book_dir=book_dir)
+    rows = verdicts(chapter, *prefixes, values=values, section=section, mine=mine, book=book, book_dir=book_dir)
     if not rows:
         raise ValueError(f"no claim or verdict of {chapter} reads a key under {', '.join(prefixes) or '(any)'}")
     if not quick():
