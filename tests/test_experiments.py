@@ -242,4 +242,4 @@ def test_the_steps_experiment_in_quick_mode(tmp_path, monkeypatch):
     r = v["radix"]
     assert r["pages_16"]["read_mib"]["value"] == r["plain"]["read_mib"]["value"] == r["pages_1"]["read_mib"]["value"]
     assert r["plain"]["over_plain"]["value"] == 1.0 and h["hybrid"]["over_plain"]["n"] == 3
-    assert v["hybrid_long"]["positions"]["value"] == 512 and r["positions"]["value"] == 128
+    assert v["hybrid_long"]["positions"]["value"] == 2048 and r["positions"]["value"] == 128

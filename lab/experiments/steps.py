@@ -13,7 +13,7 @@ depend on the text). Fewer layers leave the per-layer ratio of attention to weig
 per-step work outside the layers (planning, sampling) a larger share: a harsher test of the engines' own
 bookkeeping, in a fifth of the time. 16 sequences, each engine's steps interleaved round by round
 (`lab.step_cost.engine_steps`); ratios are per round, medians with their quartiles. Quick mode: 4
-sequences at 256 and 512 positions, window 64; notebooks 10 and 11 each run their part (`hybrid`, `radix`).
+sequences at 1,024 and 2,048 positions, window 128; notebooks 10 and 11 each run their part (`hybrid`, `radix`).
 """
 
 import dataclasses
@@ -29,7 +29,7 @@ from ..results import provenance, quick, value, write_section
 from ..step_cost import engine_steps
 
 FULL = dict(batch=16, layers=6, window=1024, short=4096, long=8000, radix=1000, rounds=9)
-QUICK = dict(batch=4, layers=6, window=64, short=256, long=512, radix=128, rounds=3)
+QUICK = dict(batch=4, layers=6, window=128, short=1024, long=2048, radix=128, rounds=3)
 
 
 def settings(quick_mode=None) -> dict:
