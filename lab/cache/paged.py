@@ -261,6 +261,15 @@ class PagedCache(KVCache):
         """A sequence id never used in this pool (for `manager.reserve` or `manager.reserve_prefix`)."""
         return next(self._ids)
 
+    def room(self, seq, spare: int = 0) -> int:
+        """The length live `seq` can grow to with its pages and the free ones, `spare` of them kept back (a
+        copy on write aside), as HybridPool.room."""
+        return (len(self.manager.block_table(seq)) + self.manager.num_free - spare) * self.page_size
+
+    def held_pages(self) -> dict:
+        """group -> pages some sequence holds: {"full": n}, as HybridPool.held_pages."""
+        return {"full": self.manager.num_pages - self.manager.num_free}
+
     def view(self, seqs):
         """A cache over the live sequences `seqs` of this pool, sharing its pages (one per request, say)."""
         return self._sharing_pool(seqs)
@@ -430,6 +439,10 @@ class HybridPool:
     def room(self, seq, spare: int = 0) -> int:
         """The length `seq` can grow to with every group's free pages, `spare` of each kept back."""
         return self.manager.room(seq, self._first_query.get(seq), spare)
+
+    def held_pages(self) -> dict:
+        """group -> pages some sequence holds."""
+        return {g: self.manager.held_pages(g) for g in self.manager.groups}
 
     def reserve(self, parts):
         """Room for n more positions of every (seq, n) in `parts` (a new id starts empty) in every group, all

@@ -180,7 +180,7 @@ class ServingEngine:
 
     @property
     def num_pages(self) -> int:                      # pages in the pool (a hybrid pool's: the global layers')
-        return self.pool.num_pages if self.hybrid else self.manager.num_pages
+        return self.pool.num_pages
 
     # ---- requests in and out ----
     def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None) -> int:
@@ -292,9 +292,7 @@ class ServingEngine:
 
     def _held_pages(self) -> dict:
         """group -> pages the running requests hold now ("full" only, without local layers)."""
-        if self.hybrid:
-            return {g: self.manager.held_pages(g) for g in self.manager.groups}
-        return {"full": self.manager.num_pages - self.manager.num_free}
+        return self.pool.held_pages()
 
     def _schedule(self, now) -> list:
         """Decodes first, then prefill chunks, then new requests, within the token budget; pages
@@ -336,9 +334,7 @@ class ServingEngine:
         """The length `seq` can grow to with the free pages (`spare` kept back), a copy on write aside: its
         pages and the free ones, or with local layers the least over the groups, the pages the window gives
         back counted as free (HybridPool.room)."""
-        if self.hybrid:
-            return self.pool.room(seq, spare)
-        return (len(self.manager.block_table(seq)) + self.manager.num_free - spare) * self.page_size
+        return self.pool.room(seq, spare)
 
     def _lookahead(self, decoding, scheduled, budget) -> int:
         """Each decode scheduled gets its draft's guesses, as many as the budget, its output's room and the
