@@ -48,8 +48,8 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, lengths, scale=No
 
 
 def read(positions, length, window: int, sinks: int):
-    """Which of `positions` the query at position length - 1 reads: all of them, or with a window the last
-    `window` and the first `sinks` (a bool tensor of their shape)."""
+    """Which of `positions` the query at position length - 1 reads: all of them, or with a
+    window the last `window` and the first `sinks` (a bool tensor of their shape)."""
     if not window:
         return torch.ones_like(positions, dtype=torch.bool)
     return (positions >= length - window) | (positions < sinks)
