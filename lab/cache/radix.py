@@ -155,16 +155,13 @@ class RadixCache:
         if ids[0] in node.children or node.parent is None:
             return None
         self._clock += 1
+        self._out.difference_update(slots)
+        top = node
         if not node.children and node.lock == 1:          # a leaf only this request holds: the run grows
             node.key, node.slots = node.key + ids, node.slots + slots
             self._cached += len(ids)
-            self._out.difference_update(slots)
-            top = node
         else:                                            # others share it, or go further: a new leaf
-            top = node
-            node = self._add_child(node, ids, slots)
-            self._out.difference_update(slots)
-            handle, old = self._lock(node), handle
+            handle, old = self._lock(self._add_child(node, ids, slots)), handle
             self.release(old)
         while top.parent is not None:                    # used now, and so is every node above it
             top.last_used = self._clock
