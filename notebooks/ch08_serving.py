@@ -424,8 +424,8 @@ print("wrote section ch08 to", results.results_path())
 # 2. **Preempt by swapping, not recomputing.** Recomputation throws away work the pool could not keep.
 #    Write a subclass that, when it preempts a request, copies its pages' keys and values to host memory
 #    (CPU tensors) before releasing them, and on readmission writes them into fresh pages instead of
-#    recomputing; the pool reads and writes one page in every layer, `self.pool.page(p)` and
-#    `self.pool.set_page(p, kv)` (`help(ex.check_swapping)` says the rest). The check,
+#    recomputing: `self.pool.page(p)` returns a copy of page p's keys and values in every layer, and
+#    `self.pool.set_page(p, kv)` writes one back (`help(ex.check_swapping)` says the rest). The check,
 #    `ex.check_swapping(YourEngine)`, forces preemptions on a small pool and counts the positions the
 #    model runs: exactly what a run without preemption computes. It also checks, after every step, that a
 #    swapped request holds no pages, that its copy is a copy (not a view of the pool), and that a request

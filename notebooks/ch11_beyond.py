@@ -134,7 +134,8 @@ print(f"the same tokens; b's {len(b)} prompt tokens taken from the cache: {taken
       f"(pages of 16), {taken['radix'][1]} by the radix tree")
 
 # %% [markdown]
-# With larger pages each token of the tree is a whole page's ids, and the engine's step is the hash chain's.
+# With larger pages each token of the tree is a whole page's ids, and the engine's step costs what the hash
+# chain's costs.
 # One decode step of the radix engine beside the hash engine's, at the same batch and positions (SmolLM2's
 # heads and widths over 6 layers; quick mode: 4 sequences at 128 positions, the book's: 16 at 1,000):
 

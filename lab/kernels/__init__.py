@@ -35,7 +35,8 @@ def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check
     Under TRITON_INTERPRET=1 the Triton kernel would run in NumPy, far slower than the PyTorch versions,
     so they serve then too; call `paged_attention` directly to run the kernel in the interpreter.
     max_length (the longest of lengths, known on the host) spares the C++ kernel a reduction. window,
-    sinks: a local layer's rule, in every kernel (pages wholly outside it are never read).
+    sinks: a local layer's rule, in every kernel (the C++ and Triton kernels never load a page wholly outside
+    it; the gather loads and masks).
     """
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
         return paged_attention(q, k_pool, v_pool, block_tables, lengths, scale, check_values, window, sinks)
