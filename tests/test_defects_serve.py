@@ -134,7 +134,7 @@ def test_a_dead_engine_process_makes_health_503_and_refuses_requests():
 def test_a_non_streaming_client_that_disconnects_is_cancelled(server):
     port, _, engine = server
     wait_until(lambda: not (engine.running or engine.waiting), what="an idle engine")
-    baseline = engine.manager.num_free
+    baseline = engine.manager.num_free                              # group -> free pages
     conn = send(port, dict(prompt=[1, 2, 3, 4], max_tokens=1000))
     wait_until(lambda: engine.requests and len(engine.requests[max(engine.requests)].output) >= 3,
                what="the request to decode")

@@ -81,7 +81,8 @@ def finish(engine, rids) -> list:
 def snapshot(engine) -> dict:
     """Everything a refused hand-off must leave as it was."""
     m = engine.manager
-    return dict(free=m.num_free, named=m.named_tokens(), seqs=m.sequences(), requests=dict(engine.requests),
+    return dict(free=m.num_free, named=m.manager("full").named_tokens(), seqs=m.sequences(),
+                requests=dict(engine.requests),
                 running=list(engine.running), waiting=list(engine.waiting), stats=copy.deepcopy(engine.stats),
                 tables={s: m.block_table(s) for s in m.sequences()})
 
@@ -102,7 +103,7 @@ def test_handoff_decodes_like_recomputation(tiny, tiny_gpt2, name, page_size):
     assert all(de.requests[r].state == "running" and len(de.output(r)) == 1 for r in rids)
     assert finish(de, rids) == [recomputed(model, p, new) for p in ps_in]
     assert ServingEngine(model, 64, page_size).generate(ps_in, new) == finish(de, rids)   # co-located: the same
-    assert not de.running and de.manager.num_free == de.num_pages       # every page back
+    assert not de.running and de.manager.num_free == de.manager.num_pages       # every page back
     de.manager.check()
     assert de.stats["handoffs"] == len(ps_in) and de.stats["handoff_bytes"] == sum(s.nbytes() for s in sets)
     assert all(r["handed_off"] == r["first_token"] and r["chunks"] == [] for r in de.timeline())
@@ -198,7 +199,7 @@ def test_handed_off_pages_are_named_for_prefix_caching(tiny):
     de = DecodeEngine(tiny, 16, 16)
     ps = prefill(tiny, p)
     finish(de, [de.add_prefilled(ps, 4)])
-    assert all(de.manager.cached(key) is not None for key in ps.names) and len(ps.names) == 2
+    assert all(de.manager.manager("full").cached(key) is not None for key in ps.names) and len(ps.names) == 2
     rid = de.add_request(p, 4)
     assert finish(de, [rid]) == [recomputed(tiny, p, 4)]
     assert de.requests[rid].cached_tokens == 32 == de.stats["cached_tokens"]  # (40 - 1) // 16 pages
@@ -221,7 +222,7 @@ def test_prefill_engine_reuses_its_cached_prefix(tiny):
     assert torch.equal(k[:2], k2[:2]) and torch.equal(v[:2], v2[:2])        # the 2 full pages: taken, not computed
     assert torch.allclose(k, k2, rtol=0, atol=1e-5) and torch.allclose(v, v2, rtol=0, atol=1e-5)
     assert pe.stats["computed_tokens"] - computed == 1 and pe.stats["cached_tokens"] == 32
-    assert pe.manager.num_free == pe.num_pages and not pe.running              # handed off: nothing held
+    assert pe.manager.num_free == pe.manager.num_pages and not pe.running              # handed off: nothing held
 
 
 def test_shared_cache_layers_local_layers_and_radix(tiny):
@@ -251,7 +252,7 @@ def test_done_at_the_first_token(tiny):
     for kwargs in (dict(max_new_tokens=1), dict(max_new_tokens=5, eos_id=ps.first_token)):
         rid = de.add_prefilled(ps, **kwargs)
         assert de.requests[rid].state == "finished" and de.output(rid) == [ps.first_token]
-        assert de.manager.num_free == de.num_pages and not de.running
+        assert de.manager.num_free == de.manager.num_pages and not de.running
 
 
 # ---- timing: the baseline, the summary, two processes ----

@@ -215,13 +215,14 @@ def restore_with(write):
     class Restores(sol8.SwappingEngine):
         def _admit(self, req, budget, now):
             saved, pool = self.swapped.get(req.id), self.pool
-            before = pool.k_pool.clone(), pool.v_pool.clone()
+            before = pool.k_pools["full"].clone(), pool.v_pools["full"].clone()
             n = super()._admit(req, budget, now)
             if n and saved is not None:                           # undo the reference's restore, then write
                 pages = self.manager.block_table(req.seq)[:saved[0].shape[1]]
-                pool.k_pool[:, pages], pool.v_pool[:, pages] = before[0][:, pages], before[1][:, pages]
-                write(pool.k_pool, pages, saved[0])
-                write(pool.v_pool, pages, saved[1])
+                k, v = pool.k_pools["full"], pool.v_pools["full"]
+                k[:, pages], v[:, pages] = before[0][:, pages], before[1][:, pages]
+                write(pool.k_pools["full"], pages, saved[0])
+                write(pool.v_pools["full"], pages, saved[1])
             return n
     return Restores
 
@@ -246,7 +247,7 @@ class RemembersPageIds(sol8.SwappingEngine):
         if req.id not in self.swapped:
             return super()._admit(req, budget, now)
         old, computed = self.swapped[req.id]
-        self.swapped[req.id] = (self.pool.k_pool[:, old], self.pool.v_pool[:, old], computed)
+        self.swapped[req.id] = (self.pool.k_pools["full"][:, old], self.pool.v_pools["full"][:, old], computed)
         return super()._admit(req, budget, now)
 
 
@@ -255,8 +256,8 @@ class KeepsViews(sol8.SwappingEngine):
 
     def _preempt(self, req, now):
         pages = self.manager.block_table(req.seq)[:-(-req.computed // self.page_size)]
-        self.swapped[req.id] = ([self.pool.k_pool[:, p] for p in pages], [self.pool.v_pool[:, p] for p in pages],
-                                req.computed)
+        k, v = self.pool.k_pools["full"], self.pool.v_pools["full"]
+        self.swapped[req.id] = ([k[:, p] for p in pages], [v[:, p] for p in pages], req.computed)
         ServingEngine._preempt(self, req, now)
 
     def _admit(self, req, budget, now):

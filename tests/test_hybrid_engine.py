@@ -1,4 +1,4 @@
-"""ServingEngine with a model whose layers are local and global (chapter 10): a HybridPool, one group of pages
+"""ServingEngine with a model whose layers are local and global (chapter 10): one pool with a group of pages
 per rule, the local group giving back the pages that left the window.
 
 Oracles. Tokens: the model's own uncached forward (`lab.models.forward`, for a retrofit `retrofit.forward`,
@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from lab.cache import BlockManager, CacheInputError, CacheStateError, OutOfPagesError, PagedCache
+from lab.cache import BlockManager, CacheInputError, CacheStateError, OutOfPagesError
 from lab.cache.hybrid import NULL, HybridBlockManager
-from lab.cache.paged import HybridPool
+from lab.cache.pool import PagePool
 from lab.engine import PromptLookup, ServingEngine
 from lab.models import forward, load, random_model
 from lab.models.retrofit import local_layers, share_kv
@@ -140,7 +140,7 @@ def check_idle(engine):
     """Every request done: every page of every group back, no sequence left, the bookkeeping consistent."""
     hm = engine.manager
     assert not engine.running and not engine.waiting and hm.sequences() == []
-    assert all(hm.num_free(g) == hm.manager(g).num_pages for g in hm.groups)
+    assert all(hm.num_free[g] == hm.manager(g).num_pages for g in hm.groups)
     assert engine.stats["held_pages"] == {"full": 0, "local": 0}
     hm.check()
 
@@ -155,7 +155,7 @@ def test_tokens_equal_the_uncached_forward(models, base, name, page_size, budget
     assert want != [uncached(base, p, oracle=False) for p in ps]         # the window changes the tokens
     engine = ServingEngine(model, num_pages=64, page_size=page_size, max_batch_tokens=budget,
                            prefix_caching=prefix_caching)
-    assert isinstance(engine.pool, HybridPool) and engine.hybrid
+    assert isinstance(engine.pool, PagePool) and engine.manager.groups == ["full", "local"]
     assert run(engine, ps, arrivals=[0, 0, 2, 5, 7]) == want
     assert max(len(t["chunks"]) for t in engine.timeline()) > 1           # prefill really was chunked
     assert max(engine.stats["batch_sizes"]) > 1                            # requests really were batched
@@ -196,7 +196,7 @@ def test_preemption_when_either_group_runs_out(models):
 @pytest.mark.parametrize("k", [2, 4])
 def test_speculation_keeps_the_tokens_and_the_window(models, k):
     """Prompt lookup guesses, verified in the step and cropped back: the lookahead reservation judges the
-    window from the decode's own query (HybridPool's first_query), and a crop never goes below it."""
+    window from the decode's own query (PagePool's first_query), and a crop never goes below it."""
     model = models["w8s2"]
     ps = [copied(seed) for seed in range(4)] + prompts((13,), seed=3)
     want = [uncached(model, p, 16) for p in ps]
@@ -240,7 +240,7 @@ def test_a_prefix_hit_takes_the_last_window_in_the_local_group(models):
         req = engine.requests[rid]
         h = req.cached_tokens // P
         assert h == (len(prompt) - 1) // P if prompt is first else h == len(first) // P
-        keys = engine._page_keys(req, h)
+        keys = engine._index_keys(req, h)
         assert hm.block_table(req.seq, "full")[:h] == [hm.manager("full").cached(key) for key in keys]
         local = hm.block_table(req.seq, "local")[:h]
         reads = pages_kept(h * P, P, *hm.rule("local"))
@@ -312,7 +312,7 @@ def test_random_adds_steps_and_cancels_return_every_page(models, seed, draft):
 # ---- what is refused, and what stays as it was ----
 def test_a_step_never_reads_a_page_the_window_gave_back(models):
     """A plan whose queries read a page that is NULL in the local group's block table is refused."""
-    pool = HybridPool(models["w8s2"].config, num_pages=16, page_size=4)
+    pool = PagePool.for_model(models["w8s2"].config, num_pages=16, page_size=4)
     pool.reserve([(0, 20)])
     pool.manager.manager("local").drop_pages(0, [2])      # by hand: positions 8 .. 11, which queries read
     with pytest.raises(CacheStateError, match="given back"):
@@ -335,15 +335,15 @@ def test_bad_settings_are_refused(models, base):
     engine = ServingEngine(model, num_pages=4, page_size=4)
     with pytest.raises(OutOfPagesError, match="the pool has 4"):
         engine.add_request(list(range(20)), 4)             # 23 positions: 6 pages in the full group
-    with pytest.raises(CacheInputError, match="hybrid pool's step attends"):
+    with pytest.raises(CacheInputError, match="a planned step attends"):
         engine.pool.plan_step([]).attend(0, None, None, None)
 
 
-def test_a_model_without_local_layers_keeps_its_paged_cache(base):
-    """As trained, or local_layers with every layer global: the PagedCache and BlockManager of chapter 8."""
+def test_a_model_without_local_layers_has_one_group(base):
+    """As trained, or local_layers with every layer global: one group of pages, a BlockManager's (chapter 8)."""
     for model in (base, local_layers(base, window=8, global_every=1)):
         engine = ServingEngine(model, num_pages=16, page_size=4)
-        assert type(engine.pool) is PagedCache and type(engine.manager) is BlockManager and not engine.hybrid
+        assert engine.manager.groups == ["full"] and type(engine.manager.manager("full")) is BlockManager
         out = engine.generate(prompts((9, 14)), 4)
         assert out == [uncached(base, p, 4) for p in prompts((9, 14))]
         assert engine.stats["held_pages"] == {"full": 0} and engine.stats["peak_held_pages"]["full"] > 0

@@ -112,7 +112,7 @@ def test_constructor_rejects_bad_groups(page_size, groups, match):
 def test_unknown_group_is_refused():
     hm = two_groups()
     hm.reserve("a", 3)
-    for call, args in [(hm.block_table, ("a", "x")), (hm.num_free, ("x",)), (hm.held_pages, ("x",)),
+    for call, args in [(hm.block_table, ("a", "x")), (hm.held_pages, ("x",)),
                        (hm.layers, ("x",)), (hm.manager, ("x",)), (hm.rule, ("x",))]:
         assert_refused(hm, CacheInputError, "unknown group 'x': the groups are 'full', 'local'", call, *args)
     with pytest.raises(CacheInputError, match="unknown groups"):
@@ -125,11 +125,11 @@ def test_for_model_groups_the_layers_by_their_window():
     assert hm.groups == ["full", "local"]
     assert hm.layers("full") == [2, 5] and hm.layers("local") == [0, 1, 3, 4]
     assert (hm.rule("full"), hm.rule("local")) == ((0, 0), (8, 2))
-    assert (hm.num_free("full"), hm.num_free("local"), hm.page_size) == (40, 10, 16)
+    assert (hm.num_free["full"], hm.num_free["local"], hm.page_size) == (40, 10, 16)
     shared = ModelConfig(arch="llama", n_layers=6, window=8, global_every=3, kv_share=2)   # cache layers 0, 1, 2
     assert [HybridBlockManager.for_model(shared, 8, 4).layers(g) for g in ("full", "local")] == [[1], [0, 2]]
     plain = HybridBlockManager.for_model(ModelConfig(arch="gpt2", n_layers=3), 8, 4)
-    assert plain.groups == ["full"] and plain.layers("full") == [0, 1, 2] and plain.num_free("full") == 8
+    assert plain.groups == ["full"] and plain.layers("full") == [0, 1, 2] and plain.num_free["full"] == 8
 
 
 # ---- the window rule ----
@@ -142,7 +142,7 @@ def test_the_window_gives_back_whole_pages_behind_it():
     hm.reserve("a", 1)
     assert hm.block_table("a", "full") == [0, 1, 2, 3, 4]
     assert hm.block_table("a", "local") == [N, N, 2, 3, 4]           # freed pages went to the back of the queue
-    assert (hm.num_free("full"), hm.num_free("local"), hm.held_pages("local"), hm.held_pages("local", "a")) == (
+    assert (hm.num_free["full"], hm.num_free["local"], hm.held_pages("local"), hm.held_pages("local", "a")) == (
         11, 13, 3, 3)
     hm.reserve("a", 3)                                    # position 17 reads 12..17: page 2 (8..11) goes
     assert hm.block_table("a", "local") == [N, N, N, 3, 4]
@@ -172,10 +172,10 @@ def test_local_pages_per_sequence_are_bounded(P, window, sinks):
     hm = two_groups(P=P, full=1000, local=1000, window=window, sinks=sinks)
     for _ in range(200):
         L, n = hm.length("a") if "a" in hm else 0, rng.choice([0, 1, 1, 1, 2, 5, 3 * P])
-        free = {g: hm.num_free(g) for g in hm.groups}
+        free = {g: hm.num_free[g] for g in hm.groups}
         need = hm.pages_needed("a", n)
         hm.reserve("a", n)
-        assert {g: free[g] - hm.num_free(g) for g in hm.groups} == need
+        assert {g: free[g] - hm.num_free[g] for g in hm.groups} == need
         assert held(hm, "a", "local") == pages_kept(L, P, window, sinks) | set(range(L // P, ceil_div(L + n, P)))
         assert hm.held_pages("local", "a") <= ceil_div(window - 1 + n, P) + 1 + ceil_div(sinks, P)
         assert hm.held_pages("full", "a") == ceil_div(L + n, P)
@@ -211,7 +211,7 @@ def test_an_exhausted_local_group_refuses_and_the_full_group_is_unchanged():
     hm = two_groups(P=4, full=20, local=4, window=16)
     hm.reserve("a", 16)
     assert_refused(hm, OutOfPagesError, "needs 1 free pages of group 'local', which has 0 of 4", hm.reserve, "a", 1)
-    assert hm.num_free("full") == 16
+    assert hm.num_free["full"] == 16
 
 
 # ---- crop ----
@@ -240,7 +240,7 @@ def test_crop_to_nothing_needs_no_page():
     hm.reserve("a", 30)
     hm.reserve("a", 1)
     hm.crop("a", 0)
-    assert hm.block_table("a", "local") == [] and hm.num_free("local") == hm.num_free("full") == 16
+    assert hm.block_table("a", "local") == [] and hm.num_free["local"] == hm.num_free["full"] == 16
     assert_refused(hm, CacheStateError, r"n must be in 0\.\.0", hm.crop, "a", 1)
     assert_refused(hm, CacheInputError, "n must be an int", hm.crop, "a", 0.0)
 
@@ -259,7 +259,7 @@ def test_fork_shares_every_group_and_release_returns_every_page():
     hm.reserve("a", 5)
     assert hm.release("a")["local"] != []
     hm.release("b")
-    assert (hm.num_free("full"), hm.num_free("local"), hm.sequences()) == (16, 16, [])
+    assert (hm.num_free["full"], hm.num_free["local"], hm.sequences()) == (16, 16, [])
     assert_refused(hm, CacheStateError, "use after release", hm.reserve, "a", 1)
     assert_refused(hm, CacheStateError, "use after release", hm.fork, "b", "c")
     hm.check()
@@ -283,7 +283,7 @@ def test_a_prefix_hit_takes_the_last_window_of_a_local_group(sinks, local_table)
     hm.release("a")
     assert hm.reserve_prefix("b", keys) == 4              # the query at 16 reads 11..16 (and the sinks)
     assert hm.block_table("b", "full") == [0, 1, 2, 3] and hm.block_table("b", "local") == local_table
-    assert hm.length("b") == 16 and hm.num_free("local") == 16 - len([p for p in local_table if p != N])
+    assert hm.length("b") == 16 and hm.num_free["local"] == 16 - len([p for p in local_table if p != N])
     hm.reserve("b", 1)
     hm.check()
     assert_refused(hm, CacheStateError, "the sequence exists", hm.reserve_prefix, "b", keys)
@@ -394,19 +394,19 @@ class HybridSim:
     def write(self, seq, n, doc=0):
         hm, P = self.hm, self.hm.page_size
         need = hm.pages_needed(seq, n)
-        if any(need[g] > hm.num_free(g) for g in hm.groups):
+        if any(need[g] > hm.num_free[g] for g in hm.groups):
             assert_refused(hm, OutOfPagesError, "needs", hm.reserve, seq, n)
             STEPS["out of pages"] += 1
             return
         L = hm.length(seq) if seq in hm else 0
-        free = {g: hm.num_free(g) for g in hm.groups}
+        free = {g: hm.num_free[g] for g in hm.groups}
         before = {g: held(hm, seq, g) if seq in hm else set() for g in hm.groups}
         copies = hm.reserve(seq, n)
         STEPS["window drops"] += any(before[g] - held(hm, seq, g) for g in hm.groups)
         self.doc.setdefault(seq, doc)
         tokens = tokens_of(self.doc[seq], L, n)
         for g in hm.groups:
-            assert hm.num_free(g) == free[g] - need[g]
+            assert hm.num_free[g] == free[g] - need[g]
             pool = self.pools[g]
             for src, dst in copies[g]:
                 for offset in range(P):
@@ -480,7 +480,7 @@ class HybridSim:
             bm, (window, sinks) = hm.manager(g), hm.rule(g)
             refs = Counter(p for s in hm.sequences() for p in hm.block_table(s, g) if p != NULL)
             assert [bm.refs(p) for p in range(bm.num_pages)] == [refs[p] for p in range(bm.num_pages)]
-            assert hm.num_free(g) + len(refs) == bm.num_pages == hm.num_free(g) + hm.held_pages(g)
+            assert hm.num_free[g] + len(refs) == bm.num_pages == hm.num_free[g] + hm.held_pages(g)
             for seq, tokens in self.model.items():
                 table = hm.block_table(seq, g)
                 assert hm.length(seq) == len(tokens)
@@ -497,7 +497,7 @@ class HybridSim:
         hm = self.hm
         for g in hm.groups:
             bm = hm.manager(g)
-            assert hm.num_free(g) == bm.num_pages and hm.held_pages(g) == 0
+            assert hm.num_free[g] == bm.num_pages and hm.held_pages(g) == 0
             assert sorted(free_pages(bm)) == list(range(bm.num_pages))
             assert all(bm.refs(p) == 0 for p in range(bm.num_pages))
         hm.check()

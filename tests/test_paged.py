@@ -284,7 +284,7 @@ def test_reserve_is_all_or_nothing_over_several_sequences(tiny):
     pool = PagedCache(tiny.config, 16, page_size=4)                # 4 pages
     a, b = pool.new_id(), pool.new_id()
     pool.reserve([(a, 4)])
-    with pytest.raises(OutOfPagesError, match="needs 4 free pages, the pool has 3"):
+    with pytest.raises(OutOfPagesError, match="needs 4 free pages of group 'full', which has 3"):
         pool.reserve([(a, 4), (b, 9)])                             # 1 + 3 pages: a alone would fit
     assert pool.manager.length(a) == 4 and b not in pool.manager and pool.manager.num_free == 3
     with pytest.raises(CacheInputError, match="twice"):

@@ -327,14 +327,14 @@ def leave(conn):
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
     port, _, engine = server
     wait_idle(engine)
-    baseline = engine.manager.num_free
+    baseline = engine.manager.num_free["full"]
     conn = stream_three_tokens(port, seed=5)
     rid = max(engine.requests)
-    assert engine.requests[rid].state == "running" and engine.manager.num_free < baseline
+    assert engine.requests[rid].state == "running" and engine.manager.num_free["full"] < baseline
     leave(conn)
     wait_idle(engine)
     assert engine.requests[rid].state == "cancelled" and len(engine.requests[rid].output) < 900
-    assert engine.manager.num_free == baseline
+    assert engine.manager.num_free["full"] == baseline
 
 
 def test_a_draining_server_refuses_new_requests(server):
@@ -383,7 +383,7 @@ def test_an_engine_process_answers_what_the_engine_computes(remote, tiny):
     status, error = call(port, "/v1/completions", dict(prompt=[1] * 2048, max_tokens=4))
     assert status == 400 and error["error"]["code"] == "context_length_exceeded"   # refused in the child
     snap = wait_idle_remote(engine)
-    assert snap["free_pages"] == NUM_PAGES and max(snap["batch_sizes"]) > 1
+    assert snap["free_pages"] == {"full": NUM_PAGES} and max(snap["batch_sizes"]) > 1
 
 
 def test_an_engine_process_in_bfloat16_answers_what_a_bfloat16_engine_computes():
@@ -407,12 +407,12 @@ def test_an_engine_process_in_bfloat16_answers_what_a_bfloat16_engine_computes()
 def test_an_engine_process_frees_the_pages_of_a_client_that_leaves(remote):
     port, engine = remote
     before = wait_idle_remote(engine)
-    baseline = before["free_pages"]
+    baseline = before["free_pages"]["full"]                 # group -> free pages
     conn = stream_three_tokens(port, seed=6)
-    assert engine.snapshot()["free_pages"] < baseline
+    assert engine.snapshot()["free_pages"]["full"] < baseline
     leave(conn)
     snap = wait_idle_remote(engine)
-    assert snap["free_pages"] == baseline and snap["computed_tokens"] - before["computed_tokens"] < 20 + 900
+    assert snap["free_pages"]["full"] == baseline and snap["computed_tokens"] - before["computed_tokens"] < 20 + 900
 
 
 def test_an_engine_process_loads_no_weights_in_the_server(monkeypatch, smollm2):

@@ -130,7 +130,7 @@ def test_every_router_answers_what_one_engine_computes(use, tiny, policy):
     if policy == "round_robin":                                   # 6 requests in turn: 3 each
         assert [a - b for a, b in zip(fleet.routed, routed, strict=True)] == [3, 3]
     snaps = wait_idle(fleet)
-    assert [s["free_pages"] for s in snaps] == [NUM_PAGES, NUM_PAGES]
+    assert [s["free_pages"] for s in snaps] == [{"full": NUM_PAGES}] * 2
 
 
 def test_models_health_and_fleet(fleet):
@@ -196,7 +196,7 @@ def test_least_loaded_balances_requests_in_flight(use):
     assert [a - b for a, b in zip(fleet.routed, routed, strict=True)] == [2, 2]
     for conn in conns:
         leave(conn)
-    assert [s["free_pages"] for s in wait_idle(fleet)] == [NUM_PAGES, NUM_PAGES]
+    assert [s["free_pages"] for s in wait_idle(fleet)] == [{"full": NUM_PAGES}] * 2
 
 
 def test_the_router_knows_the_pages_each_worker_holds_after_evictions(use):
@@ -233,7 +233,7 @@ def test_kv_events_add_up_to_the_pages_a_manager_holds_named(tiny):
             engine.step()
             for event, digest in events.take():
                 (named.add if event == "stored" else named.discard)(digest)
-            assert named == {k[0] for k in keys if engine.manager.cached(k) is not None}
+            assert named == {k[0] for k in keys if engine.manager.manager("full").cached(k) is not None}
     assert engine.stats["evicted_pages"] > 0 and engine.stats["cached_tokens"] > 0
 
 

@@ -239,8 +239,8 @@ def test_cancel_frees_the_pages(tiny):
     ids = [engine.add_request(p, 30) for p in ps]
     for _ in range(3):
         engine.step()
-    held = engine.manager.num_free
-    assert engine.cancel(ids[1]) and engine.manager.num_free > held
+    held = engine.manager.num_free["full"]
+    assert engine.cancel(ids[1]) and engine.manager.num_free["full"] > held
     assert engine.requests[ids[1]].state == "cancelled"
     while engine.running or engine.waiting:
         engine.step()

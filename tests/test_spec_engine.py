@@ -46,7 +46,7 @@ def copied(seed, length=24):
 def check_step(engine):
     """After a step: every running request holds its accepted positions only, in as many pages as they
     need, and every name covers accepted tokens."""
-    P, named = engine.page_size, engine.manager.named_tokens()
+    P, named = engine.page_size, engine.manager.manager("full").named_tokens()
     for req in engine.running:
         assert not req.guess
         assert engine.manager.length(req.seq) == req.computed             # no rejected slot reserved

@@ -173,18 +173,6 @@ def memory_fraction(fraction):
         raise CacheInputError(f"fraction must be in (0, 1], got {fraction}")
 
 
-def paged_room(cache, parts):
-    """reserve(parts): every sequence named once, and free pages for all of them (the sum may overstate by
-    a shared page that the first of its holders copies), so that a refused call changes nothing."""
-    seqs = [seq for seq, _ in parts]
-    if len(set(seqs)) != len(seqs):
-        raise CacheInputError(f"reserve() names a sequence twice: {seqs}")
-    need = sum(cache.manager.pages_needed(seq, n) for seq, n in parts)   # validates every id and count
-    if need > cache.manager.num_free:
-        raise OutOfPagesError(f"reserving {[n for _, n in parts]} positions for sequences {seqs} needs {need} "
-                              f"free pages, the pool has {cache.manager.num_free} of {cache.num_pages} free")
-
-
 def step_part(manager, seq, n) -> int:
     """plan_step: `seq` is live and holds at least the n >= 1 positions this step runs; returns the first."""
     int_arg("n", n, low=1)
@@ -226,8 +214,8 @@ def step_kv(step, layer, k, v):
             raise CacheInputError(f"{name} is {x.dtype} on {x.device}, the pool holds {pool.dtype} on {pool.device}")
 
 
-def hybrid_pages(manager):
-    """HybridPool: every local group holds the window of one sequence (and what a one-token step adds), so
+def pool_pages(manager):
+    """PagePool: every local group holds the window of one sequence (and what a one-token step adds), so
     that a request running alone always makes progress."""
     for group in manager.groups:
         least, have = manager.most_pages(group, 1), manager.manager(group).num_pages
@@ -237,8 +225,8 @@ def hybrid_pages(manager):
                                   f"{sinks} sinks, pages of {manager.page_size}) needs {least}")
 
 
-def hybrid_room(pool, parts):
-    """HybridPool.reserve(parts): every sequence named once, and free pages in every group for all of them
+def pool_room(pool, parts):
+    """PagePool.reserve(parts): every sequence named once, and free pages in every group for all of them
     (what a window gives back counted for its own sequence only), so that a refused call changes nothing."""
     seqs = [seq for seq, _ in parts]
     if len(set(seqs)) != len(seqs):
@@ -248,15 +236,16 @@ def hybrid_room(pool, parts):
         for group, k in pool.pages_needed(seq, n).items():
             need[group] += max(k, 0)
     for group, k in need.items():
-        if k > manager.num_free(group):
+        if k > manager.num_free[group]:
             raise OutOfPagesError(f"reserving {[n for _, n in parts]} positions for sequences {seqs} needs {k} "
-                                  f"free pages of group {group!r}, which has {manager.num_free(group)} free")
+                                  f"free pages of group {group!r}, which has {manager.num_free[group]} of "
+                                  f"{manager.num_pages[group]} free")
 
 
 def step_query(q):
-    """A hybrid step's attend: queries to attend with (a layer that attends by itself is not served)."""
+    """A planned step's attend: queries to attend with (a layer that attends by itself is not served)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise CacheInputError(f"q must be a tensor [1, H_q, N, D]: a hybrid pool's step attends for the layer, "
+        raise CacheInputError(f"q must be a tensor [1, H_q, N, D]: a planned step attends for the layer, "
                               f"got {q if q is None else type(q).__name__}")
 
 

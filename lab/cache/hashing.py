@@ -21,3 +21,17 @@ def root_digest(extra=()) -> bytes:
 def page_digest(parent: bytes, tokens) -> bytes:
     """The digest of a page holding `tokens` (ints) whose predecessor's digest is `parent`."""
     return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes()).digest()
+
+
+def page_keys(ids: list, page_size: int, extra=(), known=()) -> list:
+    """(digest, parent digest, tokens) of every full page of `ids` (a list), the digests as raw bytes:
+    what the BlockManager registers a page under and checks a hit against. `known`, the keys of the
+    leading pages already computed (for the same `extra`), is extended, not computed again."""
+    P, keys = page_size, list(known)
+    parent = keys[-1][0] if keys else root_digest(extra)
+    for i in range(len(keys), len(ids) // P):
+        page = ids[i * P:(i + 1) * P]
+        digest = page_digest(parent, page)
+        keys.append((digest, parent, page))
+        parent = digest
+    return keys

@@ -31,27 +31,39 @@ group are checked before any group changes.
 from .block_manager import NULL, BlockManager, pages_for
 from .checks import int_arg
 from .errors import CacheInputError, CacheStateError, OutOfPagesError
+from .hashing import page_keys
+from .radix import RadixBlockManager
 
 __all__ = ["HybridBlockManager", "NULL"]
 
 
 class HybridBlockManager:
-    def __init__(self, page_size: int, groups: dict, layers: dict | None = None):
+    def __init__(self, page_size: int, groups: dict, layers: dict | None = None, index: str | None = None,
+                 extra=()):
         """groups: name -> (num_pages, window, sinks), window 0 for a full-attention group; layers: name ->
-        the cache layers that keep their keys in that group's pool (for_model fills it in)."""
+        the cache layers that keep their keys in that group's pool (for_model fills it in). index: the prefix
+        index, None, "hash" (chapter 6's chain of page names) or "radix" (a tree of pages, chapter 11: one
+        full group only); pages are named under `extra` (the state identity, set by whoever computes them)."""
         int_arg("page_size", page_size, low=1)
         if not isinstance(groups, dict) or not groups:
             raise CacheInputError(f"groups must be a non-empty dict name -> (num_pages, window, sinks), got {groups!r}")
-        self.page_size = page_size
+        if index not in (None, "hash", "radix"):
+            raise CacheInputError(f'index is None, "hash" or "radix", got {index!r}')
+        self.page_size, self.index, self.extra = page_size, index, tuple(extra)
         self._rules = {name: _rule(name, spec) for name, spec in groups.items()}   # name -> (window, sinks)
-        self._bms = {name: BlockManager(groups[name][0], page_size) for name in groups}
+        if index == "radix" and (len(groups) > 1 or any(w for w, _ in self._rules.values())):
+            raise CacheInputError("a radix tree keeps every position of a prefix: one full group only (local "
+                                  "layers give pages back)")
+        kind = RadixBlockManager if index == "radix" else BlockManager
+        self._bms = {name: kind(groups[name][0], page_size) for name in groups}
         unknown = set(layers or {}) - set(groups)
         if unknown:
             raise CacheInputError(f"layers names unknown groups {sorted(map(repr, unknown))}")
         self._layers = {name: list((layers or {}).get(name, ())) for name in groups}
 
     @classmethod
-    def for_model(cls, config, num_pages: int, page_size: int, local_pages: int | None = None):
+    def for_model(cls, config, num_pages: int, page_size: int, local_pages: int | None = None,
+                  index: str | None = None):
         """A "full" group for the model's global cache layers (num_pages pages) and a "local" group for its
         sliding-window ones (local_pages, num_pages by default), each only if the model has such layers."""
         layers = {}
@@ -60,10 +72,12 @@ class HybridBlockManager:
         rules = {config.window_of(i) for i in layers.get("local", ())}
         if len(rules) > 1:
             raise CacheInputError(f"the local layers have different (window, sinks): {sorted(rules)}")
+        if local_pages is not None and not rules:
+            raise CacheInputError(f"local_pages sizes the pages of local layers; {config.name or config.arch} has none")
         groups = {"full": (num_pages, 0, 0)} if "full" in layers else {}
         if rules:
             groups["local"] = (num_pages if local_pages is None else local_pages, *rules.pop())
-        return cls(page_size, groups, layers)
+        return cls(page_size, groups, layers, index)
 
     # ---- looking ----
     @property
@@ -82,12 +96,28 @@ class HybridBlockManager:
         """The group's BlockManager, to read (slots, owners, named_tokens); change it only through this class."""
         return self._bms[self._name(group)]
 
-    def block_table(self, seq, group) -> list[int]:
-        """A copy of the sequence's page ids in `group`, NULL where the window gave a page back."""
-        return self.manager(group).block_table(seq)
+    def block_table(self, seq, group=None) -> list[int]:
+        """A copy of the sequence's page ids in `group` (the first by default), NULL where the window gave a
+        page back."""
+        return self.manager(group or self.groups[0]).block_table(seq)
 
-    def num_free(self, group) -> int:
-        return self.manager(group).num_free
+    def slots(self, seq, start: int, n: int, group=None) -> list[int]:
+        """The pool slots of positions start .. start + n - 1 of `seq` in `group` (the first by default)."""
+        return self.manager(group or self.groups[0]).slots(seq, start, n)
+
+    @property
+    def num_free(self) -> dict:
+        """group -> its free pages (with a radix index, the evictable cached ones too)."""
+        return {group: bm.num_free for group, bm in self._bms.items()}
+
+    @property
+    def num_pages(self) -> dict:
+        """group -> the pages of its pool."""
+        return {group: bm.num_pages for group, bm in self._bms.items()}
+
+    def cached_pages(self) -> int:
+        """Pages that hold a cached prefix, every group's."""
+        return sum(bm.cached_pages() for bm in self._bms.values())
 
     def held_pages(self, group, seq=None) -> int:
         """Pages of `group` that some sequence holds, or that `seq` holds (its non-NULL entries)."""
@@ -127,10 +157,23 @@ class HybridBlockManager:
     def room(self, seq, first_query: int | None = None, spare: int = 0) -> int:
         """The length `seq` (live, or new: 0) can grow to now, every group's free pages less `spare` each: the
         most L such that reserve(seq, L - length) finds its pages in every group (a copy-on-write page aside)."""
+        return min(self._rooms(seq, first_query, spare).values())
+
+    def fit(self, seq, n: int, first_query: int | None = None, spare: int = 0) -> int:
+        """How many of n more positions `seq` may reserve now, `spare` pages of each group kept back: all n
+        or 0 in a full group (the prompt needs those pages anyway: better to wait than to start and be
+        preempted), as many as a window's group holds (it may hold less than a chunk, never less than a
+        step of one position)."""
+        length, rooms = self.length(seq) if seq in self else 0, self._rooms(seq, first_query, spare)
+        if any(rooms[g] < length + n for g in self._bms if not self.rule(g)[0]):
+            return 0
+        return max(0, min([n] + [rooms[g] - length for g in self._bms if self.rule(g)[0]]))
+
+    def _rooms(self, seq, first_query, spare) -> dict:
         int_arg("spare", spare)
         need = self.pages_needed(seq, 0, first_query)           # minus the pages the window gives back
-        return min(((len(bm.block_table(seq)) if seq in bm else 0) + bm.num_free - spare - need[group])
-                   * self.page_size for group, bm in self._bms.items())
+        return {group: ((len(bm.block_table(seq)) if seq in bm else 0) + bm.num_free - spare - need[group])
+                * self.page_size for group, bm in self._bms.items()}
 
     def most_pages(self, group, n: int = 1) -> int | None:
         """The most pages of a local `group` one sequence holds right after reserve(seq, n), however long
@@ -161,8 +204,8 @@ class HybridBlockManager:
                                       f"{bm.num_free} of {bm.num_pages} free ({self.page_size} positions per page)")
         copies = {}
         for group, bm in self._bms.items():
-            if seq in bm:
-                bm.drop_pages(seq, self._past(group, seq, first_query))
+            if past := self._past(group, seq, first_query):
+                bm.drop_pages(seq, past)
             copies[group] = bm.reserve(seq, n)
         return copies
 
@@ -193,7 +236,37 @@ class HybridBlockManager:
         for bm in self._bms.values():
             bm.fork(src, dst)
 
-    # ---- prefix caching ----
+    # ---- the prefix index: a strategy behind keys, lookup, publish and cached_prefix ----
+    def keys(self, tokens, known=()) -> list:
+        """The index's keys for the full pages of `tokens` (a list): chapter 6's chain, (digest, parent,
+        tokens) per page under `extra` (`known`, the keys of a prefix already computed, is extended); the
+        tree's token ids, whole pages; none without an index."""
+        if self.index == "hash":
+            return page_keys(tokens, self.page_size, self.extra, known[:len(tokens) // self.page_size])
+        return tuple(tokens[:len(tokens) // self.page_size * self.page_size]) if self.index else []
+
+    def lookup(self, seq, keys) -> int:
+        """Start the new sequence `seq` with the cached pages of the longest prefix of `keys`; their number."""
+        if self.index == "radix":
+            return self._first.match(seq, keys, self.extra)
+        return self.reserve_prefix(seq, keys)
+
+    def publish(self, seq, keys, start: int = 0):
+        """Cache the full pages of `seq` that `keys` name, from page `start` on, for the sequences to come
+        (a name taken already, or a page the window gave back, stays unnamed: fine)."""
+        if self.index == "radix":
+            self._first.cache(seq, keys, self.extra)
+            return
+        for i, key in enumerate(keys[start:], start=start):
+            self.register(seq, i, *key)
+
+    def cached_prefix(self, keys) -> int:
+        """Positions a new sequence would take from the cache now for `keys` (lookup's), changing nothing:
+        what a scheduler or a router ranks by."""
+        if self.index == "radix":
+            return self._first.cached_prefix(keys, self.extra)
+        return self._hit(keys)[0] * self.page_size
+
     def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> dict:
         """Name page `index` of `seq` by `digest` in every group that still holds it; group -> whether it
         was named (False where the window gave it back, or as BlockManager.register says)."""
@@ -209,11 +282,6 @@ class HybridBlockManager:
             reads = set(self._reads(group, h))
             bm.adopt(seq, [found[group][i] if i in reads else NULL for i in range(h)])
         return h
-
-    def cached_prefix(self, keys) -> int:
-        """Positions a new sequence would take from the cache now for `keys` (reserve_prefix's), changing
-        nothing."""
-        return self._hit(keys)[0] * self.page_size
 
     def _hit(self, keys) -> tuple[int, dict]:
         """(h, group -> the page named by each key or None): h as reserve_prefix takes it."""

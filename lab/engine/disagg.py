@@ -22,8 +22,8 @@ Here that is three pieces, small enough to read:
 `Disaggregated` runs the two in two processes joined by a Pipe, and `colocated` runs one ServingEngine over
 the same prompts and arrivals; `measure` compares them (TTFT, ITL, throughput, bytes moved).
 
-Only lab/cache touches a pool: pages are read with `PagedCache.page` and written with `set_page`, as the tiers
-below the pool do (lab/engine/tiers.py). Models with local layers (a HybridPool) are not handed off here.
+Only lab/cache touches a pool: pages are read with `PagePool.page` and written with `set_page`, as the tiers
+below the pool do (lab/engine/tiers.py). Models with local layers (two groups of pages) are not handed off here.
 """
 
 import dataclasses
@@ -148,12 +148,12 @@ class PageSet:
 
 
 def pageable(engine):
-    """Hand-offs move the pages of one PagedCache named by chapter 6's chain: not a HybridPool (a model with
-    local layers), nor a radix tree's one-position pages (`prefix_caching="radix"`)."""
-    if engine.hybrid:
+    """Hand-offs move the pages of a pool of one group named by chapter 6's chain: not a model with local
+    layers (a group of pages each), nor a radix tree (`prefix_caching="radix"`)."""
+    if len(engine.manager.groups) > 1:
         raise CacheInputError(f"{engine.model.config.name} has local layers (a pool per group of layers); "
-                              "this hand-off moves the pages of one PagedCache only")
-    if getattr(engine, "radix", False):
+                              "this hand-off moves the pages of a pool of one group only")
+    if engine.manager.index == "radix":
         raise CacheInputError('a hand-off names its pages by the hash chain: prefix_caching is True or False, '
                               'not "radix"')
 
@@ -304,19 +304,17 @@ class DecodeEngine(ServingEngine):
         """Reserve the prompt's T positions for `req`, its cached full pages taken, the rest written from `ps`."""
         T, P = len(req.prompt), self.page_size
         seq = self.pool.new_id()
-        taken = self.manager.reserve_prefix(seq, ps.names) if self.prefix_caching else 0
-        if self.manager.pages_needed(seq, T - taken * P) + len(self.running) > self.manager.num_free:
-            if seq in self.manager:
-                self.manager.release(seq)                             # the cached pages taken go back, named
-            raise OutOfPagesError(f"a page set of {ps.num_pages} pages: {self.manager.num_free} pages free, "
-                                  f"{len(self.running)} kept for the running requests")
+        taken = self.manager.lookup(seq, ps.names if self.prefix_caching else [])
+        if self._room(seq, spare=len(self.running)) < T:
+            self.manager.release(seq)                                 # the cached pages taken go back, named
+            raise OutOfPagesError(f"a page set of {ps.num_pages} pages: {self.manager.num_free['full']} pages "
+                                  f"free, {len(self.running)} kept for the running requests")
         self.pool.reserve([(seq, T - taken * P)])
         k, v = ps.tensors()                                           # [pages, layers, P, H_kv, D]
         for i, page in enumerate(self.manager.block_table(seq)[taken:], start=taken):
             self.pool.set_page(page, (k[i], v[i]))                    # [layers, P, H_kv, D] each
         if self.prefix_caching:
-            for i, key in enumerate(ps.names[taken:], start=taken):
-                self.manager.register(seq, i, *key)                   # False if the name is taken: fine
+            self.manager.publish(seq, ps.names, start=taken)
         req.seq, req.computed, req.keys = seq, T, list(ps.names)
         req.named = len(ps.names) if self.prefix_caching else 0
         req.cached_tokens += taken * P

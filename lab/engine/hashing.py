@@ -11,7 +11,7 @@ last page has no digest: its positions are not final, so it is never shared.
 import torch
 
 from ..cache import checks
-from ..cache.hashing import page_digest, root_digest
+from ..cache.hashing import page_keys, root_digest  # noqa: F401  (re-exported)
 from .identity import token_ids
 
 
@@ -27,17 +27,3 @@ def block_hashes(ids, page_size: int, extra=()) -> list[str]:
     if (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)) == 0:
         return []                                                 # no token, no page
     return [digest.hex() for digest, _, _ in page_keys(token_ids(ids).tolist(), page_size, extra)]
-
-
-def page_keys(ids: list, page_size: int, extra=(), known=()) -> list:
-    """(digest, parent digest, tokens) of every full page of `ids` (a list), the digests as raw bytes:
-    what the BlockManager registers a page under and checks a hit against. `known`, the keys of the
-    leading pages already computed (for the same `extra`), is extended, not computed again."""
-    P, keys = page_size, list(known)
-    parent = keys[-1][0] if keys else root_digest(extra)
-    for i in range(len(keys), len(ids) // P):
-        page = ids[i * P:(i + 1) * P]
-        digest = page_digest(parent, page)
-        keys.append((digest, parent, page))
-        parent = digest
-    return keys

@@ -16,7 +16,7 @@ at a time, under a budget of `max_batch_tokens` tokens per step:
    the request to try (a policy overrides it). A new request first takes the cached pages of its longest
    named prefix (chapter 6's page names), then reserves its first chunk.
 3. Run one forward over every token scheduled, laid end to end as one row `[1, N]`: the pool plans the
-   step once (`PagedCache.plan_step`: slots, positions, the decode rows' block tables, the chunks' pages),
+   step once (`PagePool.plan_step`: slots, positions, the decode rows' block tables, the chunks' reads),
    and each token attends to the pages of its own sequence. Append the greedy token of every request
    whose last known token was in the step, name the pages that became full, and release the requests
    that finished.
@@ -27,17 +27,17 @@ pages only (speculation never preempts). The request then feeds its last token a
 chunk, the same step verifies them all, and the pages are cropped back to the accepted tokens: a page is
 named for prefix caching only once every token in it is accepted, so rejected guesses never reach a name.
 
-A radix tree (chapter 11: `prefix_caching="radix"`): instead of naming full pages by a hash chain, the engine
-keeps every computed page in a RadixCache (lab/cache/radix.py) as soon as it is full, and a new request takes
-the tree's pages of its longest cached prefix: to the token with pages of one position, in whole pages
-otherwise (as SGLang does with page_size > 1). `schedule="lpm"` admits the
-waiting request with the longest cached prefix first (SGLang's cache-aware policy) instead of the oldest.
-
-Local layers (chapter 10: a model with `config.window_of(layer)` windows, from `local_layers`): the pool is a
-`HybridPool`, one group of pages for the global layers and one, of `local_pages` pages, for the local ones,
-whose pages go back once they leave the window (lab/cache/hybrid.py). Scheduling, preemption, prefix
-caching and speculation work as above, every group at once: a chunk takes what every group's free pages
-hold, and a prefix hit needs, in the local group, only the pages of the last window and the sinks.
+Every cache shape rides the same pool, step and kernel (lab/cache/pool.py), and the engine never asks
+which one it has: the pool's manager answers alike for all of them.
+- A radix tree (chapter 11: `prefix_caching="radix"`): instead of naming full pages by a hash chain, the
+  manager keeps every computed page in a RadixCache (lab/cache/radix.py) as soon as it is full, and a new
+  request takes the tree's pages of its longest cached prefix: to the token with pages of one position, in
+  whole pages otherwise (as SGLang does with page_size > 1). `schedule="lpm"` admits the waiting request
+  with the longest cached prefix first (SGLang's cache-aware policy) instead of the oldest.
+- Local layers (chapter 10: a model with `config.window_of(layer)` windows, from `local_layers`): one group
+  of pages for the global layers and one, of `local_pages` pages, for the local ones, whose pages go back
+  once they leave the window (lab/cache/hybrid.py). A chunk takes what every group's free pages hold, and
+  a prefix hit needs, in the local group, only the pages of the last window and the sinks.
 
 Time is counted in steps: a request's events (admitted, chunks, first token, preempted, finished) are step
 numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so every run is deterministic.
@@ -51,12 +51,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError, PagedCache
-from ..cache.paged import HybridPool, StepBatch
-from ..cache.radix import RadixBlockManager
+from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError
+from ..cache.pool import PagePool, StepBatch
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
-from .hashing import page_keys
 from .identity import identity_of, token_ids
 from .speculative import SpecInputError, check_guess, check_k
 
@@ -114,7 +112,7 @@ class ServingEngine:
     with page_size=1), or False. schedule: "fcfs" (first come, first served) or "lpm" (the longest cached prefix
     first; with prefix caching).
 
-    A model with local layers gets a HybridPool: `num_pages` pages for its global layers and `local_pages`
+    A model with local layers gets two groups of pages: `num_pages` for its global layers and `local_pages`
     for its local ones, num_pages by default. A sequence's local block table is its full one with the pages
     behind the window given back, so it never holds more local pages than full ones: the default gives the
     local group the full group's room, and saves no memory yet. What the window gives back shows in
@@ -145,22 +143,13 @@ class ServingEngine:
         check_k(k)
         self.model, self.page_size, self.max_batch_tokens = model, page_size, max_batch_tokens
         self.draft, self.k = draft, k
-        self.prefix_caching, self.radix, self.schedule = bool(prefix_caching), prefix_caching == "radix", schedule
-        self.hybrid = any(cfg.window_of(j)[0] for j in range(cfg.kv_layout[0]))   # local layers (ch. 10)
+        self.prefix_caching, self.schedule = bool(prefix_caching), schedule
         if cfg.kv_rank and not cfg.kv_absorbed:
             raise CacheInputError("the reconstructing form rebuilds every key and value from one sequence's whole "
                                   "cache; the engine's pages serve the absorbed form of the same model (latent_kv)")
-        if self.hybrid and self.radix:
-            raise CacheInputError("a radix tree keeps every position of a prefix; local layers give pages back")
-        if self.radix:                               # free and cached pages in a tree
-            self.pool = PagedCache.pool(cfg, num_pages * page_size, page_size, model.dtype, model.device,
-                                        manager=RadixBlockManager)
-        elif self.hybrid:                              # a group of pages per rule, the local one windowed
-            self.pool = HybridPool(cfg, num_pages, page_size, local_pages, dtype=model.dtype, device=model.device)
-        elif local_pages is not None:
-            raise CacheInputError(f"local_pages sizes the pages of local layers; {cfg.name or cfg.arch} has none")
-        else:
-            self.pool = PagedCache.pool(cfg, num_pages * page_size, page_size, model.dtype, model.device)
+        index = "radix" if prefix_caching == "radix" else "hash" if prefix_caching else None
+        # a group of pages per rule (one, without local layers), and the prefix index
+        self.pool = PagePool.for_model(cfg, num_pages, page_size, local_pages, index, model.dtype, model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
         self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
         # Llama weights on a CPU (float32, or bfloat16 where oneDNN runs it natively): the projections also
@@ -169,6 +158,7 @@ class ServingEngine:
         self.weights = Prepacked(model.weights) if packs else model.weights
         # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)
         self.extra = (identity_of(model, self.pool),) if self.prefix_caching else None
+        self.manager.extra = self.extra or ()
         self.requests = {}                           # id -> Request, every request ever added
         self.waiting = deque()                       # first come, first served
         self.running = []                            # in order of admission: the last is the youngest
@@ -179,8 +169,8 @@ class ServingEngine:
                           rollback_pages=0, held_pages=self._held_pages(), peak_held_pages=self._held_pages())
 
     @property
-    def num_pages(self) -> int:                      # pages in the pool (a hybrid pool's: the global layers')
-        return self.pool.num_pages
+    def num_pages(self) -> int:                      # pages of the first group (the global layers')
+        return self.manager.num_pages[self.manager.groups[0]]
 
     # ---- requests in and out ----
     def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None) -> int:
@@ -241,10 +231,9 @@ class ServingEngine:
             raise PositionLimitError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {positions} "
                                      f"positions; the model has {cfg.max_positions}")
         pages = -(-positions // self.page_size)
-        full = not self.hybrid or "full" in self.manager.groups  # a local group holds a window at most
-        if full and pages > self.num_pages:                       # could never run, even alone
+        if pages > self.manager.num_pages.get("full", pages):    # could never run, even alone (a local
             raise OutOfPagesError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {pages} pages of "
-                                  f"{self.page_size}; the pool has {self.num_pages}")
+                                  f"{self.page_size}; the pool has {self.num_pages}")   # group holds a window)
         return Request(-1, prompt, max_new_tokens, eos_id)
 
     def _add(self, req: Request) -> int:
@@ -331,9 +320,8 @@ class ServingEngine:
         return list(scheduled.items())
 
     def _room(self, seq, spare: int = 0) -> int:
-        """The length `seq` can grow to with the free pages (`spare` kept back), a copy on write aside: its
-        pages and the free ones, or with local layers the least over the groups, the pages the window gives
-        back counted as free (HybridPool.room)."""
+        """The length `seq` can grow to with the free pages (`spare` of each group's kept back), a copy on
+        write aside: the least over the groups, the pages a window gives back counted as free."""
         return self.pool.room(seq, spare)
 
     def _lookahead(self, decoding, scheduled, budget) -> int:
@@ -355,15 +343,13 @@ class ServingEngine:
             check_guess(guess, cfg.vocab_size)
             if guess:
                 self.stats["lookahead_pages"] += self._pages_needed(req.seq, len(guess))
-                self.pool.reserve([(req.seq, len(guess))])    # a HybridPool judges the window from the decode
+                self.pool.reserve([(req.seq, len(guess))])    # a window is judged from the decode
                 req.guess, scheduled[req], budget = guess, 1 + len(guess), budget - len(guess)
         return budget
 
     def _pages_needed(self, seq, n) -> int:
         """Free pages reserving n more positions of `seq` takes, every group's."""
-        if self.hybrid:
-            return sum(max(k, 0) for k in self.pool.pages_needed(seq, n).values())
-        return self.manager.pages_needed(seq, n)
+        return sum(max(k, 0) for k in self.pool.pages_needed(seq, n).values())
 
     def next_to_admit(self) -> Request:
         """The waiting request admission tries next: the head of the queue, first come first served (a
@@ -377,30 +363,20 @@ class ServingEngine:
 
     def cached_prefix(self, req) -> int:
         """Positions of `req` its admission would take from the cache now (changes nothing)."""
-        if self.radix:
-            return self.manager.cached_prefix(req.tokens[:req.num_tokens - 1], self.extra)
-        return self.manager.cached_prefix(self._page_keys(req, (req.num_tokens - 1) // self.page_size))
+        return self.manager.cached_prefix(self._index_keys(req, (req.num_tokens - 1) // self.page_size))
 
     def _admit(self, req, budget, now) -> int:
         """Give a waiting request its cached prefix and its first chunk; the chunk's tokens, or 0 (nothing
         changed) when the pool has no room for it."""
         P, seq = self.page_size, self.pool.new_id()
-        taken = 0
-        if self.radix:                                # the tree's pages of its longest cached prefix
-            taken = self.manager.match(seq, req.tokens[:req.num_tokens - 1], self.extra)
-        elif self.prefix_caching:                     # one token at least is computed: its logits are sampled
-            taken = self.manager.reserve_prefix(seq, self._page_keys(req, (req.num_tokens - 1) // P))
-        n = min(req.num_tokens - taken * P, budget)
-        # headroom: after admission, a free page for every running request, so that the decodes of the next
-        # step never preempt the request just admitted (which would throw its first chunk away)
-        if self.hybrid:     # every group; a local group may hold less than a chunk: the chunk shrinks to fit
-            n = min(n, self._room(seq, spare=len(self.running)) - taken * P)
-            short = n < 1
-        else:
-            short = self.manager.pages_needed(seq, n) + len(self.running) > self.manager.num_free
-        if short:
-            if seq in self.manager:
-                self.manager.release(seq)             # the cached pages taken go back, still named
+        # its cached prefix (none without an index); one token at least is computed: its logits are sampled
+        taken = self.manager.lookup(seq, self._index_keys(req, (req.num_tokens - 1) // P))
+        # headroom: after admission, a free page of every group for every running request, so that the
+        # decodes of the next step never preempt the request just admitted (which would throw its first chunk
+        # away); a local group may hold less than a chunk: the chunk shrinks to fit it
+        n = self.pool.fit(seq, min(req.num_tokens - taken * P, budget), spare=len(self.running))
+        if n < 1:
+            self.manager.release(seq)                 # the cached pages taken go back, still named
             return 0
         self.pool.reserve([(seq, n)])
         req.seq, req.computed, req.named, req.state = seq, taken * P, taken, "running"
@@ -419,8 +395,7 @@ class ServingEngine:
         self.stats["preemptions"] += 1
 
     def _release(self, req):
-        if self.radix:                                # what it computed goes in the tree, for later requests
-            self.manager.cache(req.seq, req.tokens[:req.computed // self.page_size * self.page_size], self.extra)
+        self._name_pages(req)                         # what it computed stays cached for later requests
         self.manager.release(req.seq)                 # named pages stay cached, free, least recent first
         req.seq, req.computed, req.named, req.guess, req.draft = None, 0, 0, [], None   # the draft's cache too
 
@@ -456,11 +431,11 @@ class ServingEngine:
             out = guess[:a] + g[a:a + 1]                              # the accepted guesses and one more
             req.computed += n - len(guess) + a                        # their keys and values are right
             if guess:                                                 # the rejected ones' are not: take
-                freed = pages_in(self.manager.crop(req.seq, req.computed))   # their slots and pages back
-                self.stats["rollback_pages"] += len(freed)
+                freed = sum(map(len, self.manager.crop(req.seq, req.computed).values()))   # their pages back
+                self.stats["rollback_pages"] += freed
                 self.stats["proposed"] += len(guess)
                 self.stats["accepted"] += a
-                req.events["verify"].append((now, len(guess), a, len(freed)))
+                req.events["verify"].append((now, len(guess), a, freed))
                 req.guess = []
             # endregion
             if req.eos_id in out:
@@ -477,36 +452,25 @@ class ServingEngine:
         return new
 
     def _name_pages(self, req):
-        """Name the pages of `req` that became full (chapter 6), so later requests starting alike take them."""
+        """Publish the pages of `req` that became full in the prefix index (chapter 6's names, or chapter 11's
+        tree), so later requests starting alike take them."""
         full = req.computed // self.page_size
-        if self.radix and full != req.named:          # every full page, as soon as it is
-            self.manager.cache(req.seq, req.tokens[:full * self.page_size], self.extra)
+        if full != req.named:
+            self.manager.publish(req.seq, self._index_keys(req, full), start=req.named)
             req.named = full
-        if self.radix or not self.prefix_caching or full == req.named:
-            return
-        for i, key in enumerate(self._page_keys(req, full)[req.named:], start=req.named):
-            self.manager.register(req.seq, i, *key)   # False if another page has that name already: fine
-        req.named = full
 
-    def _page_keys(self, req, count) -> list:
-        """(digest, parent, tokens) of the first `count` full pages of `req`, extending its chain as needed."""
-        if len(req.keys) < count:
-            req.keys = page_keys(req.tokens[:count * self.page_size], self.page_size, self.extra, known=req.keys)
-        return req.keys[:count]
+    def _index_keys(self, req, count) -> list:
+        """The prefix index's keys of the first `count` full pages of `req`, its chain extended as needed."""
+        keys = self.manager.keys(req.tokens[:count * self.page_size], known=req.keys)
+        if len(keys) > len(req.keys):
+            req.keys = keys
+        return keys
 
     def __repr__(self):
-        free = (", ".join(f"{self.manager.num_free(g)}/{self.manager.manager(g).num_pages} {g}"
-                          for g in self.manager.groups) if self.hybrid
-                else f"{self.manager.num_free}/{self.manager.num_pages}")
+        free = ", ".join(f"{self.manager.num_free[g]}/{self.manager.num_pages[g]} {g}" for g in self.manager.groups)
         return (f"ServingEngine({len(self.running)} running, {len(self.waiting)} waiting, "
-                f"{free} pages free, page_size={self.page_size}, "
-                f"max_batch_tokens={self.max_batch_tokens}, "
-                f"prefix_caching={'radix' if self.radix else self.prefix_caching}, schedule={self.schedule})")
-
-
-def pages_in(freed) -> list:
-    """The pages a crop gave back: a BlockManager's list, or every group's of a HybridBlockManager's dict."""
-    return [page for pages in freed.values() for page in pages] if isinstance(freed, dict) else freed
+                f"{free} pages free, page_size={self.page_size}, max_batch_tokens={self.max_batch_tokens}, "
+                f"prefix_caching={self.manager.index or False}, schedule={self.schedule})")
 
 
 @torch.inference_mode()

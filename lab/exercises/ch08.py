@@ -78,7 +78,7 @@ def serve(engine, prompts, max_new_tokens, arrivals, after_step=None, max_steps=
 def _check_config(engine, engine_class, num_pages, page_size, max_batch_tokens):
     assert isinstance(engine, ServingEngine), (
         f"expected a subclass of ServingEngine, got {engine_class!r}")
-    got = (engine.manager.num_pages, engine.page_size, engine.max_batch_tokens)
+    got = (engine.num_pages, engine.page_size, engine.max_batch_tokens)
     assert got == (num_pages, page_size, max_batch_tokens), (
         f"your engine runs with {got[0]} pages of {got[1]} and {got[2]} tokens a step; the check built it with "
         f"{num_pages} pages of {page_size} and {max_batch_tokens}: a bigger pool or budget hides the queue and the "
@@ -136,17 +136,14 @@ def cached_prefix(engine, req) -> int:
     """The positions `req` would take from cached pages if it were admitted now: its longest prefix of full
     pages that are named in the pool (pages it computed itself before a preemption, or pages another request
     with the same start named), at most all but its last token. Looks, changes nothing."""
-    if not engine.prefix_caching:
-        return 0
-    keys = engine._page_keys(req, (req.num_tokens - 1) // engine.page_size)   # (digest, parent, tokens) a page
-    return engine.manager.cached_prefix(keys)            # a key named for other tokens (a collision) is a miss
+    return engine.cached_prefix(req)       # a page named for other tokens (a collision) is a miss
 
 
 def _work_left(engine, req) -> int:
     """The oracle: len(prompt) + max_new_tokens less the positions admission would really take from the cache,
     found by admitting req into a copy of the engine's block manager."""
     manager = copy.deepcopy(engine.manager)
-    taken = manager.reserve_prefix(object(), engine._page_keys(req, (req.num_tokens - 1) // engine.page_size))
+    taken = manager.lookup(object(), engine._index_keys(req, (req.num_tokens - 1) // engine.page_size))
     return len(req.prompt) + req.max_new_tokens - taken * engine.page_size
 
 
@@ -342,7 +339,7 @@ class _SwapWatch:
         swapped = getattr(engine, "swapped", None)
         assert isinstance(swapped, dict), (
             "keep the host copies in self.swapped, a dict from request id to what you copied (set it in __init__)")
-        held, running = m.num_pages - m.num_free, sum(len(m.block_table(r.seq)) for r in engine.running)
+        held, running = engine.num_pages - m.num_free["full"], sum(len(m.block_table(r.seq)) for r in engine.running)
         out = [r.id for r in engine.waiting if now in r.events["preempted"]]
         assert held == running, (
             f"after step {now}, {held} pages are taken but the running requests hold {running}"
@@ -389,7 +386,7 @@ class _SwapWatch:
         """Every host copy is a copy, not a view of the pool: it stays as it is while every page of the pool
         changes (through set_page, each value negated, a zero made one), and then the pages are put back."""
         held = {rid: [t.clone() for t in _tensors(saved)] for rid, saved in swapped.items()}
-        pages = [engine.pool.page(p) for p in range(engine.manager.num_pages)]   # (keys, values) [L, P, H_kv, D]
+        pages = [engine.pool.page(p) for p in range(engine.num_pages)]   # (keys, values) [L, P, H_kv, D]
         flip = lambda t: torch.where(t == 0, torch.ones_like(t), -t)             # every value differs
         try:
             for p, (k, v) in enumerate(pages):

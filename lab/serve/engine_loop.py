@@ -29,7 +29,6 @@ import threading
 
 import torch
 
-from ..cache import BlockManager
 from ..engine import ServingEngine
 from ..models import load
 from ..models.load import load_config
@@ -76,9 +75,7 @@ class EngineLoop:
             self.engine.cancel(args[0])                  # False if it had finished: fine
         elif kind == "snapshot":
             engine = self.engine
-            free = engine.manager.num_free            # a hybrid pool's (chapter 10) counts per group
-            free = {g: free(g) for g in engine.manager.groups} if callable(free) else free
-            named = engine.manager.cached_pages() if isinstance(engine.manager, BlockManager) else None
+            free, named = engine.manager.num_free, engine.manager.cached_pages()     # free: group -> pages
             self.transport.send(("snapshot", dict(engine.stats, free_pages=free, named_pages=named,
                                                   in_flight=len(engine.running) + len(engine.waiting))))
         else:
@@ -100,8 +97,9 @@ class KVEvents:
 
     def __init__(self, manager):
         self.events = []
-        if not isinstance(manager, BlockManager):
+        if manager.index != "hash" or len(manager.groups) > 1:
             return
+        manager = manager.manager(manager.groups[0])      # the one group's pages, named by the chain
         evict = manager.on_evict
 
         def evicted(page, key):
