@@ -39,13 +39,13 @@ from IPython.display import display
 from lab import results
 from lab.cache import CacheMismatchError, ConcatCache, StaticCache
 from lab.engine import CachedBackend, identity_of, key_for, prefix_key
-from lab.engine.identity_cost import key_cost, refusal_cost, weights_check_cost
+from lab.identity_cost import key_cost, refusal_cost, weights_check_cost
 from lab.experiments import ch04_identity as ch04
 from lab.experiments.tables import show
 from lab.models import load, owner
 from lab.models.checks import FINGERPRINT_RUN, FINGERPRINT_SAMPLES, weights_state
 from lab.models.load import scaled_copy
-from lab.models.updates import optimizer_step, private_copy, step_signs
+from lab.updates import optimizer_step, private_copy, step_signs
 from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -241,7 +241,7 @@ print(f"{eng['misses']} misses, {eng['hits']} hits; {max(eng['positions'])} posi
 # moved; `lab.models.checks.owner(weights, config)` is the config and that state.
 #
 # Try it on a private copy of SmolLM2 (the shared model is never changed), with the update of one Adam
-# step: each element moves by the learning rate (`lab.models.updates.STEP_LR`), in a random direction.
+# step: each element moves by the learning rate (`lab.updates.STEP_LR`), in a random direction.
 
 # %%
 policy = private_copy(smol)
@@ -435,7 +435,7 @@ beside("ch04", "ch04.key_cost_us", "ch04.check_us", "ch04.weights_check", values
 # request. Does it refuse, and are its scores then right?
 #
 # The in-place hazard is the reinforcement-learning loop: a private copy of the weights fills the cache,
-# then takes one optimizer step in place (`lab.models.updates.STEP_LR` per element, a small fraction of a
+# then takes one optimizer step in place (`lab.updates.STEP_LR` per element, a small fraction of a
 # weight's size, as a real step is), and the next token is read through the stale cache; the backend
 # serves that same model object.
 

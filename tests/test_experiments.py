@@ -149,8 +149,8 @@ def test_ch03_values_hold_only_the_parts_measured_so_far(tiny):
 
 
 def test_ch04_values_hold_only_the_parts_measured_so_far(tiny):
-    from lab.engine.identity_cost import key_cost, weights_check_cost
     from lab.experiments import ch04_identity as ch04
+    from lab.identity_cost import key_cost, weights_check_cost
 
     row = dict(delta_median=0.5, delta_max=5.0, argmax_agree=3, kl_median=0.1, kl_max=0.2, refused_by_cache=0,
                refused=5, backend_correct=5, trials=5)

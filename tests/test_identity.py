@@ -7,11 +7,11 @@ import torch
 from lab import data
 from lab.cache import CacheMismatchError, ConcatCache, StaticCache
 from lab.engine import CachedBackend, IdentityError, LibraryBackend, RecomputeBackend, generate, identity_of, prefix_key
-from lab.engine.identity_cost import key_cost, weights_check_cost
 from lab.experiments import ch04_identity as ch04
+from lab.identity_cost import key_cost, weights_check_cost
 from lab.models import InputError, forward, forward_cached, load
 from lab.models.load import Model, scaled_copy
-from lab.models.updates import optimizer_step, private_copy, step_signs
+from lab.updates import optimizer_step, private_copy, step_signs
 
 TOL = 1e-5  # tiny models, float32: cached and recomputed logits differ only by summation order
 

@@ -7,8 +7,8 @@ running time in quick mode), plots.py (figure size and legibility for the book's
 notebook shows a table: units, separators, significant digits, words for booleans).
 
 A measurement a reader could reuse lives in the library, not here: lab.metrics (teacher-forced quality
-through any cache, ROC AUC, key spread), lab.step_cost (what a decode step costs), lab.engine.identity_cost
-(what checking a cache's identity costs), lab.models.updates (weight updates as training makes them),
+through any cache, ROC AUC, key spread), lab.step_cost (what a decode step costs), lab.identity_cost
+(what checking a cache's identity costs), lab.updates (weight updates as training makes them),
 lab.models.retrofit (the same function with outlier key channels), lab.memory (peak memory in a fresh
 process), lab.contention (a step on a busy machine), lab.workloads (synthetic prefix-sharing workloads and
 their hit rates), lab.loadgen (the HTTP load and the two-server comparison), and lab.peers (transformers,

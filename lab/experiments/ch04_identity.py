@@ -7,7 +7,7 @@ weights are tried that way first (is the wrong call refused?), then the record i
 measure the damage the wrong reuse would do without it. Then the same situation is put to a
 CachedBackend, which must refuse the reuse (a miss) or handle it, and still return the correct scores.
 
-The checks' costs are measured by `lab.engine.identity_cost`; the in-place update is `lab.models.updates`.
+The checks' costs are measured by `lab.identity_cost`; the in-place update is `lab.updates`.
 """
 
 import statistics
@@ -18,12 +18,12 @@ from tqdm.auto import tqdm
 from .. import data
 from ..cache import CacheMismatchError, StaticCache
 from ..engine import CachedBackend, RecomputeBackend, greedy_agreement
-from ..engine.identity_cost import key_cost, refusal_cost, weights_check_cost
+from ..identity_cost import key_cost, refusal_cost, weights_check_cost
 from ..metrics import kl_divergence
 from ..models import forward, forward_cached, load
 from ..models.load import scaled_copy
-from ..models.updates import STEP_LR, optimizer_step, private_copy, relative_update, step_signs
 from ..results import figures_dir, provenance, quick, value, write_section
+from ..updates import STEP_LR, optimizer_step, private_copy, relative_update, step_signs
 from .plots import finish
 
 SECTION = "ch04"

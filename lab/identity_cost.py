@@ -10,14 +10,14 @@ Three measurements, each a protocol a chapter (or a reader) runs on any model:
 
 import torch
 
-from .. import data
-from ..bench import time_call, time_rounds, time_steps
-from ..cache import StaticCache
-from ..models import forward_cached, owner
-from ..models.checks import fingerprint, tensor_versions
-from ..models.load import Model
-from .backends import CachedBackend, RecomputeBackend
-from .identity import identity_of, key_for, prefix_key
+from . import data
+from .bench import time_call, time_rounds, time_steps
+from .cache import StaticCache
+from .engine.backends import CachedBackend, RecomputeBackend
+from .engine.identity import identity_of, key_for, prefix_key
+from .models import forward_cached, owner
+from .models.checks import fingerprint, tensor_versions
+from .models.load import Model
 
 
 def key_cost(model, lengths=(16, 512, 4096), reps=400, step_reps=9) -> dict:

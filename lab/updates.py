@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from .load import Model
+from .models.load import Model
 
 STEP_LR = 5e-6   # NeMo RL's GRPO example
 
