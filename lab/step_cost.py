@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .bench import flush_caches, ratio_summary, time_rounds
 from .cache import cache_bytes, make_cache
-from .cache.paged import StepBatch
+from .cache.pool import StepBatch
 from .engine import ServingEngine, drive, serving
 from .kernels import paged_attention_cpu, paged_attention_gather
 from .kernels.pages import paged_copy
@@ -226,13 +226,9 @@ def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=1
         eng.weights = model.weights
     elif not fused:
         eng.weights.block = llama.block
-    for p in random_prompts(batch, context, 50, model.config.vocab_size):
-        eng.add_request(p, new)
-    while any(r.state == "waiting" or not r.output for r in eng.requests.values()):
-        eng.step()                                                      # every prompt prefilled
     orig_schedule, orig_init, orig_attend = eng._schedule, StepBatch.__init__, StepBatch.attend
     orig_owner = serving.owner
-    acc = {}
+    acc, ready = {}, [False]                   # ready: every prompt prefilled, the steps are decodes
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -243,21 +239,24 @@ def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=1
                 acc[name] = acc.get(name, 0.0) + perf_counter() - t
         return wrapper
 
+    def record(engine, new):                   # each decode step: its parts, the rest is the forward
+        t0, t1 = engine.stats["step_times"][-1]            # (the identity check runs before t0)
+        if ready[0] and engine.stats["batch_sizes"][-1] != batch:
+            raise RuntimeError(f"a profiled step ran {engine.stats['batch_sizes'][-1]} sequences, not {batch}")
+        for k in ("identity", "schedule", "batch", "attention") if ready[0] else ():
+            parts[k].append(acc.get(k, 0.0))
+        if ready[0]:
+            parts["forward"].append(t1 - t0 - sum(v for k, v in acc.items() if k != "identity"))
+        ready[0] = ready[0] or prefilled(engine)
+        acc.clear()
+
     eng._schedule = timed("schedule", orig_schedule)
     StepBatch.__init__ = timed("batch", orig_init)
     StepBatch.attend = timed("attention", orig_attend)
     serving.owner = timed("identity", orig_owner)
     try:
-        for _ in range(steps):
-            acc.clear()
-            t = perf_counter()
-            eng.step()
-            total = perf_counter() - t
-            if eng.stats["batch_sizes"][-1] != batch:
-                raise RuntimeError(f"a profiled step ran {eng.stats['batch_sizes'][-1]} sequences, not {batch}")
-            for k in ("identity", "schedule", "batch", "attention"):
-                parts[k].append(acc.get(k, 0.0))
-            parts["forward"].append(total - sum(acc.values()))
+        drive(eng, random_prompts(batch, context, 50, model.config.vocab_size), new, on_step=record,
+              until=lambda engine: len(parts["forward"]) == steps)
     finally:
         StepBatch.__init__, StepBatch.attend, serving.owner = orig_init, orig_attend, orig_owner
     med = {k: float(np.median(v)) for k, v in parts.items()}
@@ -365,6 +364,11 @@ def step_sweep(contexts: dict, load, rounds=11, warmup=1, deadline=float("inf"))
     return steps, manifests
 
 
+def prefilled(engine) -> bool:
+    """Every request admitted and past its prompt: the next step decodes them all."""
+    return not engine.waiting and all(r.num_tokens - r.computed == 1 for r in engine.running)
+
+
 def engine_steps(engines: dict, prompts, rounds=9, warmup=2, base="plain", new_tokens=64) -> dict:
     """A decode step of several serving engines at the same batch and positions (name -> ServingEngine):
     each takes `prompts` (up to `new_tokens` each: enough to outlast the prefill and the rounds), prefills
@@ -372,10 +376,7 @@ def engine_steps(engines: dict, prompts, rounds=9, warmup=2, base="plain", new_t
     step's median seconds, the KV bytes that step reads (every layer's keys and values it attends to: a
     local layer's window and sinks only) and, beside `base`, the ratio of their step times round by round."""
     for engine in engines.values():
-        for p in prompts:
-            engine.add_request(p, new_tokens)
-        while engine.waiting or any(r.num_tokens - r.computed > 1 for r in engine.running):
-            engine.step()
+        drive(engine, prompts, new_tokens, until=prefilled)
     t = time_rounds({name: e.step for name, e in engines.items()}, warmup=warmup, rounds=rounds, samples=True)
     if any(e.stats["batch_sizes"][-1] != len(prompts) for e in engines.values()):
         raise RuntimeError("a timed step did not decode every prompt")

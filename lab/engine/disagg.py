@@ -221,9 +221,8 @@ def prefill(engine, ids, page_size: int = 16) -> PageSet:
     if engine.running or engine.waiting:
         raise CacheStateError("prefill() runs one prompt through an idle engine; with others in flight, "
                               "call add_request and step yourself")
-    rid = engine.add_request(ids)
-    while not engine.requests[rid].done:
-        handed = engine.step()
+    handed = {}
+    rid, = drive(engine, [ids], 2, on_step=lambda e, new: handed.update(new))
     return handed[rid]
 
 

@@ -475,14 +475,15 @@ class ServingEngine:
 
 @torch.inference_mode()
 def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_seconds=False, on_step=None,
-          max_steps=None) -> list[int]:
+          max_steps=None, until=None) -> list[int]:
     """Serve `prompts` (id lists) through `engine` until they finish: the one loop that `generate`, the
     experiments, the exercises and the workers run. `max_new_tokens`: an int, or one per prompt. Prompt i is
     added before the first step at which arrivals[i] is due: a step number counted from this call (0, the
     default: at once), or with in_seconds=True, seconds after the call began (an idle engine sleeps until
     the next arrival). Every prompt is checked before any is added. After each step, on_step(engine, new),
     `new` being step()'s {id: tokens}. Returns the requests' ids, in prompt order; each step's start and end
-    (time.perf_counter) are in engine.stats["step_times"]. RuntimeError after max_steps steps."""
+    (time.perf_counter) are in engine.stats["step_times"]. RuntimeError after max_steps steps. until(engine):
+    stop after the first step at which it is true, the requests still in flight (a measurement's setup)."""
     n = len(prompts)
     news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
     arrivals = [0] * n if arrivals is None else list(arrivals)
@@ -510,4 +511,6 @@ def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_sec
             on_step(engine, new)
         if engine.waiting and not engine.running and not engine.stats["batch_sizes"][-1]:   # a bug, never a wait
             raise RuntimeError(f"the scheduler admitted nothing into an idle engine: {engine!r}")
+        if until is not None and until(engine):
+            break
     return rids

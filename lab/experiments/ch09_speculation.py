@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .. import data
 from ..cache import EvictingCache, QuantizedCache, make_cache
 from ..engine import EarlyExit, PromptLookup, SelfDraft, ServingEngine, speculative_generate
+from ..engine.serving import drive
 from ..engine.speculative import NoDraft
 from ..metrics import ratio_interval
 from ..models import forward_cached, load
@@ -308,17 +309,20 @@ def verify_timeline(model, n: int = 3, k: int = 4) -> dict:
     tok = model.tokenizer
     p = data.repeat_request(tok, data.passages(tok, 120, count=1, seed=5)[0])
     eng = ServingEngine(model, 64, PAGE, 512, prefix_caching=True, draft=PromptLookup(n), k=k)
-    rid = eng.add_request(p, 96)
-    while not eng.requests[rid].done:
-        start = eng.requests[rid].computed
-        eng.step()
-        v, req = eng.requests[rid].events["verify"], eng.requests[rid]
-        if v and v[-1][0] == eng.stats["steps"] - 1 and 0 < v[-1][2] < v[-1][1] and v[-1][3] > 0:
+    found, start = {}, [0]                        # start: positions computed before the step
+
+    def look(engine, new):
+        req = next(iter(engine.requests.values()))
+        v = req.events["verify"]
+        if v and v[-1][0] == engine.stats["steps"] - 1 and 0 < v[-1][2] < v[-1][1] and v[-1][3] > 0:
             step, guesses, accepted, freed = v[-1]
-            held = len(eng.manager.block_table(req.seq)) if req.seq is not None else 0
-            return dict(step=step, start=start, guesses=guesses, accepted=accepted, pages_freed=freed,
-                        pages_held=held + freed, page_size=PAGE, n=n, k=k)
-    return {}
+            held = len(engine.manager.block_table(req.seq)) if req.seq is not None else 0
+            found.update(step=step, start=start[0], guesses=guesses, accepted=accepted, pages_freed=freed,
+                         pages_held=held + freed, page_size=PAGE, n=n, k=k)
+        start[0] = req.computed
+
+    drive(eng, [p], 96, on_step=look, until=lambda engine: bool(found))
+    return found
 
 
 # ---- peers ------------------------------------------------------------------------------------------------
