@@ -21,18 +21,17 @@ from lab.cache import CacheInputError, CacheMismatchError, OutOfPagesError
 from lab.engine import ServingEngine
 from lab.engine.disagg import (
     DecodeEngine,
-    Disaggregated,
     HandoffError,
     PageSet,
     PrefillEngine,
     WorkerError,
     colocated,
-    measure,
     prefill,
     summarize,
 )
 from lab.models import forward, load, random_model
 from lab.models.retrofit import local_layers, share_kv
+from lab.serve.disagg import Disaggregated, measure
 
 GAP = 1e-4            # 10 x the 1e-5 bound on tiny-model logit differences between a paged engine and forward
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -290,10 +289,10 @@ def test_two_processes(tiny):
         for r, p in zip(timeline, ps, strict=True):
             assert r["arrival_s"] <= r["first_token_s"] and r["token_s"] == sorted(r["token_s"])
             assert len(r["token_s"]) == 6 and r["bytes_moved"] == prefill(tiny, p).nbytes()
-        d.workers[1].kill()
+        d.workers[1].process.kill()
         with pytest.raises(WorkerError, match="lab-decode"):
             d.generate(ps, 6)
-    assert not any(p.is_alive() for p in d.workers)
+    assert not any(w.process.is_alive() for w in d.workers)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ import torch
 
 from ..kernels import decode_attention
 from . import checks
-from .base import CacheInputError, CacheStateError, KVCache, attention
+from .base import CacheInputError, CacheStateError, KVCache
 from .hybrid import HybridBlockManager
 from .pool import PagePool, StepBatch
 from .sizing import cache_bytes
@@ -187,12 +187,16 @@ class PagedCache(KVCache):
 
     def attend(self, layer, q, k, v):
         """Store k, v and attend: a decode step over pages, or a prefill chunk (gather and mask)."""
-        if not self.config.as_trained or k.shape[2] > 1:   # a prefill chunk (or a retrofit's layer,
-            return super().attend(layer, q, k, v)          # ch. 10): gather and mask
-        self._put(layer, k, v)                               # decode: one query per sequence
-        out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer],
-                               self.block_tables, self.lengths, check_values=False)  # [B, H_q, D]
-        return out[:, :, None]                               # [B, H_q, 1, D]
+        if q is None or q.shape[2] > 1:                  # a prefill chunk (or a layer that attends
+            return super().attend(layer, q, k, v)        # by itself, ch. 10): gather and mask
+        if k is None and v is None:                      # a layer reading an earlier one's cache
+            checks.shared_read(self, layer, q)
+        else:
+            self._put(layer, k, v)                       # decode: one query per sequence
+        window, sinks = self.config.window_of(layer)     # (0, 0) but in a local layer (ch. 10)
+        out = decode_attention(q[:, :, 0], self.k_pool[layer], self.v_pool[layer], self.block_tables,
+                               self.lengths, check_values=False, window=window, sinks=sinks)
+        return out[:, :, None]                           # [B, H_q, 1, D]
 
     def page(self, page: int) -> tuple:
         """A copy of one page's keys and values in every layer, `[layers, page_size, H_kv, D]` each: what a
@@ -202,28 +206,6 @@ class PagedCache(KVCache):
     def set_page(self, page: int, kv: tuple):
         """Write back a page that `page` copied: a restore from a tier below the pool."""
         self.pool.set_page(page, kv)
-
-    def _attend_shaped(self, layer, q, k, v):
-        """A retrofit's layer (chapter 10): gathered and masked, one row at a time when rows differ."""
-        if len(set(self.seq_lengths())) > 1:
-            return self._attend_rows(layer, q, k, v)
-        return super()._attend_shaped(layer, q, k, v)
-
-    def _attend_rows(self, layer, q, k, v):
-        """Decode rows of different lengths under a retrofit's rules: each row's pages gathered, one row at
-        a time (the in-place decode kernel knows no windows)."""
-        if k is None and v is None:
-            checks.shared_read(self, layer, q)
-        else:
-            self._put(layer, k, v)
-        out = []
-        for row, s in enumerate(self.seqs):
-            L = self.manager.length(s)
-            pages = self.block_tables[row, : math.ceil(L / self.page_size)].long()
-            keys, values = (pool[layer][pages].flatten(0, 1)[:L].transpose(0, 1)[None]     # [1, H_kv, L, D]
-                            for pool in (self.k_pool, self.v_pool))
-            out.append(attention(self.config, layer, q[row:row + 1], keys, values))
-        return torch.cat(out)
 
     def _commit(self, t):
         self.slot_mapping, self._step_T = None, 0    # the manager already holds the positions

@@ -3,7 +3,7 @@
 from ..cache.radix import RadixCache
 from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids, common_prefix
 from .chat import ChatSession
-from .disagg import DecodeEngine, Disaggregated, HandoffError, PageSet, PrefillEngine, WorkerError, prefill
+from .disagg import DecodeEngine, HandoffError, PageSet, PrefillEngine, WorkerError, prefill
 from .generate import Generation, generate, greedy_agreement, positions_cached, positions_uncached
 from .hashing import block_hashes, root_digest
 from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix_key
@@ -25,4 +25,4 @@ __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Gen
            "ChatSession", "common_prefix", "ServingEngine", "EngineStateError", "drive", "speculative_generate",
            "SpecResult", "SpecInputError",
            "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache"]
-__all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "Disaggregated", "WorkerError"]
+__all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "WorkerError"]

@@ -19,8 +19,9 @@ Here that is three pieces, small enough to read:
    writes its bytes into fresh pages, names the full ones for prefix caching and puts the request straight
    into `running`, its first token already in its output. From there it decodes as any request does.
 
-`Disaggregated` runs the two in two processes joined by a Pipe, and `colocated` runs one ServingEngine over
-the same prompts and arrivals; `measure` compares them (TTFT, ITL, throughput, bytes moved).
+lab/serve/disagg.py runs the two in two engine processes (`Disaggregated`), and `colocated` here runs one
+ServingEngine over the same prompts and arrivals; `lab.serve.disagg.measure` compares them (TTFT, ITL,
+throughput, bytes moved).
 
 Only lab/cache touches a pool: pages are read with `PagePool.page` and written with `set_page`, as the tiers
 below the pool do (lab/engine/tiers.py). Models with local layers (two groups of pages) are not handed off here.
@@ -30,12 +31,8 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import multiprocessing
 import time
-import traceback
-from collections import deque
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import wait
 
 import numpy as np
 import torch
@@ -169,8 +166,8 @@ class PrefillEngine(ServingEngine):
         super().__init__(model, num_pages, page_size, max_batch_tokens, prefix_caching=prefix_caching)
         pageable(self)
 
-    def add_request(self, ids) -> int:
-        """Queue a prompt to prefill; returns its id."""
+    def add_request(self, ids, max_new_tokens: int = 2, eos_id=None) -> int:
+        """Queue a prompt to prefill (for its first token: max_new_tokens and eos_id are not used); its id."""
         return super().add_request(ids, 2)
 
     def _check(self, ids, max_new_tokens, eos_id):
@@ -330,195 +327,9 @@ class WorkerError(RuntimeError):
     """A worker process failed (its traceback is in the message), ended, or went silent past the timeout."""
 
 
-class Disaggregated:
-    """A prefill worker and a decode worker, each a process of its own with one thread, the prompts' KV moving
-    from the first to the second as PageSets over a multiprocessing Pipe.
-
-    `model`: a name `lab.models.load` knows (each worker loads it) or a Model (pickled to each). The prefill
-    worker has `prefill_pages` pages, the decode worker `decode_pages`. Use it as a context manager, or call
-    `close()`: the workers end with it. A worker that fails raises WorkerError in `generate` (with its
-    traceback), one that dies or goes silent for `timeout_s` too: every wait has a timeout.
-
-    Transport: a Pipe. It carries each PageSet as one message, in order, with backpressure (a full pipe makes
-    the prefill worker wait), and needs no cleanup when a worker dies. It copies the bytes twice (into the
-    kernel and out); shared memory would save those copies but needs a name per block, and an unlink that a
-    crash skips. At this book's page sets (kilobytes for the tiny models, a few megabytes for SmolLM2's long
-    prompts) the copies take far less time than the forward.
-    """
-
-    def __init__(self, model, prefill_pages: int, decode_pages: int, page_size: int = 16,
-                 max_batch_tokens: int = 256, transport: str = "pipe", timeout_s: float = 120.0):
-        if transport != "pipe":
-            raise ValueError(f"transport must be 'pipe', got {transport!r}")
-        self.timeout_s, self._tags, self.workers, self.conns = timeout_s, 0, [], []
-        ctx = multiprocessing.get_context("spawn")                  # fresh interpreters: no forked thread pools
-        kv_in, kv_out = ctx.Pipe(duplex=False)                       # prefill -> decode: the PageSets
-        for name, target, pages, kv in (("lab-prefill", prefill_worker, prefill_pages, kv_out),
-                                        ("lab-decode", decode_worker, decode_pages, kv_in)):
-            conn, child = ctx.Pipe()                                  # parent <-> worker: requests, results
-            p = ctx.Process(target=target, name=name, daemon=True,
-                            args=(child, kv, model, pages, page_size, max_batch_tokens))
-            p.start()
-            child.close()                                             # the worker's ends live in the worker:
-            self.workers.append(p)                                    # a dead worker reads as EOF here
-            self.conns.append(conn)
-        kv_in.close()
-        kv_out.close()
-        try:
-            for conn, p in zip(self.conns, self.workers, strict=True):
-                if self._receive(conn, p, timeout_s)[0] != "ready":
-                    raise WorkerError(f"{p.name} did not start")
-        except BaseException:
-            self.close()
-            raise
-
-    def _receive(self, conn, p, timeout_s):
-        """The next message on `conn`; WorkerError if the worker failed, ended or said nothing in timeout_s."""
-        if not wait([conn, p.sentinel], timeout_s):
-            raise WorkerError(f"{p.name} said nothing for {timeout_s} s")
-        try:
-            message = conn.recv() if conn.poll() else None
-        except (EOFError, OSError):                                   # its end of the pipe closed: it died
-            message = None
-        if message is None:
-            p.join(5)
-            raise WorkerError(f"{p.name} ended (exit code {p.exitcode})")
-        if message[0] == "error":
-            raise WorkerError(f"{p.name} failed:\n{message[1]}")
-        return message
-
-    def generate(self, prompts, max_new_tokens, arrivals_s=None) -> tuple[list, list]:
-        """Greedy continuations of `prompts`, each up to `max_new_tokens` (an int or one per prompt), prompt i
-        arriving `arrivals_s[i]` seconds after the call (0 for all by default). Returns (tokens, timeline):
-        the timeline per prompt in order, in seconds since the call (see `entry`)."""
-        prompts, news, arrivals = checked(prompts, max_new_tokens, arrivals_s)
-        n = len(prompts)
-        tags = list(range(self._tags, self._tags + n))                # ids of this call's requests
-        self._tags += n
-        t0 = clock()
-        try:
-            self.conns[0].send(("generate", [(t0 + a, tag, p, m)
-                                             for tag, p, m, a in zip(tags, prompts, news, arrivals, strict=True)]))
-        except (OSError, ValueError):                                  # its end is closed: it died
-            self._receive(self.conns[0], self.workers[0], 0)
-            raise
-        done = {}
-        while len(done) < n:
-            ready = wait([*self.conns, *(p.sentinel for p in self.workers)], self.timeout_s)
-            if not ready:
-                raise WorkerError(f"no worker said anything for {self.timeout_s} s")
-            for conn, p in zip(self.conns, self.workers, strict=True):
-                if conn in ready or p.sentinel in ready:
-                    _, tag, tokens, times, nbytes = self._receive(conn, p, 0)
-                    done[tag] = tokens, times, nbytes
-        tokens = [done[tag][0] for tag in tags]
-        return tokens, [entry(i, p, done[tag][0], t0 + a, done[tag][1], done[tag][2], t0)
-                        for i, (tag, p, a) in enumerate(zip(tags, prompts, arrivals, strict=True))]
-
-    def close(self):
-        """End both workers, decode first (so it never reads the prefill's end closing): a word, then a kill
-        after 10 s. Safe to call twice."""
-        for conn, p in reversed(list(zip(self.conns, self.workers, strict=True))):
-            try:
-                conn.send(("close",))
-            except (OSError, ValueError):                              # a dead worker, a closed pipe
-                pass
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-            conn.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def start_worker(conn, model, threads: int = 1):
-    """A worker's first lines: one thread, its model, and the kernels warmed up (outside every timing)."""
-    torch.set_num_threads(threads)
-    model = load(model) if isinstance(model, str) else model
-    warm_up(model)
-    return model
-
-
 def warm_up(model, page_size: int = 16):
     """One short request through a throwaway engine: the first calls' one-time costs are not measured."""
     ServingEngine(model, 4, page_size, max_batch_tokens=16, prefix_caching=False).generate([[1, 2, 3]], 3)
-
-
-def prefill_worker(conn, kv, model, pages, page_size, max_batch_tokens):
-    """The prefill process: prompts from the parent, each admitted at its arrival time; PageSets to `kv`."""
-    try:
-        engine = PrefillEngine(start_worker(conn, model), pages, page_size, max_batch_tokens)
-        conn.send(("ready",))
-        pending, tags = [], {}                         # (arrival, tag, prompt, max_new_tokens), soonest first
-        while True:
-            busy = engine.running or engine.waiting
-            timeout = 0 if busy else max(0.0, pending[0][0] - clock()) if pending else None
-            while conn.poll(timeout):                  # None: sleep until the parent says something
-                message = conn.recv()
-                if message[0] == "close":
-                    return
-                pending, timeout = sorted(pending + message[1]), 0
-            while pending and pending[0][0] <= clock():
-                arrival, tag, prompt, new = pending.pop(0)
-                tags[engine.add_request(prompt)] = tag, new, arrival
-            if engine.running or engine.waiting:
-                for rid, ps in engine.step().items():
-                    t, (tag, new, arrival) = clock(), tags.pop(rid)
-                    kv.send(("pageset", tag, new, t, ps.to_bytes()))
-    except BaseException:
-        report(conn)
-
-
-def decode_worker(conn, kv, model, pages, page_size, max_batch_tokens):
-    """The decode process: PageSets from `kv`, taken in order as pages free up; each request's tokens and their
-    times to the parent when it finishes."""
-    try:
-        engine = DecodeEngine(start_worker(conn, model), pages, page_size, max_batch_tokens)
-        conn.send(("ready",))
-        queue, info = deque(), {}                      # PageSets not yet taken; rid -> (tag, times, bytes)
-        while True:
-            # sleep until a message comes only with nothing to do: no request in flight, no page set queued
-            timeout = 0 if engine.running or engine.waiting or queue else None
-            while ready := wait([conn, kv], timeout):
-                for c in ready:
-                    message = c.recv()
-                    if message[0] == "close":
-                        return
-                    queue.append(message[1:])
-                timeout = 0
-            while queue:                               # hand-offs in order, while the pages last
-                tag, new, t_first, data = queue[0]
-                try:
-                    rid = engine.add_prefilled(PageSet.from_bytes(data), new)
-                except OutOfPagesError:
-                    if not engine.running:             # it would not fit an idle engine: never
-                        raise
-                    break
-                queue.popleft()
-                info[rid] = tag, [t_first], len(data)
-            if engine.running or engine.waiting:
-                new_tokens = engine.step()
-                t = clock()
-                for rid, tokens in new_tokens.items():
-                    info[rid][1].extend([t] * len(tokens))
-            for rid in [r for r in info if engine.requests[r].done]:
-                tag, times, nbytes = info.pop(rid)
-                conn.send(("done", tag, engine.output(rid), times, nbytes))
-    except BaseException:
-        report(conn)
-
-
-def report(conn):
-    """Tell the parent why this worker stops (it may be gone already)."""
-    try:
-        conn.send(("error", traceback.format_exc()))
-    except (OSError, ValueError):
-        pass
 
 
 # ---- one engine, the same measurement ----
@@ -586,22 +397,5 @@ def summarize(timeline) -> dict:
                 bytes_per_request=float(np.mean([r["bytes_moved"] for r in timeline])))
 
 
-def measure(model, prompts, max_new_tokens, arrivals_s, prefill_pages: int = 64, decode_pages: int = 64,
-            page_size: int = 16, max_batch_tokens: int = 256) -> dict:
-    """The same load both ways: Disaggregated (two processes, one thread each) and colocated (one engine, two
-    threads, prefill_pages + decode_pages pages: the same memory). Returns {"disaggregated": summary,
-    "colocated": summary, "same_tokens": bool, "settings": ..., "timelines": {mode: timeline}}; each summary
-    as `summarize`'s."""
-    with Disaggregated(model, prefill_pages, decode_pages, page_size, max_batch_tokens) as d:
-        tokens_d, timeline_d = d.generate(prompts, max_new_tokens, arrivals_s)
-    tokens_c, timeline_c = colocated(model, prompts, max_new_tokens, arrivals_s, prefill_pages + decode_pages,
-                                     page_size, max_batch_tokens)
-    settings = dict(prefill_pages=prefill_pages, decode_pages=decode_pages, page_size=page_size,
-                    max_batch_tokens=max_batch_tokens, threads=2, transport="pipe")
-    return dict(disaggregated=summarize(timeline_d), colocated=summarize(timeline_c),
-                same_tokens=tokens_d == tokens_c, settings=settings,
-                timelines=dict(disaggregated=timeline_d, colocated=timeline_c))
-
-
-__all__ = ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "Disaggregated", "WorkerError",
-           "colocated", "measure", "summarize"]
+__all__ = ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "WorkerError", "colocated",
+           "summarize"]

@@ -12,7 +12,8 @@ time is SmolLM2 in float32 on this CPU. Measured:
 - radix against hash chain: hit rate for the same memory at pages of 16 and 32, and the serving engine with
   the radix tree or the hash chain, first come first served or longest cached prefix first, under pressure;
 - routers: two workers on this machine (real forwards, one request at a time), and 2 to 64 simulated;
-- prefill apart from decode (lab.engine.disagg): two worker processes against one engine, same load.
+- prefill apart from decode (lab.engine.disagg, lab.serve.disagg): two engine processes against one engine,
+  same load.
 """
 
 import json
@@ -303,7 +304,7 @@ def routers_simulated(s: dict) -> dict:
 # ---- prefill apart from decode ----------------------------------------------------------------------------------
 
 def disaggregation(model, s: dict) -> dict:
-    from ..engine import disagg
+    from ..serve import disagg
     rng, vocab = random.Random(9), model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(s["disagg_tokens"])] for _ in range(s["disagg_requests"])]
     arrivals = [0.5 * i for i in range(len(prompts))]

@@ -26,6 +26,7 @@ import os
 import queue
 import signal
 import threading
+from multiprocessing import connection
 
 import torch
 
@@ -38,30 +39,54 @@ from ..models.load import load_config
 
 class EngineLoop:
     """Adds, cancels and steps, in that order, round after round. `transport.receive(wait)` returns the
-    messages that arrived (with `wait`, at least one); `transport.send(message)` answers."""
+    messages that arrived (with `wait`, at least one); `transport.send(message)` answers. A loop of another
+    role (lab/serve/disagg.py: prefill, decode) overrides `engine_class`, `connect`, `_handle`, `admit` and
+    `answer`."""
+
+    engine_class = ServingEngine
 
     def __init__(self, engine: ServingEngine, transport):
         self.engine, self.transport = engine, transport
         self.kv_events = KVEvents(engine.manager)
 
+    @classmethod
+    def connect(cls, engine, conn, kv=None):
+        """The loop of an engine's process, over its pipe to the server (`kv`: a pipe to another worker)."""
+        return cls(engine, PipeTransport(conn))
+
     def run(self):
         """Until a ("stop",) message: every request still in flight is cancelled, then ("stopped",)."""
         engine = self.engine
         while True:
-            idle = not (engine.running or engine.waiting)
             try:
-                for kind, *args in self.transport.receive(wait=idle):
+                for kind, *args in self.transport.receive(wait=not self.busy()):
                     if kind == "stop":
                         self._cancel_all()
                         self.transport.send(("stopped",))
                         return
                     self._handle(kind, *args)
+                self.admit()
                 if engine.running or engine.waiting:
-                    new = finished_tokens(engine, engine.step())
-                    self.transport.send(("tokens", new, self.kv_events.take()))
+                    for message in self.answer(engine.step()):
+                        self.transport.send(message)
             except Exception as e:                       # a bug: every request fails (500), none hangs
                 self._cancel_all()
                 self.transport.send(("failed", f"{type(e).__name__}: {e}"))
+
+    @staticmethod
+    def warm_up(engine):
+        """Before the process says it is ready: nothing here (a measured worker runs a throwaway request)."""
+
+    def busy(self) -> bool:
+        """Work to do without a new message: a request waits or runs."""
+        return bool(self.engine.running or self.engine.waiting)
+
+    def admit(self):
+        """Before each step: work the loop keeps besides the engine's queue (none here)."""
+
+    def answer(self, new: dict) -> list:
+        """The messages a step's new tokens make: one, the step's tokens and KV events."""
+        return [("tokens", finished_tokens(self.engine, new), self.kv_events.take())]
 
     def _handle(self, kind, *args):
         if kind == "add":
@@ -148,17 +173,19 @@ class QueueTransport:
 
 
 class PipeTransport:
-    """The loop's side in the engine's process: messages from the pipe, answers into it."""
+    """The loop's side in the engine's process: messages from the pipe (and from `more` pipes: another
+    worker's), answers into the first."""
 
-    def __init__(self, conn):
-        self.conn = conn
+    def __init__(self, conn, *more):
+        self.conn, self.conns = conn, [conn, *more]
 
     def receive(self, wait: bool) -> list:
+        messages = []
         try:
-            messages = [self.conn.recv()] if wait else []
-            while self.conn.poll():
-                messages.append(self.conn.recv())
-        except (EOFError, OSError):                      # the server's process is gone
+            for conn in connection.wait(self.conns, None if wait else 0):
+                while conn.poll():
+                    messages.append(conn.recv())
+        except (EOFError, OSError):                      # the server's process (or the other worker) is gone
             return [("stop",)]
         return messages
 
@@ -205,7 +232,10 @@ class EngineProcess:
     """
 
     def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
-                 prefix_caching: bool = True, threads: int | None = None, dtype: str = "float32"):
+                 prefix_caching: bool = True, threads: int | None = None, dtype: str = "float32",
+                 loop=EngineLoop, kv=None, name: str = "lab-engine"):
+        """loop: the EngineLoop class the process runs (its engine_class builds the engine); kv: one end of a
+        pipe to another worker, handed to the process (lab/serve/disagg.py)."""
         self.config, self.tokenizer = load_config(model, dtype)       # DtypeError here, before a process starts
         self.name, self.num_pages, self.page_size = self.config.name, num_pages, page_size
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
@@ -213,8 +243,9 @@ class EngineProcess:
         self.send_lock = threading.Lock()               # one message at a time into the pipe, whichever thread
         engine_args = dict(num_pages=num_pages, page_size=page_size, max_batch_tokens=max_batch_tokens,
                            prefix_caching=prefix_caching)
-        self.process = ctx.Process(target=engine_process, args=(child, model, engine_args, threads, self.config.dtype),
-                                   name="lab-engine", daemon=True)
+        self.process = ctx.Process(target=engine_process, name=name, daemon=True,
+                                   args=(child, model, engine_args, threads, self.config.dtype, loop, kv))
+        self._child = child
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self.extra, self.deliver = None, None           # deliver: the EngineClient's, once it wraps this
 
@@ -238,13 +269,17 @@ class EngineProcess:
         finally:
             if before is None:
                 del os.environ["THP_MEM_ALLOC_ENABLE"]
+        self._child.close()                             # the process's end lives there: its death reads as EOF
 
     def wait_ready(self, timeout_s: float = 600):
         """Wait until the launched process has loaded its model; RuntimeError if it does not."""
         if not self.conn.poll(timeout_s):
             self.process.kill()
             raise RuntimeError(f"the engine's process did not start within {timeout_s} s")
-        kind, *info = self.conn.recv()
+        try:
+            kind, *info = self.conn.recv()
+        except EOFError:
+            kind, info = "failed", [f"it ended (exit code {self.process.exitcode})"]
         if kind != "ready":
             raise RuntimeError(f"the engine's process failed to start: {info[0]}")
         self.extra = info[0]
@@ -279,15 +314,17 @@ class EngineProcess:
                 return
 
 
-def engine_process(conn, model: str, engine_args: dict, threads: int | None, dtype: str = "float32"):
-    """The engine's process: load the model in `dtype`, then run the loop over the pipe."""
+def engine_process(conn, model: str, engine_args: dict, threads: int | None, dtype: str = "float32",
+                   loop=EngineLoop, kv=None):
+    """The engine's process: load the model in `dtype`, then run `loop` over the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)         # the server decides when to stop (it drains first)
     try:
         if threads:
             torch.set_num_threads(threads)
-        engine = ServingEngine(load(model, dtype), **engine_args)
+        engine = loop.engine_class(load(model, dtype), **engine_args)
+        loop.warm_up(engine)
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", engine.extra))
-    EngineLoop(engine, PipeTransport(conn)).run()
+    loop.connect(engine, conn, kv).run()
