@@ -38,7 +38,7 @@ import torch
 from IPython.display import display
 
 from lab import loadgen, results, step_cost
-from lab.cache import PagedCache
+from lab.cache.pool import PagePool
 from lab.engine import ServingEngine
 from lab.experiments import ch08_serving as ch08
 from lab.experiments.tables import show
@@ -163,7 +163,7 @@ print(f"timeline identical to the toy's for {len(reqs)} requests; tokens identic
 # one decoding its sixth token, one prefilling a chunk of four.
 
 # %%
-pool = PagedCache(smol.config, 64, page_size=4)
+pool = PagePool.for_model(smol.config, num_pages=16, page_size=4)   # the engine's pool: one group, every layer
 a, b = pool.new_id(), pool.new_id()
 pool.reserve([(a, 6), (b, 4)])                       # the scheduler's reservations: a's 6th position, b's first 4
 plan = pool.plan_step([(a, 1), (b, 4)])              # a decode, then a chunk: one row of 5 tokens
@@ -171,13 +171,14 @@ print("block tables:", "; ".join(f"sequence {s} → pages {', '.join(map(str, po
                                  for s in (a, b)))
 display(show(pd.DataFrame({"sequence": [a] + [b] * 4,
                            "position (for RoPE)": plan.positions.tolist(),      # each token's own
-                           "slot: page × 4 + offset": plan.slot_mapping.tolist()},   # where every layer writes k, v
+                           "slot: page × 4 + offset": plan.slot_mapping["full"].tolist()},  # where k, v go
                           index=pd.RangeIndex(5, name="token of the row")).T))
 for at, length in zip(plan.decode_at.tolist(), plan.lengths.tolist(), strict=True):
-    print(f"a decode: token {at} of the row, its sequence {length} positions long with it")
-for at, n, pages, length in plan.chunks:
-    print(f"a chunk: tokens {at} to {at + n - 1} of the row, in pages {', '.join(map(str, pages.tolist()))}, "
-          f"its sequence {length} positions long with them")
+    print(f"a decode: token {at} of the row, its sequence {length} positions long with it, "
+          f"block table {plan.block_tables['full'][0].tolist()}")
+for at, n, read, start, _ in plan.chunks["full"]:
+    print(f"a chunk: tokens {at} to {at + n - 1} of the row, reading slots {read.tolist()}, "
+          f"its sequence {start + n} positions long with them")
 
 # %% [markdown]
 # ## 3. When the pages run out

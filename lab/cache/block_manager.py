@@ -121,9 +121,9 @@ class BlockManager:
         nothing, when the free pages do not suffice.
         """
         need = self.pages_needed(seq, n)                 # validates seq and n
-        if need > len(self._free):
+        if need > self.num_free:
             raise OutOfPagesError(f"reserve({seq!r}, {n}) needs {need} free pages, the pool has "
-                                  f"{len(self._free)} of {self.num_pages} free "
+                                  f"{self.num_free} of {self.num_pages} free "
                                   f"({self.page_size} positions per page)")
         table = self._tables.setdefault(seq, [])
         length = self._lengths.setdefault(seq, 0)

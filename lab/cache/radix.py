@@ -385,7 +385,9 @@ class RadixBlockManager(BlockManager):
     back what the tree does not keep. Pages shared through the tree need no copy on write: a tree page is
     always full and never written again.
 
-    Not here: `fork`, chapter 6's page names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
+    `fork` shares every page of a sequence, as BlockManager's: the tree's pages are full and read-only, and a
+    shared, partly filled last page is copied on write. Not here: chapter 6's page names (`register`,
+    `reserve_prefix`, `adopt`) and `drop_pages`.
     """
 
     def __init__(self, num_pages: int, page_size: int = 1):
@@ -420,14 +422,18 @@ class RadixBlockManager(BlockManager):
         return n
 
     def reserve(self, seq, n: int) -> list:
-        need = self.pages_needed(seq, n)             # validates seq and n; never a copy: tree pages are full
-        pages = self.tree.allocate(need)             # OutOfPagesError, changing nothing
-        for page in pages:
-            self._refs[page] = 1
-        self._tables.setdefault(seq, []).extend(pages)
-        self._lengths[seq] = self._lengths.get(seq, 0) + n
-        self.evicted = self.tree.evicted
-        return []
+        """BlockManager.reserve, its pages from the tree's free queue: the tree evicts what the step needs
+        first, at once (a sequence shares pages through the tree, or since a fork: a copy on write then)."""
+        need = self.pages_needed(seq, n)             # validates seq and n
+        if need <= self.num_free:                    # else BlockManager.reserve refuses, changing nothing
+            self.tree.evict(max(0, need - self.tree.num_free))
+            self.evicted = self.tree.evicted
+        return super().reserve(seq, n)
+
+    def _allocate(self) -> int:
+        page, = self.tree.allocate(1)
+        self._refs[page] = 1
+        return page
 
     def cache(self, seq, ids, extra=()):
         """Put the first len(ids) positions of `seq` (whole pages), which hold the keys and values of `ids`,
@@ -438,9 +444,9 @@ class RadixBlockManager(BlockManager):
             raise CacheInputError(f"cache({seq!r}): {len(ids)} ids, but the sequence holds {self._lengths[seq]} "
                                   f"and the tree takes whole pages of {P}")
         was, done = self._in_tree.get(seq, (None, ()))
-        if was == extra and len(done) <= len(ids) and ids[:len(done)] == done:   # what it cached, and more
-            handle = self.tree.extend(self._handles[seq], self._pages(ids[len(done):]),
-                                      table[len(done) // P:len(ids) // P])
+        new = table[len(done) // P:len(ids) // P]     # its pages past what it cached (a fork's may be cached)
+        if was == extra and ids[:len(done)] == done and len(done) <= len(ids) and all(map(self.tree.is_out, new)):
+            handle = self.tree.extend(self._handles[seq], self._pages(ids[len(done):]), new)
             if handle is not None:                   # grown from its own node, not from the root
                 self._handles[seq], self._in_tree[seq] = handle, (extra, ids)
                 return
@@ -480,10 +486,10 @@ class RadixBlockManager(BlockManager):
         return freed
 
     def _refuse(self, *args, **kwargs):
-        raise CacheStateError("a RadixBlockManager shares pages through its tree (match, cache), not by fork, "
-                              "page names or dropped pages")
+        raise CacheStateError("a RadixBlockManager names its pages in its tree (match, cache), not by chapter "
+                              "6's page names, and keeps every page of a sequence (no dropped pages)")
 
-    fork = register = reserve_prefix = adopt = drop_pages = _refuse
+    register = reserve_prefix = adopt = drop_pages = _refuse
 
     def check(self):
         """Raise AssertionError naming the first broken invariant, the tree's included."""
