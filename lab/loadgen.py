@@ -39,7 +39,6 @@ from urllib.parse import urlsplit
 from tqdm.auto import tqdm
 
 from .data import MAX_REQUEST_LEN, synthetic_lengths
-from .results import not_run, value
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
@@ -341,75 +340,6 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
             for name in urls:
                 if name not in compare_only:
                     out[name]["rates"][rate] = summarize(run(name, reqs), **SLO)
-    return out
-
-
-# ---- the two servers' answers ----
-
-
-def agreement(h, levels) -> dict:
-    """compare_servers' "lab" and "vllm" answers to the same requests (round 0 of every level): identical;
-    one a prefix of the other (the lab's server stops at SmolLM2's end-of-turn token, vLLM was told to ignore
-    it); shorter."""
-    pairs = [pair for c in levels for pair in zip(h["lab"]["concurrency"][c]["tokens"],
-                                                  h["vllm"]["concurrency"][c]["tokens"], strict=True)]
-    return dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
-                prefix=sum(len(a) > 0 and a == b[:len(a)] for a, b in pairs),
-                lab_stopped=sum(len(a) < len(b) for a, b in pairs),
-                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
-
-
-def agreement_values(a: dict) -> dict:
-    """`agreement` as results values: the share of identical answers, of answers equal to vLLM's or its start,
-    and how often the lab's server stopped at the end-of-turn token."""
-    return {"agreement": value(a["identical"] / a["requests"], None, identical=a["identical"],
-                               requests=a["requests"], first_token=a["first_token"]),
-            "agreement_prefix": value(a["prefix"] / a["requests"], None,
-                                      note="the lab's answer equal to vLLM's, or its start"),
-            "lab_stopped": value(a["lab_stopped"], "requests", of=a["requests"],
-                                 note="the lab's server stopped at the end-of-turn token")}
-
-
-# ---- as results values ----
-
-
-def ratio(out: dict, a: str, b: str, c: int, note: str = "") -> dict:
-    """Server a's throughput over server b's at c requests in flight, as a results value: the ratio of their
-    median runs, with the ratio of each round's pair (a round sends the load to both, one after the
-    other) and the lowest and highest of those, the spread a reader should allow."""
-    x, y = out[a]["concurrency"][c], out[b]["concurrency"][c]
-    pairs = [p / q for p, q in zip(x["rounds"], y["rounds"], strict=True) if q]
-    return value(x["throughput_tok_s"] / y["throughput_tok_s"], "x", rounds=pairs, low=min(pairs), high=max(pairs),
-                 note=note or f"{a} over {b}, {c} requests in flight")
-
-
-def ratios(out: dict, pairs: dict, levels) -> dict:
-    """{name: {"c16": {"ratio", "low", "high"}}}: for each name's (server a, server b) of `pairs` and each
-    level, `ratio` and, as values of their own, the lowest and highest of its rounds' ratios."""
-    def spread(r):
-        return {"ratio": r, "low": value(r["low"], "x"), "high": value(r["high"], "x")}
-    return {name: {f"c{c}": spread(ratio(out, a, b, c)) for c in levels} for name, (a, b) in pairs.items()}
-
-
-
-def values(r: dict) -> dict:
-    """One server's `compare_servers` results as results.json values: throughput, median TTFT and ITL at
-    each level in flight ("c16"), the same and the tails and goodput at each offered rate ("r0_5"), and the
-    sequential loop's throughput where it ran."""
-    ms = lambda x: value(x * 1e3, "ms") if x is not None else not_run("no request completed", "ms")
-    out = {"concurrency": {f"c{c}": {"throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", failed=x["failed"],
-                                                         rounds=x["rounds"]),
-                                     "ttft_median_ms": ms(x["ttft_median_s"]), "itl_median_ms": ms(x["itl_median_s"])}
-                           for c, x in r["concurrency"].items()}}
-    if r["rates"]:                                              # a server sent only the compared level has none
-        out["rates"] = {f"r{rate:g}".replace(".", "_"): {
-            "throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", offered=rate, completed=x["completed"],
-                                requests=x["requests"]),
-            "goodput": value(x["goodput"] or 0.0, "req/s", slo_ttft_s=x["slo_ttft_s"], slo_itl_s=x["slo_itl_s"]),
-            "ttft_median_ms": ms(x["ttft_median_s"]), "ttft_p99_ms": ms(x["ttft_p99_s"]),
-            "itl_median_ms": ms(x["itl_median_s"]), "itl_p99_ms": ms(x["itl_p99_s"])} for rate, x in r["rates"].items()}
-    if "sequential" in r:
-        out["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
     return out
 
 

@@ -226,12 +226,12 @@ def test_vllm_server_answers_exactly_max_tokens():
 def test_ratio_pairs_each_round_of_two_servers():
     """ratio: the median runs' throughputs divided, and each round's pair divided (the spread); a round's
     pair is the i-th entry of both servers' rounds, as compare_servers records them."""
-    from lab import loadgen
+    from lab.experiments import ch08_serving as ch08
 
     out = {"a": {"concurrency": {16: {"throughput_tok_s": 150.0, "rounds": [140.0, 150.0, 160.0]}}},
            "b": {"concurrency": {16: {"throughput_tok_s": 100.0, "rounds": [100.0, 120.0, 80.0]}}}}
-    r = loadgen.ratio(out, "a", "b", 16)
+    r = ch08.ratio(out, "a", "b", 16)
     assert r["value"] == pytest.approx(1.5) and r["unit"] == "x"
     assert r["rounds"] == pytest.approx([1.4, 1.25, 2.0]) and (r["low"], r["high"]) == pytest.approx((1.25, 2.0))
-    g = loadgen.ratios(out, {"f32": ("a", "b")}, (16,))["f32"]["c16"]
+    g = ch08.ratios(out, {"f32": ("a", "b")}, (16,))["f32"]["c16"]
     assert (g["ratio"]["value"], g["low"]["value"], g["high"]["value"]) == pytest.approx((1.5, 1.25, 2.0))

@@ -175,7 +175,7 @@ def http(s) -> dict:
                                    rounds=s["rounds"], compare_at=compared(s), timeout_s=s["timeout_s"],
                                    compare_only=("lab_one_process", "lab_bf16", "vllm_bf16"))
     if "vllm" in servers:
-        out["agreement"] = loadgen.agreement(out, s["http_levels"])
+        out["agreement"] = agreement(out, s["http_levels"])
     return out
 
 
@@ -330,18 +330,18 @@ def http_values(h: dict | None, s: dict) -> dict:
     v = {}
     for side in ("lab", "vllm", "lab_one_process", "lab_bf16", "vllm_bf16"):
         r = h[side]
-        v[side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else loadgen.values(r)
+        v[side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else server_values(r)
     c16 = compared(s)[0]
     v["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
     v["rounds"] = value(s["rounds"], "runs", note="of each server at 16 and 64 requests in flight")
     if isinstance(h["vllm"], dict):
-        v["ratio"] = loadgen.ratio(h, "lab", "vllm", c16, f"lab server over vLLM's, {c16} requests in flight, same "
+        v["ratio"] = ratio(h, "lab", "vllm", c16, f"lab server over vLLM's, {c16} requests in flight, same "
                                    "two cores, float32")
-        v["ratios"] = loadgen.ratios(h, {"float32": ("lab", "vllm"), "bfloat16": ("lab_bf16", "vllm_bf16")},
+        v["ratios"] = ratios(h, {"float32": ("lab", "vllm"), "bfloat16": ("lab_bf16", "vllm_bf16")},
                                      compared(s))
-        v |= loadgen.agreement_values(h["agreement"])
+        v |= agreement_values(h["agreement"])
     if isinstance(h.get("lab_one_process"), dict):
-        v["process_gain"] = loadgen.ratio(h, "lab", "lab_one_process", c16, "engine in its own process over in the "
+        v["process_gain"] = ratio(h, "lab", "lab_one_process", c16, "engine in its own process over in the "
                                           f"server's, {c16} requests in flight")
     return v
 
@@ -367,3 +367,68 @@ def record(m: dict, drawn: dict | None = None) -> dict:
     write_section(SECTION, v, provenance(manifest=m["manifest"], cores=CORES, note=SYNTHETIC), figures=figures)
     return v
 
+
+# ---- the two servers' answers, and as results values ----
+
+
+def agreement(h, levels) -> dict:
+    """compare_servers' "lab" and "vllm" answers to the same requests (round 0 of every level): identical;
+    one a prefix of the other (the lab's server stops at SmolLM2's end-of-turn token, vLLM was told to ignore
+    it); shorter."""
+    pairs = [pair for c in levels for pair in zip(h["lab"]["concurrency"][c]["tokens"],
+                                                  h["vllm"]["concurrency"][c]["tokens"], strict=True)]
+    return dict(identical=sum(a == b and len(a) > 0 for a, b in pairs), requests=len(pairs),
+                prefix=sum(len(a) > 0 and a == b[:len(a)] for a, b in pairs),
+                lab_stopped=sum(len(a) < len(b) for a, b in pairs),
+                first_token=sum(a[:1] == b[:1] and len(a) > 0 for a, b in pairs))
+
+
+def agreement_values(a: dict) -> dict:
+    """`agreement` as results values: the share of identical answers, of answers equal to vLLM's or its start,
+    and how often the lab's server stopped at the end-of-turn token."""
+    return {"agreement": value(a["identical"] / a["requests"], None, identical=a["identical"],
+                               requests=a["requests"], first_token=a["first_token"]),
+            "agreement_prefix": value(a["prefix"] / a["requests"], None,
+                                      note="the lab's answer equal to vLLM's, or its start"),
+            "lab_stopped": value(a["lab_stopped"], "requests", of=a["requests"],
+                                 note="the lab's server stopped at the end-of-turn token")}
+
+
+def ratio(out: dict, a: str, b: str, c: int, note: str = "") -> dict:
+    """Server a's throughput over server b's at c requests in flight, as a results value: the ratio of their
+    median runs, with the ratio of each round's pair (a round sends the load to both, one after the
+    other) and the lowest and highest of those, the spread a reader should allow."""
+    x, y = out[a]["concurrency"][c], out[b]["concurrency"][c]
+    pairs = [p / q for p, q in zip(x["rounds"], y["rounds"], strict=True) if q]
+    return value(x["throughput_tok_s"] / y["throughput_tok_s"], "x", rounds=pairs, low=min(pairs), high=max(pairs),
+                 note=note or f"{a} over {b}, {c} requests in flight")
+
+
+def ratios(out: dict, pairs: dict, levels) -> dict:
+    """{name: {"c16": {"ratio", "low", "high"}}}: for each name's (server a, server b) of `pairs` and each
+    level, `ratio` and, as values of their own, the lowest and highest of its rounds' ratios."""
+    def spread(r):
+        return {"ratio": r, "low": value(r["low"], "x"), "high": value(r["high"], "x")}
+    return {name: {f"c{c}": spread(ratio(out, a, b, c)) for c in levels} for name, (a, b) in pairs.items()}
+
+
+
+def server_values(r: dict) -> dict:
+    """One server's `compare_servers` results as results.json values: throughput, median TTFT and ITL at
+    each level in flight ("c16"), the same and the tails and goodput at each offered rate ("r0_5"), and the
+    sequential loop's throughput where it ran."""
+    ms = lambda x: value(x * 1e3, "ms") if x is not None else not_run("no request completed", "ms")
+    out = {"concurrency": {f"c{c}": {"throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", failed=x["failed"],
+                                                         rounds=x["rounds"]),
+                                     "ttft_median_ms": ms(x["ttft_median_s"]), "itl_median_ms": ms(x["itl_median_s"])}
+                           for c, x in r["concurrency"].items()}}
+    if r["rates"]:                                              # a server sent only the compared level has none
+        out["rates"] = {f"r{rate:g}".replace(".", "_"): {
+            "throughput": value(x["throughput_tok_s"] or 0.0, "tok/s", offered=rate, completed=x["completed"],
+                                requests=x["requests"]),
+            "goodput": value(x["goodput"] or 0.0, "req/s", slo_ttft_s=x["slo_ttft_s"], slo_itl_s=x["slo_itl_s"]),
+            "ttft_median_ms": ms(x["ttft_median_s"]), "ttft_p99_ms": ms(x["ttft_p99_s"]),
+            "itl_median_ms": ms(x["itl_median_s"]), "itl_p99_ms": ms(x["itl_p99_s"])} for rate, x in r["rates"].items()}
+    if "sequential" in r:
+        out["sequential"] = value(r["sequential"]["throughput_tok_s"], "tok/s")
+    return out
