@@ -165,7 +165,7 @@ print(f"timeline identical to the toy's for {len(reqs)} requests; tokens identic
 # %%
 pool = PagePool.for_model(smol.config, num_pages=16, page_size=4)   # the engine's pool: one group, every layer
 a, b = pool.new_id(), pool.new_id()
-pool.reserve([(a, 6), (b, 4)])                       # the scheduler's reservations: a's 6th position, b's first 4
+pool.reserve([(a, 6), (b, 4)])     # a: 6 positions (in a server 5 computed already, 1 for this decode); b: 4
 plan = pool.plan_step([(a, 1), (b, 4)])              # a decode, then a chunk: one row of 5 tokens
 print("block tables:", "; ".join(f"sequence {s} → pages {', '.join(map(str, pool.manager.block_table(s)))}"
                                  for s in (a, b)))
@@ -173,9 +173,9 @@ display(show(pd.DataFrame({"sequence": [a] + [b] * 4,
                            "position (for RoPE)": plan.positions.tolist(),      # each token's own
                            "slot: page × 4 + offset": plan.slot_mapping["full"].tolist()},  # where k, v go
                           index=pd.RangeIndex(5, name="token of the row")).T))
-for at, length in zip(plan.decode_at.tolist(), plan.lengths.tolist(), strict=True):
+for row, (at, length) in enumerate(zip(plan.decode_at.tolist(), plan.lengths.tolist(), strict=True)):
     print(f"a decode: token {at} of the row, its sequence {length} positions long with it, "
-          f"block table {plan.block_tables['full'][0].tolist()}")
+          f"block table {plan.block_tables['full'][row].tolist()}")
 for at, n, read, start, _ in plan.chunks["full"]:
     print(f"a chunk: tokens {at} to {at + n - 1} of the row, reading slots {read.tolist()}, "
           f"its sequence {start + n} positions long with them")

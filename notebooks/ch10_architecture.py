@@ -217,8 +217,8 @@ m = dict(settings=S, manifest=smol.manifest, threads=torch.get_num_threads(),
 beside("ch10", "ch10.hybrid", values=ch10.values(m))
 
 # %% [markdown]
-# The serving engine runs such a model on the one page pool it keeps for every model (`PagePool`), with a
-# group of pages per rule, and gives every request the tokens of the model's uncached forward.
+# The serving engine runs such a model on one `PagePool`, the kind it keeps for every model, with a pool
+# pair of its own for each group of layers, and gives every request the tokens of the model's uncached forward.
 # `stats["peak_held_pages"]` counts the most pages each group held at once: here that is during the
 # prefill, when a local layer still needs every page of the chunk it computes; the window gives pages back
 # as decoding moves it on.

@@ -266,6 +266,8 @@ def test_planned_step_runs_once_and_refuses_what_it_cannot_serve(tiny):
         pool.plan_step([(s, 0)])
     with pytest.raises(CacheStateError, match="unknown sequence"):
         pool.plan_step([(pool.new_id(), 1)])
+    with pytest.raises(CacheInputError, match="names a sequence twice"):
+        pool.plan_step([(s, 1), (s, 1)])                        # two tokens would share one slot
     step = pool.plan_step([(s, 5)])
     with pytest.raises(CacheStateError, match="advance"):
         step.advance(5)                                         # no layer stored anything yet

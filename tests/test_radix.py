@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from lab.cache import BlockManager, CacheError, CacheInputError, CacheStateError, OutOfPagesError
-from lab.cache.radix import RadixBlockManager
 from lab.engine import RadixCache
 from lab.engine.hashing import page_keys
 
@@ -388,22 +387,3 @@ def test_radix_hit_rate_counts_every_longest_earlier_prefix_and_beats_whole_page
     pages = workloads.hit_rate(load("tiny-llama"), requests, num_pages=-(-total // 16), page_size=16)
     assert pages["cached_tokens"] < got["cached_tokens"]
 
-
-def test_a_radix_manager_forks_and_copies_a_shared_partial_page_on_write():
-    """fork shares every page, as BlockManager's: the shared, partly filled last page is copied when either
-    sequence grows, the tree takes the pages either caches, and releasing both gives every page back."""
-    bm = RadixBlockManager(8, 4)
-    assert bm.reserve("a", 6) == [] and len(bm.block_table("a")) == 2
-    bm.fork("a", "b")
-    assert bm.block_table("b") == bm.block_table("a") and bm.num_free == 6
-    (old, new), = bm.reserve("b", 1)                   # positions 4, 5 are shared: b writes 6 in a copy
-    assert old == bm.block_table("a")[1] and new == bm.block_table("b")[1] != old
-    bm.check()
-    bm.cache("b", [1, 2, 3, 4], ("x",))                # the shared full page goes into the tree ...
-    bm.cache("a", [1, 2, 3, 4], ("x",))                # ... and a, which shares it, caches the same page
-    bm.check()
-    assert bm.cached_pages() == 1 and bm.cached_prefix([1, 2, 3, 4, 5], ("x",)) == 4
-    bm.release("a")
-    bm.release("b")
-    bm.check()
-    assert bm.num_free == 8 and bm.cached_pages() == 1   # the cached page is free to evict, kept until then

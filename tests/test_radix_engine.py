@@ -148,7 +148,7 @@ def test_radix_block_manager_refuses_what_it_does_not_do():
     m = RadixBlockManager(8)
     m.match(0, [1, 2, 3])
     m.reserve(0, 3)
-    for call in (lambda: m.register(0, 0, b"", b"", [1]), lambda: m.reserve_prefix(9, []),
+    for call in (lambda: m.fork(0, 1), lambda: m.register(0, 0, b"", b"", [1]), lambda: m.reserve_prefix(9, []),
                  lambda: m.drop_pages(0, [0])):
         with pytest.raises(CacheStateError):
             call()

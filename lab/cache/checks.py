@@ -173,6 +173,13 @@ def memory_fraction(fraction):
         raise CacheInputError(f"fraction must be in (0, 1], got {fraction}")
 
 
+def distinct_parts(parts):
+    """plan_step(parts): every sequence named once (two parts of one sequence would share its slots)."""
+    seqs = [seq for seq, _ in parts]
+    if len(set(seqs)) != len(seqs):
+        raise CacheInputError(f"plan_step() names a sequence twice: {seqs}")
+
+
 def step_part(manager, seq, n) -> int:
     """plan_step: `seq` is live and holds at least the n >= 1 positions this step runs; returns the first."""
     int_arg("n", n, low=1)

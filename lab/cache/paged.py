@@ -46,10 +46,10 @@ class PagedCache(KVCache):
         super().__init__(config, batch_size, dtype, device)
         checks.paged_sizes(max_tokens, page_size, max_seq_tokens)
         self.page_size, self.num_pages = page_size, math.ceil(max_tokens / page_size)
-        one = {"full": (self.num_pages, 0, 0)}                 # one group of pages: every layer
-        groups = HybridBlockManager(page_size, one, {"full": range(self.n_layers)})
+        pages = {"full": (self.num_pages, 0, 0)}     # (pages, window, sinks): every position kept
+        groups = HybridBlockManager(page_size, pages, {"full": range(self.n_layers)})  # every layer
         self.pool = PagePool(config, groups, self.dtype, self.device)
-        self.k_pool = self.pool.k_pools["full"]                # [L, N, page, H_kv, D]
+        self.k_pool = self.pool.k_pools["full"]                # [L, pages, page, H_kv, D]
         self.v_pool = self.pool.v_pools["full"]
         longest = max_seq_tokens or max_tokens
         self.max_pages = round_up(math.ceil(longest / page_size), 16)  # padded table width

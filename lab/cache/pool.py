@@ -151,15 +151,17 @@ class PagePool:
                                          max(tables.shape[1], 2 * width if width > tables.shape[1] else 0))
                 grown[:tables.shape[0], :tables.shape[1]] = tables
                 self.tables[group] = tables = grown
-            for seq, row in zip(seqs, rows, strict=True):
-                table, old = bm._tables[seq], known.get(seq, [])
+            # region table_rows
+            for seq, row in zip(seqs, rows, strict=True):    # write only what changed since the last step
+                table, old = bm._tables[seq], known.get(seq, [])   # the manager's, and the device row's
                 if table == old:
-                    continue
+                    continue                                 # the usual decode step: nothing to write
                 first = next((j for j, (a, b) in enumerate(zip(table, old, strict=False)) if a != b),
-                             min(len(table), len(old)))
+                             min(len(table), len(old)))      # a new page, a copy on write, a crop
                 new = [max(page, 0) for page in table[first:]] + [0] * max(0, len(old) - len(table))
-                tables[row, first:first + len(new)] = torch.tensor(new, dtype=torch.int32)
+                tables[row, first:first + len(new)] = torch.tensor(new, dtype=torch.int32)  # NULL -> 0
                 known[seq] = list(table)
+            # endregion
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
 
@@ -176,6 +178,7 @@ class StepBatch:
 
     def __init__(self, pool: PagePool, parts):
         # region step_plan
+        checks.distinct_parts(parts)                      # each sequence once
         manager, P, device = pool.manager, pool.page_size, pool.device
         groups = manager.groups                           # "full", and "local" with local layers
         slots, positions, decode, at = {g: [] for g in groups}, [], [], 0
@@ -189,7 +192,8 @@ class StepBatch:
                 lo = max(0, start + 1 - window) if window else 0   # the first query's window
                 if n == 1:                                # a decode: the kernel reads in place
                     _window_held(bm.block_table(seq), seq, g, start, lo, sinks, P)
-                    continue                              # a chunk: what its queries read
+                    continue
+                # a chunk: the slots its queries read (the sinks, then from the first query's window on)
                 read = bm.slots(seq, 0, min(sinks, lo)) + bm.slots(seq, lo, start + n - lo)
                 self.chunks[g].append((at, n, torch.tensor(read, device=device), start, lo))
             if n == 1:

@@ -385,9 +385,8 @@ class RadixBlockManager(BlockManager):
     back what the tree does not keep. Pages shared through the tree need no copy on write: a tree page is
     always full and never written again.
 
-    `fork` shares every page of a sequence, as BlockManager's: the tree's pages are full and read-only, and a
-    shared, partly filled last page is copied on write. Not here: chapter 6's page names (`register`,
-    `reserve_prefix`, `adopt`) and `drop_pages`.
+    Not here: `fork` (a fork would need a lock of its own on the tree's pages it shares), chapter 6's page
+    names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
     """
 
     def __init__(self, num_pages: int, page_size: int = 1):
@@ -423,7 +422,7 @@ class RadixBlockManager(BlockManager):
 
     def reserve(self, seq, n: int) -> list:
         """BlockManager.reserve, its pages from the tree's free queue: the tree evicts what the step needs
-        first, at once (a sequence shares pages through the tree, or since a fork: a copy on write then)."""
+        first, at once."""
         need = self.pages_needed(seq, n)             # validates seq and n
         if need <= self.num_free:                    # else BlockManager.reserve refuses, changing nothing
             self.tree.evict(max(0, need - self.tree.num_free))
@@ -486,10 +485,10 @@ class RadixBlockManager(BlockManager):
         return freed
 
     def _refuse(self, *args, **kwargs):
-        raise CacheStateError("a RadixBlockManager names its pages in its tree (match, cache), not by chapter "
-                              "6's page names, and keeps every page of a sequence (no dropped pages)")
+        raise CacheStateError("a RadixBlockManager shares pages through its tree (match, cache), not by fork, "
+                              "page names or dropped pages")
 
-    register = reserve_prefix = adopt = drop_pages = _refuse
+    fork = register = reserve_prefix = adopt = drop_pages = _refuse
 
     def check(self):
         """Raise AssertionError naming the first broken invariant, the tree's included."""
