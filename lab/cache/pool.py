@@ -11,8 +11,9 @@ one-group pool) and the hand-offs of chapter 11 all store their keys and values 
 once per step, what every layer's attention needs, per group (vLLM's attention metadata): the pool slot of
 every token, the decode rows' block tables and lengths (read in place by the paged decode kernel under
 the layer's window and sinks), and for every prefill chunk the slots of the positions its queries read
-with their mask. The decode rows' block tables live on the device between steps, one row per live
-sequence, and a step writes only the entries that changed (a page every page_size steps).
+with their mask. The decode rows' block tables live on the device between steps, one row per sequence
+that decodes, and a step writes only the entries that changed (a page every page_size steps); the slots,
+positions and lengths are built on the host anew every step.
 """
 
 import itertools
