@@ -94,6 +94,7 @@ class DecodeLoop(EngineLoop):
                 rid = self.engine.add_prefilled(PageSet.from_bytes(data), new)
             except OutOfPagesError:
                 if not self.engine.running:             # it would not fit an idle engine: never
+                    self.queue.popleft()                # (dropped, or the loop would fail on it again)
                     raise
                 return
             self.queue.popleft()
