@@ -13,6 +13,7 @@ exactly as before.
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -305,3 +306,18 @@ def test_measure_smoke():
         s = out[mode]
         assert s["requests"] == 4 and s["ttft_p50_s"] <= s["ttft_p90_s"] and s["tokens_per_s"] > 0
     assert out["disaggregated"]["bytes_per_request"] > 0 == out["colocated"]["bytes_per_request"]
+
+
+@pytest.mark.slow
+def test_a_page_set_no_decode_worker_can_take_fails_once():
+    """A prompt whose pages the decode worker's whole pool cannot hold: generate raises WorkerError naming
+    the decode worker, once, and the pair still closes (the page set is dropped, not retried forever)."""
+    with Disaggregated("tiny-llama", 16, 1, page_size=16, max_batch_tokens=64, timeout_s=60) as d:
+        with pytest.raises(WorkerError, match="lab-decode failed: OutOfPagesError"):
+            d.generate(prompts([40], seed=3), 4)
+        time.sleep(1.0)                                             # a worker failing on it again would
+        later = []                                                  # have said so many times by now
+        while not d.inbox.empty():
+            later.append(d.inbox.get()[1][0])
+        assert "failed" not in later, later
+    assert not any(w.process.is_alive() for w in d.workers)
