@@ -173,11 +173,12 @@ def memory_fraction(fraction):
         raise CacheInputError(f"fraction must be in (0, 1], got {fraction}")
 
 
-def distinct_parts(parts):
-    """plan_step(parts): every sequence named once (two parts of one sequence would share its slots)."""
+def distinct_parts(parts, what: str = "plan_step"):
+    """reserve(parts), plan_step(parts): every sequence named once (two parts of one sequence would share its
+    slots)."""
     seqs = [seq for seq, _ in parts]
     if len(set(seqs)) != len(seqs):
-        raise CacheInputError(f"plan_step() names a sequence twice: {seqs}")
+        raise CacheInputError(f"{what}() names a sequence twice: {seqs}")
 
 
 def step_part(manager, seq, n) -> int:
@@ -235,9 +236,8 @@ def pool_pages(manager):
 def pool_room(pool, parts):
     """PagePool.reserve(parts): every sequence named once, and free pages in every group for all of them
     (what a window gives back counted for its own sequence only), so that a refused call changes nothing."""
+    distinct_parts(parts, "reserve")
     seqs = [seq for seq, _ in parts]
-    if len(set(seqs)) != len(seqs):
-        raise CacheInputError(f"reserve() names a sequence twice: {seqs}")
     manager, need = pool.manager, dict.fromkeys(pool.manager.groups, 0)
     for seq, n in parts:                               # validates every id and count
         for group, k in pool.pages_needed(seq, n).items():

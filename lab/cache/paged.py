@@ -31,7 +31,7 @@ from ..kernels import decode_attention
 from . import checks
 from .base import CacheInputError, CacheStateError, KVCache
 from .hybrid import HybridBlockManager
-from .pool import PagePool, StepBatch
+from .pool import PagePool, StepBatch, write_changed
 from .sizing import cache_bytes
 
 
@@ -154,13 +154,9 @@ class PagedCache(KVCache):
     def _sync_buffers(self, T):
         """Bring block_tables and lengths up to the manager's: device writes only, nothing read back."""
         lengths = [self.manager.length(s) for s in self.seqs]
-        for row, s in enumerate(self.seqs):           # write only the table entries that changed
-            table, known = self.manager.block_table(s), self._tables[row]
-            same = [a == b for a, b in zip(known, table, strict=False)]
-            first = same.index(False) if False in same else len(same)
-            for j in range(first, max(len(table), len(known))):  # a page every page_size steps
-                self.block_tables[row, j] = table[j] if j < len(table) else 0
-            self._tables[row] = table
+        for row, s in enumerate(self.seqs):           # only the entries that changed: a page
+            table = self.manager.block_table(s)      # every page_size steps
+            self._tables[row] = write_changed(self.block_tables[row], table, self._tables[row])
         if lengths == [n + T for n in self._lengths]:
             self.lengths += T                         # the usual step: every row grew by T
         else:                                         # rows changed through a view (select) since

@@ -152,18 +152,23 @@ class PagePool:
                                          max(tables.shape[1], 2 * width if width > tables.shape[1] else 0))
                 grown[:tables.shape[0], :tables.shape[1]] = tables
                 self.tables[group] = tables = grown
-            # region table_rows
             for seq, row in zip(seqs, rows, strict=True):    # write only what changed since the last step
-                table, old = bm._tables[seq], known.get(seq, [])   # the manager's, and the device row's
-                if table == old:
-                    continue                                 # the usual decode step: nothing to write
-                first = next((j for j, (a, b) in enumerate(zip(table, old, strict=False)) if a != b),
-                             min(len(table), len(old)))      # a new page, a copy on write, a crop
-                new = [max(page, 0) for page in table[first:]] + [0] * max(0, len(old) - len(table))
-                tables[row, first:first + len(new)] = torch.tensor(new, dtype=torch.int32)  # NULL -> 0
-                known[seq] = list(table)
-            # endregion
+                known[seq] = write_changed(tables[row], bm._tables[seq], known.get(seq, []))
         return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+
+def write_changed(row, table: list, old: list) -> list:
+    """Bring a device block-table row, which holds `old`, up to the manager's `table`: only
+    the entries from the first difference on are written (a new page, a copy on write, a
+    crop), a page given back (NULL) as 0, which the kernel never loads. Returns what the row
+    holds now, a host copy."""
+    if table == old:
+        return old                                   # the usual decode step: nothing to write
+    first = next((j for j, (a, b) in enumerate(zip(table, old, strict=False)) if a != b),
+                 min(len(table), len(old)))
+    new = [max(page, 0) for page in table[first:]] + [0] * max(0, len(old) - len(table))
+    row[first:first + len(new)] = torch.tensor(new, dtype=row.dtype)
+    return list(table)
 
 
 class StepBatch:
@@ -192,7 +197,8 @@ class StepBatch:
                 slots[g] += bm.slots(seq, start, n)       # where its keys and values go
                 lo = max(0, start + 1 - window) if window else 0   # the first query's window
                 if n == 1:                                # a decode: the kernel reads in place
-                    _window_held(bm.block_table(seq), seq, g, start, lo, sinks, P)
+                    if window:                            # (only a window gives pages back)
+                        _window_held(bm._tables[seq], seq, g, start, lo, sinks, P)
                     continue
                 # a chunk: the slots its queries read (the sinks, then from the first query's window on)
                 read = bm.slots(seq, 0, min(sinks, lo)) + bm.slots(seq, lo, start + n - lo)
