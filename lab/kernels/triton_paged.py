@@ -47,13 +47,15 @@ if triton is not None:
     # left out to keep the kernel short.
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, lengths_ptr, out_ptr,
+        q_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, lengths_ptr, out_ptr,
         scale, window, sinks,                               # a local layer's rule; window 0: every position
         stride_qb, stride_qh, stride_qd,                    # q   [B, H_q, D]
         stride_kp, stride_kt, stride_kh, stride_kd,         # k_pool [num_pages, page_size, H_kv, D]
         stride_vp, stride_vt, stride_vh, stride_vd,         # v_pool, same layout
+        stride_sp, stride_st, stride_sh,                    # k_scale, v_scale [num_pages, page_size, H_kv]
         stride_btb, stride_btp,                             # block_tables [B, max_pages]
         stride_ob, stride_oh, stride_od,                    # out [B, H_q, D]
+        INT8: tl.constexpr,            # int8 codes with a scale per position (triton_paged_int8.py)
         GROUP: tl.constexpr,           # query heads per kv head
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
@@ -69,7 +71,6 @@ if triton is not None:
         offs_t = tl.arange(0, PAGE_PAD)                     # positions within a page (padded)
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
-
         # The group's queries, pre-scaled: query head kv_head * GROUP + g reads this kv head.
         q_heads = kv_head * GROUP + offs_g
         q_ptrs = (q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh
@@ -99,11 +100,13 @@ if triton is not None:
                       + kv_head * stride_kh + offs_d[None, :] * stride_kd)
             v_ptrs = (v_pool_ptr + page * stride_vp + offs_t[:, None] * stride_vt
                       + kv_head * stride_vh + offs_d[None, :] * stride_vd)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)   # [PAGE, D]
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)   # [PAGE, D]
-
+            k = tl.load(k_ptrs, mask=kv_mask, other=0).to(tl.float32)     # [PAGE, D]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0).to(tl.float32)     # [PAGE, D]
             # "ieee": full float32 products (the default on recent GPUs is TF32, ~1e-3 relative).
             s = tl.dot(q, tl.trans(k), input_precision="ieee")            # [G, PAGE]
+            if INT8:                                        # int8 codes: a scale per position
+                at = page * stride_sp + offs_t * stride_st + kv_head * stride_sh
+                s = s * tl.load(k_scale_ptr + at, mask=t_mask, other=0.0)[None, :]   # on each score
             s = tl.where(t_mask[None, :], s, float("-inf"))
             # Online softmax: rescale what was summed so far to the new maximum. Every page loaded holds
             # a position read, so m_new is finite and exp(-inf - m_new) = 0 on the first page.
@@ -111,6 +114,8 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)                                   # [G]
             p = tl.exp(s - m_new[:, None])                                # [G, PAGE], 0 if masked
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if INT8:                                        # and on each probability, for the values
+                p = p * tl.load(v_scale_ptr + at, mask=t_mask, other=0.0)[None, :]
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # [G, D]
             m_i = m_new
 
@@ -146,16 +151,23 @@ def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     require_triton("paged_attention", q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, H_q, D]
+    return launch(q, k_pool, v_pool, None, block_tables, lengths, out, scale, window, sinks)
+
+
+def launch(q, k_pool, v_pool, scales, block_tables, lengths, out, scale=None, window=0, sinks=0):
+    """Run the kernel into `out`: one program per (sequence, kv head). scales: (k_scale, v_scale) for INT8
+    pools, or None."""
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     group = H_q // H_kv
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, H_q, D]
-    grid = (B, H_kv)                                                   # one program per (sequence, kv head)
-    _paged_decode_kernel[grid](
-        q, k_pool, v_pool, block_tables, lengths.contiguous(), out,   # the kernel reads lengths[seq] at stride 1
+    k_scale, v_scale = (s.contiguous() for s in scales) if scales else (k_pool, k_pool)  # one layout
+    _paged_decode_kernel[(B, H_kv)](
+        q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths.contiguous(), out,   # lengths at stride 1
         scale, window, sinks,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_tables.stride(), *out.stride(),
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *k_scale.stride()[:3],
+        *block_tables.stride(), *out.stride(), INT8=scales is not None,
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size,
         GROUP_PAD=_next_power_of_2(group), HEAD_DIM_PAD=_next_power_of_2(D), PAGE_PAD=_next_power_of_2(page_size),
     )
