@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lab.cache import CacheInputError, CacheMismatchError, OutOfPagesError
+from lab.disagg_cost import colocated, measure, summarize
 from lab.engine import ServingEngine
 from lab.engine.disagg import (
     DecodeEngine,
@@ -26,13 +27,11 @@ from lab.engine.disagg import (
     PageSet,
     PrefillEngine,
     WorkerError,
-    colocated,
     prefill,
-    summarize,
 )
 from lab.models import forward, load, random_model
 from lab.models.retrofit import local_layers, share_kv
-from lab.serve.disagg import Disaggregated, measure
+from lab.serve.disagg import Disaggregated
 
 GAP = 1e-4            # 10 x the 1e-5 bound on tiny-model logit differences between a paged engine and forward
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py

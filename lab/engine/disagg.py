@@ -19,9 +19,8 @@ Here that is three pieces, small enough to read:
    writes its bytes into fresh pages, names the full ones for prefix caching and puts the request straight
    into `running`, its first token already in its output. From there it decodes as any request does.
 
-lab/serve/disagg.py runs the two in two engine processes (`Disaggregated`), and `colocated` here runs one
-ServingEngine over the same prompts and arrivals; `lab.serve.disagg.measure` compares them (TTFT, ITL,
-throughput, bytes moved).
+lab/serve/disagg.py runs the two in two engine processes (`Disaggregated`); lab/disagg_cost.py measures
+them against one ServingEngine over the same prompts and arrivals (TTFT, ITL, throughput, bytes moved).
 
 Only lab/cache touches a pool: pages are read with `PagePool.page` and written with `set_page`, as the tiers
 below the pool do (lab/engine/tiers.py). Models with local layers (two groups of pages) are not handed off here.
@@ -29,19 +28,18 @@ below the pool do (lab/engine/tiers.py). Models with local layers (two groups of
 
 import dataclasses
 import hashlib
-import itertools
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from ..cache import CacheInputError, CacheMismatchError, CacheStateError, OutOfPagesError
-from ..models import InputError, load
+from ..models import InputError
 from .hashing import page_keys
 from .identity import StateIdentity, identity_of, token_ids
-from .serving import ServingEngine, drive
+from .serving import ServingEngine, drive, per_prompt
 
 MAGIC = b"lab.PageSet/1\n"          # the first bytes of a serialised PageSet, with the format's version
 clock = time.monotonic               # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
@@ -275,7 +273,7 @@ class DecodeEngine(ServingEngine):
             raise HandoffError(f"page set refused: first token {ps.first_token!r} is not a token id", ["first_token"])
         if ps.names != page_keys(req.prompt, P, (ps.identity,)):
             raise HandoffError("page set refused: its page names are not its prompt's", ["names"])
-        size = int(np.prod(ps.shape)) * self.pool.dtype.itemsize
+        size = math.prod(ps.shape) * self.pool.dtype.itemsize
         if len(ps.k) != size or len(ps.v) != size:
             raise HandoffError(f"page set refused: {len(ps.k)} and {len(ps.v)} bytes of keys and values, "
                                f"{size} expected for {ps.shape}", ["k", "v"])
@@ -301,7 +299,7 @@ class DecodeEngine(ServingEngine):
         T, P = len(req.prompt), self.page_size
         seq = self.pool.new_id()
         taken = self.manager.lookup(seq, ps.names if self.prefix_caching else [])
-        if self._room(seq, spare=len(self.running)) < T:
+        if self.pool.room(seq, spare=len(self.running)) < T:
             self.manager.release(seq)                                 # the cached pages taken go back, named
             raise OutOfPagesError(f"a page set of {ps.num_pages} pages: {self.manager.num_free['full']} pages "
                                   f"free, {len(self.running)} kept for the running requests")
@@ -332,46 +330,14 @@ def warm_up(model, page_size: int = 16):
     ServingEngine(model, 4, page_size, max_batch_tokens=16, prefix_caching=False).generate([[1, 2, 3]], 3)
 
 
-# ---- one engine, the same measurement ----
-@torch.inference_mode()
-def colocated(model, prompts, max_new_tokens, arrivals_s=None, num_pages: int = 128, page_size: int = 16,
-              max_batch_tokens: int = 256, threads: int = 2) -> tuple[list, list]:
-    """The baseline: one ServingEngine in this process on `threads` threads (chunked prefill beside the
-    decodes), the same prompts and arrivals as `Disaggregated.generate`, the same (tokens, timeline)."""
-    prompts, news, arrivals = checked(prompts, max_new_tokens, arrivals_s)
-    n, before = len(prompts), torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        model = load(model) if isinstance(model, str) else model
-        warm_up(model, page_size)
-        engine, times, t0 = ServingEngine(model, num_pages, page_size, max_batch_tokens), {}, clock()
-
-        def stamp(engine, new):                                       # each token's time, on this clock
-            t = clock()
-            for rid, tokens in new.items():
-                times.setdefault(rid, []).extend([t] * len(tokens))
-
-        rids = drive(engine, prompts, news, arrivals, in_seconds=True, on_step=stamp)
-    finally:
-        torch.set_num_threads(before)
-    tokens = [engine.output(r) for r in rids]
-    return tokens, [entry(i, prompts[i], tokens[i], t0 + arrivals[i], times[rids[i]], 0, t0) for i in range(n)]
-
-
 def checked(prompts, max_new_tokens, arrivals_s) -> tuple:
     """(prompts as lists of ids, max_new_tokens per prompt, arrival seconds per prompt), checked."""
     prompts = [token_ids(p).tolist() for p in prompts]
-    n = len(prompts)
-    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
-    arrivals = [0.0] * n if arrivals_s is None else [float(a) for a in arrivals_s]
-    if len(news) != n or len(arrivals) != n:
-        raise InputError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
-    for m, a in zip(news, arrivals, strict=True):
+    news, arrivals = per_prompt(len(prompts), max_new_tokens, arrivals_s, in_seconds=True)
+    for m in news:
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise InputError(f"max_new_tokens must be an int of at least 1, got {m!r}")
-        if not a >= 0:
-            raise InputError(f"an arrival is a number of seconds of at least 0, got {a!r}")
-    return prompts, news, arrivals
+    return prompts, news, [float(a) for a in arrivals]
 
 
 def entry(i, prompt, tokens, arrival, times, nbytes, t0) -> dict:
@@ -382,20 +348,4 @@ def entry(i, prompt, tokens, arrival, times, nbytes, t0) -> dict:
                 first_token_s=token_s[0], token_s=token_s, ttft_s=token_s[0] - (arrival - t0), bytes_moved=nbytes)
 
 
-def summarize(timeline) -> dict:
-    """TTFT (mean, p50, p90), ITL (mean, p50, p90, p99: gaps between a request's successive tokens), tokens/s (every
-    output token over the span from the first arrival to the last token) and bytes moved per request."""
-    ttft = np.array([r["ttft_s"] for r in timeline])
-    itl = np.array([b - a for r in timeline for a, b in itertools.pairwise(r["token_s"])])
-    span = max(r["token_s"][-1] for r in timeline) - min(r["arrival_s"] for r in timeline)
-    nan = float("nan")
-    return dict(requests=len(timeline), ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
-                ttft_p90_s=float(np.percentile(ttft, 90)),
-                itl_mean_s=float(itl.mean()) if itl.size else nan, itl_gaps=int(itl.size),
-                **{f"itl_p{q}_s": float(np.percentile(itl, q)) if itl.size else nan for q in (50, 90, 99)},
-                tokens_per_s=sum(r["output_tokens"] for r in timeline) / span,
-                bytes_per_request=float(np.mean([r["bytes_moved"] for r in timeline])))
-
-
-__all__ = ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "WorkerError", "colocated",
-           "summarize"]
+__all__ = ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "WorkerError"]

@@ -166,7 +166,7 @@ class ServingEngine:
         self.tainted, self.failure = [], None         # requests in flight when a step raised, and why
         self.stats = dict(steps=0, preemptions=0, cached_tokens=0, computed_tokens=0, evicted_pages=0,
                           batch_sizes=[], batch_tokens=[], step_times=[], proposed=0, accepted=0, lookahead_pages=0,
-                          rollback_pages=0, held_pages=self._held_pages(), peak_held_pages=self._held_pages())
+                          rollback_pages=0, held_pages=self.pool.held_pages(), peak_held_pages=self.pool.held_pages())
 
     @property
     def num_pages(self) -> int:                      # pages of the first group (the global layers')
@@ -275,13 +275,9 @@ class ServingEngine:
         s["batch_tokens"].append(sum(n for _, n in batch))
         s["step_times"].append((began, time.perf_counter()))
         s["evicted_pages"] = self.manager.evicted
-        s["held_pages"] = self._held_pages()
+        s["held_pages"] = self.pool.held_pages()          # group -> pages the running requests hold
         s["peak_held_pages"] = {g: max(n, s["peak_held_pages"][g]) for g, n in s["held_pages"].items()}
         return new
-
-    def _held_pages(self) -> dict:
-        """group -> pages the running requests hold now ("full" only, without local layers)."""
-        return self.pool.held_pages()
 
     def _schedule(self, now) -> list:
         """Decodes first, then prefill chunks, then new requests, within the token budget; pages
@@ -292,7 +288,7 @@ class ServingEngine:
         for req in decoding + prefilling:
             n = min(req.num_tokens - req.computed, budget)
             if n > 1 and req.state == "running":                  # a chunk takes what free pages hold
-                room = self._room(req.seq)                        # the length its pages can reach
+                room = self.pool.room(req.seq)                    # the length its pages can reach
                 if room == req.computed and scheduled:
                     continue                                      # no room: it waits while others run
                 n = min(n, room - req.computed) or n
@@ -319,11 +315,6 @@ class ServingEngine:
             scheduled[req], budget = n, budget - n
         return list(scheduled.items())
 
-    def _room(self, seq, spare: int = 0) -> int:
-        """The length `seq` can grow to with the free pages (`spare` of each group's kept back), a copy on
-        write aside: the least over the groups, the pages a window gives back counted as free."""
-        return self.pool.room(seq, spare)
-
     def _lookahead(self, decoding, scheduled, budget) -> int:
         """Each decode scheduled gets its draft's guesses, as many as the budget, its output's room and the
         free pages allow (never a preemption); their pages are reserved. Returns the budget left."""
@@ -331,7 +322,7 @@ class ServingEngine:
         for req in decoding:
             if req.state != "running" or scheduled.get(req) != 1:
                 continue
-            room = self._room(req.seq) - req.computed - 1
+            room = self.pool.room(req.seq) - req.computed - 1
             limit = min(self.k, budget, room, req.max_new_tokens - len(req.output) - 1,
                         cfg.max_positions - req.num_tokens)
             if limit < 1:
@@ -342,14 +333,11 @@ class ServingEngine:
             guess = list(req.draft.propose(req.tokens, limit))[:limit]
             check_guess(guess, cfg.vocab_size)
             if guess:
-                self.stats["lookahead_pages"] += self._pages_needed(req.seq, len(guess))
+                need = self.pool.pages_needed(req.seq, len(guess))    # every group's, less what a window frees
+                self.stats["lookahead_pages"] += sum(max(k, 0) for k in need.values())
                 self.pool.reserve([(req.seq, len(guess))])    # a window is judged from the decode
                 req.guess, scheduled[req], budget = guess, 1 + len(guess), budget - len(guess)
         return budget
-
-    def _pages_needed(self, seq, n) -> int:
-        """Free pages reserving n more positions of `seq` takes, every group's."""
-        return sum(max(k, 0) for k in self.pool.pages_needed(seq, n).values())
 
     def next_to_admit(self) -> Request:
         """The waiting request admission tries next: the head of the queue, first come first served (a
@@ -485,14 +473,7 @@ def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_sec
     (time.perf_counter) are in engine.stats["step_times"]. RuntimeError after max_steps steps. until(engine):
     stop after the first step at which it is true, the requests still in flight (a measurement's setup)."""
     n = len(prompts)
-    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
-    arrivals = [0] * n if arrivals is None else list(arrivals)
-    if len(news) != n or len(arrivals) != n:
-        raise ValueError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
-    for a in arrivals:
-        if isinstance(a, bool) or not isinstance(a, (float, int) if in_seconds else int) or a < 0:
-            raise ValueError(f"an arrival is {'a time in seconds' if in_seconds else 'a step number, an int'} "
-                             f"of at least 0, got {a!r}")
+    news, arrivals = per_prompt(n, max_new_tokens, arrivals, in_seconds)
     checked = [engine._check(p, m, eos_id) for p, m in zip(prompts, news, strict=True)]
     order = sorted(range(n), key=lambda i: arrivals[i])
     t0, first, rids, k = time.perf_counter(), engine.stats["steps"], [None] * n, 0
@@ -514,3 +495,17 @@ def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_sec
         if until is not None and until(engine):
             break
     return rids
+
+
+def per_prompt(n: int, max_new_tokens, arrivals=None, in_seconds=False) -> tuple[list, list]:
+    """(max_new_tokens, arrivals), one of each per prompt of n: an int or a list of max_new_tokens; arrivals
+    step numbers (ints), or seconds with in_seconds, 0 for all by default. InputError if they do not fit."""
+    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    arrivals = [0] * n if arrivals is None else list(arrivals)
+    if len(news) != n or len(arrivals) != n:
+        raise InputError(f"{n} prompts but {len(news)} max_new_tokens and {len(arrivals)} arrivals")
+    for a in arrivals:
+        if isinstance(a, bool) or not isinstance(a, (float, int) if in_seconds else int) or not a >= 0:
+            raise InputError(f"an arrival is {'a time in seconds' if in_seconds else 'a step number, an int'} "
+                             f"of at least 0, got {a!r}")
+    return news, arrivals

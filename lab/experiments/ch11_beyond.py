@@ -12,8 +12,8 @@ time is SmolLM2 in float32 on this CPU. Measured:
 - radix against hash chain: hit rate for the same memory at pages of 16 and 32, and the serving engine with
   the radix tree or the hash chain, first come first served or longest cached prefix first, under pressure;
 - routers: two workers on this machine (real forwards, one request at a time), and 2 to 64 simulated;
-- prefill apart from decode (lab.engine.disagg, lab.serve.disagg): two engine processes against one engine,
-  same load.
+- prefill apart from decode (lab.engine.disagg, lab.serve.disagg, lab.disagg_cost): two engine
+  processes against one engine, same load.
 """
 
 import json
@@ -304,12 +304,12 @@ def routers_simulated(s: dict) -> dict:
 # ---- prefill apart from decode ----------------------------------------------------------------------------------
 
 def disaggregation(model, s: dict) -> dict:
-    from ..serve import disagg
+    from .. import disagg_cost
     rng, vocab = random.Random(9), model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(s["disagg_tokens"])] for _ in range(s["disagg_requests"])]
     arrivals = [0.5 * i for i in range(len(prompts))]
     # each worker process loads the model by its name (a Model would be pickled to each, weights and all)
-    return disagg.measure(model.name, prompts, s["disagg_new"], arrivals)
+    return disagg_cost.measure(model.name, prompts, s["disagg_new"], arrivals)
 
 
 def dynamo(quick_mode: bool):

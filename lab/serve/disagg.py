@@ -28,9 +28,7 @@ from ..engine.disagg import (
     WorkerError,
     checked,
     clock,
-    colocated,
     entry,
-    summarize,
     warm_up,
 )
 from .engine_loop import EngineLoop, EngineProcess, PipeTransport
@@ -185,21 +183,4 @@ class Disaggregated:
         self.close()
 
 
-def measure(model, prompts, max_new_tokens, arrivals_s, prefill_pages: int = 64, decode_pages: int = 64,
-            page_size: int = 16, max_batch_tokens: int = 256) -> dict:
-    """The same load both ways: Disaggregated (two processes, one thread each) and colocated (one engine, two
-    threads, prefill_pages + decode_pages pages: the same memory). Returns {"disaggregated": summary,
-    "colocated": summary, "same_tokens": bool, "settings": ..., "timelines": {mode: timeline}}; each summary
-    as `summarize`'s."""
-    with Disaggregated(model, prefill_pages, decode_pages, page_size, max_batch_tokens) as d:
-        tokens_d, timeline_d = d.generate(prompts, max_new_tokens, arrivals_s)
-    tokens_c, timeline_c = colocated(model, prompts, max_new_tokens, arrivals_s, prefill_pages + decode_pages,
-                                     page_size, max_batch_tokens)
-    settings = dict(prefill_pages=prefill_pages, decode_pages=decode_pages, page_size=page_size,
-                    max_batch_tokens=max_batch_tokens, threads=2, transport="pipe")
-    return dict(disaggregated=summarize(timeline_d), colocated=summarize(timeline_c),
-                same_tokens=tokens_d == tokens_c, settings=settings,
-                timelines=dict(disaggregated=timeline_d, colocated=timeline_c))
-
-
-__all__ = ["Disaggregated", "PrefillLoop", "DecodeLoop", "WorkerError", "measure"]
+__all__ = ["Disaggregated", "PrefillLoop", "DecodeLoop", "WorkerError"]
