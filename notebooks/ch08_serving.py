@@ -38,6 +38,7 @@ import torch
 from IPython.display import display
 
 from lab import loadgen, results, step_cost
+from lab.serve.process import lab_server
 from lab.cache.pool import PagePool
 from lab.engine import ServingEngine
 from lab.experiments import ch08_serving as ch08
@@ -225,7 +226,7 @@ beside("ch08", "ch08.timeline", values=ch08.values(m),
 # server started on this machine's cores:
 
 # %%
-with loadgen.lab_server(cores=None, threads=torch.get_num_threads()) as (_, url):
+with lab_server(cores=None, threads=torch.get_num_threads()) as (_, url):
     recs = loadgen.run_load(url, loadgen.fixed_requests(4, 32, 16, seed=5), "smollm2", timeout_s=120)
 summary = loadgen.summarize(recs, slo_ttft=2.0, slo_itl=0.5)
 display(show(pd.DataFrame({"completed": summary["completed"], "output tokens": summary["output_tokens"],

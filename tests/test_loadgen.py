@@ -25,7 +25,6 @@ from lab.loadgen import (
     VLLM_FIELDS,
     Record,
     Request,
-    lab_server,
     percentile,
     run_load,
     summarize,
@@ -33,6 +32,7 @@ from lab.loadgen import (
     workload,
 )
 from lab.models import load
+from lab.serve.process import lab_server
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

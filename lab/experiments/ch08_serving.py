@@ -24,6 +24,7 @@ from ..engine import ServingEngine
 from ..loadgen import random_prompts
 from ..models import load
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from ..serve.process import lab_server
 from ..step_cost import run_timed, seconds_between
 from . import plots
 from .plots import finish
@@ -160,7 +161,7 @@ def http(s) -> dict:
     times, there also both servers in bfloat16 (full mode) and the lab's server with its engine stepped in
     the server's own process (`lab_one_process`); one request at a time (the lab's sequential loop); each
     offered rate (Poisson arrivals, ShareGPT-shaped lengths), in float32."""
-    lab = lambda **kw: (loadgen.lab_server(cores=CORES, threads=2, num_pages=1024, **kw), loadgen.LAB_FIELDS)
+    lab = lambda **kw: (lab_server(cores=CORES, threads=2, num_pages=1024, **kw), loadgen.LAB_FIELDS)
     servers, out = {"lab": lab(), "lab_one_process": lab(one_process=True)}, {}
     if not s["vllm"]:
         why = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
