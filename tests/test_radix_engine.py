@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from lab.cache import CacheInputError, CacheStateError
+from lab.cache import CacheInputError, CacheStateError, OutOfPagesError
 from lab.cache.radix import RadixBlockManager
 from lab.engine import PromptLookup, ServingEngine
 from lab.models import load
@@ -148,7 +148,7 @@ def test_radix_block_manager_refuses_what_it_does_not_do():
     m = RadixBlockManager(8)
     m.match(0, [1, 2, 3])
     m.reserve(0, 3)
-    for call in (lambda: m.fork(0, 1), lambda: m.register(0, 0, b"", b"", [1]), lambda: m.reserve_prefix(9, []),
+    for call in (lambda: m.register(0, 0, b"", b"", [1]), lambda: m.reserve_prefix(9, []),
                  lambda: m.drop_pages(0, [0])):
         with pytest.raises(CacheStateError):
             call()
@@ -160,6 +160,33 @@ def test_radix_block_manager_refuses_what_it_does_not_do():
     m.release(1)
     m.check()
     assert m.num_free == 8 and m.cached_pages() == 3
+
+
+def test_a_fork_locks_the_tree_pages_it_shares():
+    """A fork shares every page, copies a shared partial page on write, and holds the tree's pages with a
+    lock of its own: once the parent is released they are still not evictable, so no reservation takes a
+    page the child reads (without the child's lock, num_free counts page 0 as evictable)."""
+    m = RadixBlockManager(8, page_size=4)
+    ids = [1, 2, 3, 4, 5, 6]
+    m.match(0, ids)
+    m.reserve(0, 6)                                                    # a whole page and 2 positions
+    m.cache(0, ids[:4])
+    m.fork(0, 1)
+    assert m.block_table(1) == m.block_table(0) and m.refs(m.block_table(0)[1]) == 2
+    (src, dst), = m.reserve(0, 1)                                      # the shared partial page, copied
+    assert src == m.block_table(1)[1] and dst == m.block_table(0)[1] != src
+    m.release(0)
+    m.check()
+    assert m.num_free == 6                                             # the child holds its 2 pages
+    m.reserve(2, 24)                                                   # every other page, evicting nothing
+    with pytest.raises(OutOfPagesError):
+        m.reserve(3, 1)
+    m.check()
+    m.cache(1, ids[:4])                                                # the same tokens: the tree's page
+    m.release(1)
+    m.release(2)
+    m.check()
+    assert m.num_free == 8 and m.cached_pages() == 1
 
 
 def test_a_tree_of_pages_matches_whole_pages_and_keeps_tables_narrow():

@@ -92,16 +92,26 @@ class PagePool:
     def reserve(self, parts):
         """Room for n more positions of every (seq, n) in `parts` (a new id starts empty) in every group, all
         or none: OutOfPagesError changes nothing. A shared, partly filled last page is first copied in its
-        group's pools (copy on write): the one place a page is copied."""
+        group's pools (copy on write): the one place a page is copied. Returns the copies, (group, src, dst)."""
         checks.pool_room(self, parts)               # checked first: a failure changes nothing
+        copied = []
         for seq, n in parts:
             first = self._first_query.get(seq, self.manager.length(seq) if seq in self.manager else 0)
             for group, copies in self.manager.reserve(seq, n, first_query=first).items():
                 for src, dst in copies:
                     self.k_pools[group][:, dst] = self.k_pools[group][:, src]
                     self.v_pools[group][:, dst] = self.v_pools[group][:, src]
+                    copied.append((group, src, dst))
             if self._windowed:
                 self._first_query[seq] = first
+        return copied
+
+    def fork(self, src):
+        """A new sequence sharing every page of `src` (reference counts: no copy until one of them writes a
+        shared, partly filled page); its id."""
+        dst = self.new_id()
+        self.manager.fork(src, dst)
+        return dst
 
     def page(self, page: int, group: str | None = None) -> tuple:
         """A copy of one page's keys and values in every layer of `group` (the first by default), `[layers,

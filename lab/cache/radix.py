@@ -168,6 +168,10 @@ class RadixCache:
             top = top.parent
         return handle
 
+    def share(self, handle: int) -> int:
+        """A second handle that locks what `handle` locks (a forked request's), released on its own."""
+        return self._lock(self._node_of(handle))
+
     def release(self, handle: int):
         """Unlock what `handle` held; its nodes become evictable once no other handle holds them."""
         node = self._node_of(handle)
@@ -385,7 +389,7 @@ class RadixBlockManager(BlockManager):
     back what the tree does not keep. Pages shared through the tree need no copy on write: a tree page is
     always full and never written again.
 
-    Not here: `fork` (a fork would need a lock of its own on the tree's pages it shares), chapter 6's page
+    `fork` shares every page, and locks the tree's for the new sequence too. Not here: chapter 6's page
     names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
     """
 
@@ -484,28 +488,29 @@ class RadixBlockManager(BlockManager):
                 freed.append(page)
         return freed
 
+    def fork(self, src, dst):
+        """BlockManager.fork; the tree's pages `src` holds are locked for `dst` as well (a handle of its own),
+        so that neither releasing first lets the tree evict what the other still reads."""
+        super().fork(src, dst)
+        if src in self._handles:
+            self._handles[dst], self._in_tree[dst] = self.tree.share(self._handles[src]), self._in_tree[src]
+
     def _refuse(self, *args, **kwargs):
-        raise CacheStateError("a RadixBlockManager shares pages through its tree (match, cache), not by fork, "
+        raise CacheStateError("a RadixBlockManager shares pages through its tree (match, cache), not by "
                               "page names or dropped pages")
 
-    fork = register = reserve_prefix = adopt = drop_pages = _refuse
+    register = reserve_prefix = adopt = drop_pages = _refuse
+
+    def free_pages(self) -> list[int]:
+        return list(self.tree._unused)
+
+    def _kept(self, page) -> bool:               # in a node of the tree: neither free nor out
+        return not self.tree.is_out(page) and page not in self.tree._unused
 
     def check(self):
         """Raise AssertionError naming the first broken invariant, the tree's included."""
         self.tree.check()
-        counted = [0] * self.num_pages
-        for seq, table in self._tables.items():
-            assert len(table) == -(-self._lengths[seq] // self.page_size), (
-                f"sequence {seq!r}: {len(table)} pages for {self._lengths[seq]} positions")
-            assert len(set(table)) == len(table), f"sequence {seq!r} lists a page twice: {table}"
-            for page in table:
-                counted[page] += 1
-        free = set(self.tree._unused)
-        for page in range(self.num_pages):
-            assert self._refs[page] == counted[page], (
-                f"page {page} has reference count {self._refs[page]} but {counted[page]} block tables hold it")
-            assert not (counted[page] and page in free), f"page {page} is both free and held"
-            assert counted[page] or not self.tree.is_out(page), f"page {page} is out but no sequence holds it"
+        super().check()
         for seq, handle in self._handles.items():
             assert seq in self._tables, f"released sequence {seq!r} still holds handle {handle}"
 
