@@ -168,9 +168,9 @@ class PrefillEngine(ServingEngine):
         """Queue a prompt to prefill (for its first token: max_new_tokens and eos_id are not used); its id."""
         return super().add_request(ids, 2)
 
-    def _check(self, ids, max_new_tokens, eos_id):
-        """Every request is queued for 2 new tokens, whatever was asked: after its first, it still runs and holds
-        its pages until `step` exports them (a request that finished would have given them back)."""
+    def _check(self, ids, max_new_tokens, eos_id, *_):
+        """Every request is queued for 2 new tokens, whatever was asked, one answer: after its first, it still
+        runs and holds its pages until `step` exports them (a request that finished would have given them back)."""
         return super()._check(ids, 2, None)
 
     @torch.inference_mode()
@@ -267,7 +267,7 @@ class DecodeEngine(ServingEngine):
         pages, and put it into `running` with its first token in its output. Returns its id. A refusal of any
         kind leaves the engine as it was. Full pages this pool has cached already are taken, not written."""
         self.check(ps)
-        req = self._check(ps.prompt, max_new_tokens, eos_id)        # as add_request: positions, pages, eos
+        req, = self._check(ps.prompt, max_new_tokens, eos_id)       # as add_request: positions, pages, eos
         P, now = self.page_size, self.stats["steps"]
         if type(ps.first_token) is not int or not 0 <= ps.first_token < self.model.config.vocab_size:
             raise HandoffError(f"page set refused: first token {ps.first_token!r} is not a token id", ["first_token"])
@@ -280,7 +280,7 @@ class DecodeEngine(ServingEngine):
         req.output = [ps.first_token]
         if len(req.output) < max_new_tokens and ps.first_token != eos_id:
             self._take_pages(req, ps)                                 # OutOfPagesError: nothing changed
-        rid = self._add(req)
+        rid = self._add([req])
         self.waiting.remove(req)
         ev = req.events
         ev["handed_off"] = ev["first_token"] = now

@@ -72,13 +72,17 @@ class Request:
     max_new_tokens: int
     eos_id: int | None = None              # stop after this token (it is kept in the output)
     output: list = field(default_factory=list)  # the tokens generated so far
-    state: str = "waiting"                 # waiting, running, finished or cancelled
+    state: str = "waiting"                 # waiting, running, branch (waits for a fork), finished, cancelled
     seq: int | None = None                 # its sequence in the block manager, while it holds pages
     computed: int = 0                      # leading positions of prompt + output held in its pages
     keys: list = field(default_factory=list)    # (digest, parent, tokens) of its full pages, as far as known
     named: int = 0                         # its leading pages named in the manager (or taken from its cache)
     cached_tokens: int = 0                 # positions taken from cached pages, over every admission
     draft: object = None                   # its own copy of the engine's draft, while it runs
+    temperature: float = 0.0               # 0: greedy; else sampled from softmax(logits / temperature)
+    generator: object = None               # its own torch.Generator (seeded), or None: torch's global one
+    branches: list = field(default_factory=list)  # requests of its `n` that fork its pages at its first token
+    parent: object = None                  # a branch's first request, which prefills for it
     guess: list = field(default_factory=list)   # the draft tokens scheduled in this step
     events: dict = field(default_factory=dict)  # step numbers, for a timeline (see ServingEngine.timeline)
 
@@ -173,10 +177,17 @@ class ServingEngine:
         return self.manager.num_pages[self.manager.groups[0]]
 
     # ---- requests in and out ----
-    def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None) -> int:
+    def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None, n: int = 1,
+                    temperature: float = 0.0, seed: int | None = None) -> int:
         """Queue one request (ids: a list, `[T]` or `[1, T]`); returns its id. Checked before anything
-        changes: a bad request raises and leaves the engine as it was."""
-        return self._add(self._check(ids, max_new_tokens, eos_id))
+        changes: a bad request raises and leaves the engine as it was.
+
+        n > 1 asks for n answers to the prompt (parallel sampling): the requests rid .. rid + n - 1, of which
+        the first prefills the prompt once; at its first token the other n - 1 fork its pages (no copy but the
+        partly filled last page, on first write) and each goes on alone. temperature > 0 samples each token
+        from softmax(logits / temperature), every answer with a generator of its own, seeded seed + i when a
+        seed is given. Cancelling the first before its first token cancels the n."""
+        return self._add(self._check(ids, max_new_tokens, eos_id, n, temperature, seed))
 
     def cancel(self, rid: int) -> bool:
         """Drop a request and free its pages; False if it had already finished or been cancelled."""
@@ -190,8 +201,13 @@ class ServingEngine:
         if req.state == "running":
             self.running.remove(req)
             self._release(req)
-        else:
+        elif req.state == "waiting":
             self.waiting.remove(req)
+        elif req.state == "branch":                   # not forked yet: its first goes on without it
+            req.parent.branches.remove(req)
+        for branch in req.branches:                   # the first, before its first token: its n go too
+            branch.state, branch.events["cancelled"] = "cancelled", self.stats["steps"]
+        req.branches = []
         req.state, req.events["cancelled"] = "cancelled", self.stats["steps"]
         return True
 
@@ -213,8 +229,8 @@ class ServingEngine:
                      max_new_tokens=r.max_new_tokens, state=r.state,
                      cached_tokens=r.cached_tokens, **r.events) for r in self.requests.values()]
 
-    def _check(self, ids, max_new_tokens, eos_id) -> Request:
-        """A request checked against the model and the pool (not yet added, so with no id)."""
+    def _check(self, ids, max_new_tokens, eos_id, n=1, temperature=0.0, seed=None) -> list[Request]:
+        """The n requests of a prompt checked against the model and the pool (not yet added: with no id)."""
         cfg = self.model.config
         if isinstance(ids, int):
             raise InputError(f"a prompt is a sequence of token ids, got the single int {ids}")
@@ -230,19 +246,40 @@ class ServingEngine:
         if positions > cfg.max_positions:
             raise PositionLimitError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {positions} "
                                      f"positions; the model has {cfg.max_positions}")
-        pages = -(-positions // self.page_size)
-        if pages > self.manager.num_pages.get("full", pages):    # could never run, even alone (a local
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"n must be an int of at least 1, got {n!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < 1e6:
+            raise InputError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - n):
+            raise InputError(f"seed must be None or an int >= 0, got {seed!r}")
+        if temperature and self.draft is not None:
+            raise SpecInputError("the engine verifies a draft's guesses greedily: sampling (temperature > 0) "
+                                 "needs an engine without a draft")
+        P, pages = self.page_size, -(-positions // self.page_size)
+        # the first holds them all; another answer, its own pages past the prompt's full ones, if it writes any
+        total = pages + (n - 1) * (pages - len(prompt) // P if positions > len(prompt) else 0)
+        if total > self.manager.num_pages.get("full", total):   # never held at once (a local group: a window)
             raise OutOfPagesError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {pages} pages of "
-                                  f"{self.page_size}; the pool has {self.num_pages}")   # group holds a window)
-        return Request(-1, prompt, max_new_tokens, eos_id)
+                                  f"{P}" + (f", and {n} answers {total}" if n > 1 else "")
+                                  + f"; the pool has {self.num_pages}")
+        generators = [None if seed is None else torch.Generator().manual_seed(seed + i) for i in range(n)]
+        return [Request(-1, prompt, max_new_tokens, eos_id, temperature=float(temperature), generator=g)
+                for g in generators]
 
-    def _add(self, req: Request) -> int:
-        req.id = next(self._ids)
-        req.events = dict(arrived=self.stats["steps"], admitted=[], chunks=[], first_token=None, preempted=[],
-                          finished=None, cancelled=None, verify=[])
-        self.requests[req.id] = req
-        self.waiting.append(req)
-        return req.id
+    def _add(self, reqs: list) -> int:
+        """Give the n requests of a prompt (`_check`'s) their ids and queue the first; the others wait for its
+        fork. Returns the first's id."""
+        for req in reqs:
+            req.id = next(self._ids)
+            req.events = dict(arrived=self.stats["steps"], admitted=[], chunks=[], first_token=None, preempted=[],
+                              finished=None, cancelled=None, verify=[])
+            self.requests[req.id] = req
+        first, *branches = reqs
+        self.waiting.append(first)
+        for branch in branches:
+            branch.state, branch.parent = "branch", first
+        first.branches = branches
+        return first.id
 
     # ---- one step ----
     @torch.inference_mode()
@@ -412,7 +449,9 @@ class ServingEngine:
                 continue
             # region engine_verify
             g, guess = greedy[at:at + 1 + len(req.guess)], req.guess  # g_i: the greedy token after guess i
-            at += len(g)
+            if req.temperature:                                       # sampled (a sampled request has no
+                g = [self._token(req, logits[0, at])]                 # guesses)
+            row, at = logits[0, at], at + len(g)
             a = 0
             while a < len(guess) and guess[a] == g[a]:
                 a += 1
@@ -426,18 +465,44 @@ class ServingEngine:
                 req.events["verify"].append((now, len(guess), a, freed))
                 req.guess = []
             # endregion
-            if req.eos_id in out:
-                out = out[:out.index(req.eos_id) + 1]
-            req.output += out
-            self._name_pages(req)                   # pages full of accepted tokens only
-            new[req.id] = out
-            if req.events["first_token"] is None:
-                req.events["first_token"] = now
-            if len(req.output) >= req.max_new_tokens or req.eos_id in out:
-                self.running.remove(req)
-                self._release(req)
-                req.state, req.events["finished"] = "finished", now
+            forked = [(branch, [self._fork(req, branch, row, now)]) for branch in req.branches]
+            req.branches = []
+            for r, tokens in [(req, out), *forked]:
+                self._emit(r, tokens, now, new)
         return new
+
+    def _token(self, req, row) -> int:
+        """The next token from logits `row` [V]: the greedy one (the first of equal maxima), or one drawn from
+        softmax(row / temperature) with the request's own generator."""
+        if not req.temperature:
+            return int(row.argmax())
+        probs = torch.softmax(row.float() / req.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=req.generator))
+
+    def _fork(self, req, branch, row, now) -> int:
+        """`branch` takes every page of `req`, which has just computed its prompt (shared, counted: the partly
+        filled last page is copied on first write), and runs from here on alone; its first token, drawn
+        from the logits `row` [V] of the prompt's last position."""
+        branch.seq = self.pool.fork(req.seq)
+        branch.computed, branch.named, branch.keys = req.computed, req.named, list(req.keys)
+        branch.state, branch.parent = "running", None
+        branch.events["admitted"].append(now)
+        self.running.append(branch)
+        return self._token(branch, row)
+
+    def _emit(self, req, out, now, new):
+        """Append the step's tokens `out` to `req` (up to its eos), and release it if it finished."""
+        if req.eos_id in out:
+            out = out[:out.index(req.eos_id) + 1]
+        req.output += out
+        self._name_pages(req)                       # pages full of accepted tokens only
+        new[req.id] = out
+        if req.events["first_token"] is None:
+            req.events["first_token"] = now
+        if len(req.output) >= req.max_new_tokens or req.eos_id in out:
+            self.running.remove(req)
+            self._release(req)
+            req.state, req.events["finished"] = "finished", now
 
     def _name_pages(self, req):
         """Publish the pages of `req` that became full in the prefix index (chapter 6's names, or chapter 11's
@@ -463,7 +528,7 @@ class ServingEngine:
 
 @torch.inference_mode()
 def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_seconds=False, on_step=None,
-          max_steps=None, until=None) -> list[int]:
+          max_steps=None, until=None, n=1, temperature=0.0, seed=None) -> list[int]:
     """Serve `prompts` (id lists) through `engine` until they finish: the one loop that `generate`, the
     experiments, the exercises and the workers run. `max_new_tokens`: an int, or one per prompt. Prompt i is
     added before the first step at which arrivals[i] is due: a step number counted from this call (0, the
@@ -471,15 +536,18 @@ def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_sec
     the next arrival). Every prompt is checked before any is added. After each step, on_step(engine, new),
     `new` being step()'s {id: tokens}. Returns the requests' ids, in prompt order; each step's start and end
     (time.perf_counter) are in engine.stats["step_times"]. RuntimeError after max_steps steps. until(engine):
-    stop after the first step at which it is true, the requests still in flight (a measurement's setup)."""
-    n = len(prompts)
-    news, arrivals = per_prompt(n, max_new_tokens, arrivals, in_seconds)
-    checked = [engine._check(p, m, eos_id) for p, m in zip(prompts, news, strict=True)]
-    order = sorted(range(n), key=lambda i: arrivals[i])
-    t0, first, rids, k = time.perf_counter(), engine.stats["steps"], [None] * n, 0
+    stop after the first step at which it is true, the requests still in flight (a measurement's setup).
+    n, temperature, seed: as add_request's, for every prompt (seed + n * i for prompt i); the answers of
+    prompt i are the requests rids[i] .. rids[i] + n - 1."""
+    count = len(prompts)
+    news, arrivals = per_prompt(count, max_new_tokens, arrivals, in_seconds)
+    checked = [engine._check(p, m, eos_id, n, temperature, None if seed is None else seed + n * i)
+               for i, (p, m) in enumerate(zip(prompts, news, strict=True))]
+    order = sorted(range(count), key=lambda i: arrivals[i])
+    t0, first, rids, k = time.perf_counter(), engine.stats["steps"], [None] * count, 0
     now = (lambda: time.perf_counter() - t0) if in_seconds else (lambda: engine.stats["steps"] - first)
-    while k < n or not all(engine.requests[r].done for r in rids):
-        while k < n and arrivals[order[k]] <= now():
+    while k < count or not all(engine.requests[r + j].done for r in rids for j in range(n)):
+        while k < count and arrivals[order[k]] <= now():
             rids[order[k]] = engine._add(checked[order[k]])
             k += 1
         if in_seconds and not engine.running and not engine.waiting:      # idle until the next arrival
