@@ -250,8 +250,14 @@ BAD = [  # (path, body, status, param, code, words in the message)
     ("/v1/completions", dict(prompt=P, max_tokens=0), 400, "max_tokens", None, "greater than or equal to 1"),
     ("/v1/completions", dict(prompt=P, max_tokens="5"), 400, "max_tokens", None, "valid integer"),
     ("/v1/completions", dict(prompt=P, best_of=2, logit_bias={}), 400, "best_of", None, "best_of, logit_bias"),
-    ("/v1/completions", dict(prompt=P, temperature=0.7), 400, "temperature", None, "greedily"),
-    ("/v1/completions", dict(prompt=P, n=2), 400, "n", None, "n must be 1"),
+    ("/v1/completions", dict(prompt=P, temperature=-0.5), 400, "temperature", None, "greater than or equal to 0"),
+    ("/v1/completions", dict(prompt=P, temperature=0.7, top_p=0.9), 400, "top_p", None, "top_p must be 1"),
+    ("/v1/completions", dict(prompt=P, n=0), 400, "n", None, "greater than or equal to 1"),
+    ("/v1/completions", dict(prompt=P, n=-2), 400, "n", None, "greater than or equal to 1"),
+    ("/v1/completions", dict(prompt=P, n=True), 400, "n", None, "valid integer"),
+    ("/v1/completions", dict(prompt=P, n=129), 400, "n", None, "less than or equal to 128"),
+    ("/v1/completions", dict(prompt=[1] * 100, max_tokens=200, n=6), 400, "prompt", "exceeds_kv_pool", "6 answers"),
+    ("/v1/completions", dict(prompt=P, seed=-1), 400, "seed", None, "greater than or equal to 0"),
     ("/v1/completions", dict(prompt=P, stop="\n"), 400, "stop", None, "stop sequences"),
     ("/v1/completions", dict(prompt=[]), 400, "prompt", None, "empty"),
     ("/v1/completions", dict(prompt=[1, 320]), 400, "prompt", None, "320"),
@@ -287,6 +293,49 @@ def test_the_wrong_method_is_405_and_common_fields_are_accepted(server):
                    top_p=1.0, seed=7)
     status, answer = call(port, "/v1/completions", request)
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+# ---- n choices ----
+def test_n_choices_share_one_prefill_and_count_the_prompt_once(server, tiny):
+    """n = 3 greedy choices: three equal answers, each the prompt's alone, indices 0..2, each with its
+    finish_reason, the prompt counted once in the usage; sampled choices with a seed are repeatable and
+    differ from one another; streamed, every chunk names its choice and each choice ends once."""
+    port, _, engine = server
+    p = prompts([12], seed=6)[0]
+    status, answer = call(port, "/v1/completions", dict(prompt=p, max_tokens=5, n=3, return_token_ids=True))
+    assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert all(c["token_ids"] == greedy(tiny, p, 5) and c["finish_reason"] == "length" for c in answer["choices"])
+    assert answer["usage"] == dict(prompt_tokens=12, completion_tokens=15, total_tokens=27)
+    body = dict(prompt=p, max_tokens=6, n=4, temperature=0.9, seed=3, return_token_ids=True)
+    first, again = (call(port, "/v1/completions", body)[1]["choices"] for _ in range(2))
+    assert [c["token_ids"] for c in first] == [c["token_ids"] for c in again]
+    assert len({tuple(c["token_ids"]) for c in first}) > 1
+    chunks = events(port, "/v1/completions", body)
+    assert chunks[-1] == "[DONE]"
+    by_index = {}
+    for chunk in chunks[:-1]:
+        choice, = chunk["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert [[t for c in by_index[i] for t in c["token_ids"]] for i in range(4)] == [c["token_ids"] for c in first]
+    assert all([c["finish_reason"] for c in by_index[i]].count("length") == 1 for i in range(4))
+    wait_idle(engine)
+    assert engine.manager.num_free == engine.manager.num_pages
+
+
+def test_n_chat_choices_each_open_with_the_role(tiny):
+    """Chat with n = 2, sampled without a seed: two messages; streamed, each choice's first delta (and only
+    it) carries the role, and its deltas make its message."""
+    model = dataclasses.replace(tiny, tokenizer=TemplateBytes())
+    request = dict(messages=[dict(role="user", content="Hi")], max_tokens=5, n=2, temperature=0.8)
+    with serving(ServingEngine(model, NUM_PAGES, PAGE_SIZE)) as (port, _):
+        status, body = call(port, "/v1/chat/completions", request)
+        chunks = events(port, "/v1/chat/completions", request)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["message"]["role"] == "assistant" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 10
+    for i in range(2):
+        deltas = [c["choices"][0]["delta"] for c in chunks[:-1] if c["choices"][0]["index"] == i]
+        assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:]) and len(deltas) == 5
 
 
 def test_a_failing_engine_answers_500_and_hangs_nothing(server, monkeypatch):

@@ -15,8 +15,9 @@
 - cli.py: the command line and the signals. If the engine's process dies, the requests in flight fail,
   /health answers 503 and the server exits with code 1 for its supervisor to restart it (cli.py says why).
 
-Decoding is greedy, so `temperature` must be 0 or absent. `return_token_ids: true` adds the token ids to
-each choice (`prompt_token_ids`, `token_ids`), as vLLM does.
+Decoding is greedy at temperature 0 (or absent), sampled above it (`seed` makes it repeatable); `n` asks for
+n choices, which share the prompt's prefill and pages. `return_token_ids: true` adds the token ids to each
+choice (`prompt_token_ids`, `token_ids`), as vLLM does.
 """
 
 from .api import MAX_BODY_BYTES, APIError

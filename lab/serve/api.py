@@ -26,18 +26,19 @@ class StreamOptions(Strict):
 
 
 class Sampling(Strict):
-    """The fields both endpoints take. Accepted and ignored: `user`, `seed` and `top_p` (at temperature 0
-    every top_p in (0, 1] picks the same token)."""
+    """The fields both endpoints take. `n` answers to one prompt share its prefill and its pages (the engine
+    forks them); `temperature` > 0 samples, each answer with a generator of its own, seeded `seed` + its
+    index when a seed is given. Accepted and ignored: `user`; `top_p` only as 1 (or absent) when sampling."""
 
     model: str | None = None                   # if given, the served model's name
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None           # 0 or absent: the engine decodes greedily
+    temperature: float | None = Field(None, ge=0, le=2)   # 0 or absent: greedy decoding (OpenAI's range)
     top_p: float | None = Field(None, gt=0, le=1)  # the smallest set of tokens whose probability reaches top_p
-    n: int = 1                                 # one choice per request
+    n: int = Field(1, ge=1, le=128)            # choices per request (OpenAI's limit is 128)
     stop: str | list[str] | None = None        # only None: the model's eos token stops, no stop strings
     user: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**62)
     return_token_ids: bool = False             # vLLM's extension: prompt_token_ids and token_ids in choices
 
 
@@ -107,12 +108,10 @@ def parse(raw: bytes, schema):
         where = lambda err: ".".join(str(p) for p in err["loc"]) or "body"
         raise APIError(400, "; ".join(f"{where(err)}: {err['msg']}" for err in errors),
                        param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
-    if req.temperature not in (None, 0):
-        raise APIError(400, f"temperature must be 0 or absent, got {req.temperature}: this server decodes "
-                            "greedily", param="temperature")
+    if req.temperature and req.top_p not in (None, 1):
+        raise APIError(400, f"top_p must be 1 or absent when sampling, got {req.top_p}: this server samples "
+                            "from the whole distribution", param="top_p")
     if req.stop is not None:
         raise APIError(400, "stop sequences are not supported: a request stops at the model's eos token or "
                             "at max_tokens", param="stop")
-    if req.n != 1:
-        raise APIError(400, f"n must be 1, got {req.n}: this server returns one choice", param="n")
     return req

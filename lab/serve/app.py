@@ -125,8 +125,9 @@ def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None 
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found", type="not_found_error")
         prompt = "messages" if chat else "prompt"
+        sampling = dict(n=req.n, temperature=req.temperature or 0.0, seed=req.seed)
         try:
-            rid, tokens = await client.add(ids, max_tokens, eos_id)
+            rid, tokens = await client.add(ids, max_tokens, eos_id, **sampling)
         except PositionLimitError as e:
             raise APIError(400, f"{e}; shorten the {prompt} or max_tokens", param=prompt,
                            code="context_length_exceeded") from None
@@ -134,10 +135,10 @@ def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None 
             raise APIError(400, f"{e}; it could never be served", param=prompt, code="exceeds_kv_pool") from None
         except InputError as e:
             raise APIError(400, str(e), param=prompt) from None
-        reply = Reply(tok, name, chat, ids, req.return_token_ids)
+        reply = Reply(tok, name, chat, ids, req.return_token_ids, req.n)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(stream(rid, tokens, reply, usage), media_type="text/event-stream")
+            return StreamingResponse(stream(rid, req.n, tokens, reply, usage), media_type="text/event-stream")
         answered = asyncio.ensure_future(collect(tokens, reply))
         left = asyncio.ensure_future(disconnected(request))
         try:
@@ -147,15 +148,15 @@ def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None 
             gone = not answered.done()               # the client left (or the handler was cancelled)
             if gone:
                 answered.cancel()                    # (a request to cancel: the task ends later)
-                client.cancel(rid)                   # free its pages: nobody waits for its tokens
+                client.cancel(rid, req.n)            # free its pages: nobody waits for its tokens
         if gone:
             return Response(status_code=499)         # nginx's "client closed request": nobody reads it
         answered.result()                            # EngineFailed: 500
         return reply.body()
 
-    async def stream(rid, tokens, reply, usage):
-        """Server-sent events: one chunk per token, the last with its finish_reason, then [DONE]; an error
-        event, then [DONE], if the engine fails meanwhile."""
+    async def stream(rid, n, tokens, reply, usage):
+        """Server-sent events: one chunk per token of any choice (its index in it), each choice's last with its
+        finish_reason, then [DONE]; an error event, then [DONE], if the engine fails meanwhile."""
         done = False
         try:
             try:
@@ -170,7 +171,7 @@ def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None 
             yield "data: [DONE]\n\n"
         finally:
             if not done:                                     # the client went away: free the pages
-                client.cancel(rid)
+                client.cancel(rid, n)
 
     return app
 
@@ -195,41 +196,45 @@ async def disconnected(request: Request):
 
 
 class Reply:
-    """One request's answer as it grows: its tokens, their text, and the OpenAI objects that carry them."""
+    """One request's answer as it grows: the tokens of each of its n choices, their text, and the OpenAI
+    objects that carry them."""
 
-    def __init__(self, tokenizer, model: str, chat: bool, prompt_ids, with_ids: bool):
+    def __init__(self, tokenizer, model: str, chat: bool, prompt_ids, with_ids: bool, n: int = 1):
         self.model, self.chat, self.prompt_ids, self.with_ids = model, chat, prompt_ids, with_ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.ids, self.text = [], ""                       # every token so far, and the text shown of them
-        self.new, self.piece, self.finish = [], "", None   # what the last add brought
+        self.choices = [Choice(IncrementalDetokenizer(tokenizer)) for _ in range(n)]
+        self.last = self.choices[0]                        # the choice the last add went to
 
-    def add(self, token: int, finish: str | None) -> bool:
-        """Take the next token; True once it was the last. The eos token is not part of the text, and a
-        piece that ends inside a multi-byte character waits for the next token."""
-        self.ids.append(token)
-        self.new, self.finish = [token], finish
-        self.piece = "" if finish == "stop" else self.detokenizer.add([token])
+    def add(self, token: int, finish: str | None, index: int = 0) -> bool:
+        """Take the next token of choice `index`; True once every choice has its last. The eos token is not
+        part of the text, and a piece that ends inside a multi-byte character waits for the next token."""
+        c = self.last = self.choices[index]
+        c.ids.append(token)
+        c.new, c.finish = [token], finish
+        c.piece = "" if finish == "stop" else c.detokenizer.add([token])
         if finish is not None:
-            self.piece += self.detokenizer.flush()
-        self.text += self.piece
-        return finish is not None
+            c.piece += c.detokenizer.flush()
+        c.text += c.piece
+        return all(c.finish is not None for c in self.choices)
 
     def usage(self) -> dict:
-        n, m = len(self.prompt_ids), len(self.ids)
+        """The prompt counted once, every choice's tokens."""
+        n, m = len(self.prompt_ids), sum(len(c.ids) for c in self.choices)
         return dict(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
 
-    def _choice(self, text, ids, finish, stream) -> dict:
+    def _choice(self, c, text, ids, stream) -> dict:
+        first = not (stream and c.ids[:-1])                # the first chunk of a choice, or the whole answer
+        index = self.choices.index(c)
         if self.chat:
             key = "delta" if stream else "message"
-            message = {"content": text} if stream and self.ids[:-1] else {"role": "assistant", "content": text}
-            choice = {"index": 0, key: message, "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": index, key: message, "logprobs": None, "finish_reason": c.finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish}
         if self.with_ids:
             choice["token_ids"] = ids
-            if not (stream and self.ids[:-1]):             # the first chunk, or the whole answer
+            if first:
                 choice["prompt_token_ids"] = list(self.prompt_ids)
         return choice
 
@@ -239,11 +244,19 @@ class Reply:
         out = dict(id=self.id, object=kind, created=self.created, model=self.model)
         if usage:
             return out | dict(choices=[], usage=self.usage())
-        return out | dict(choices=[self._choice(self.piece, self.new, self.finish, stream=True)])
+        return out | dict(choices=[self._choice(self.last, self.last.piece, self.last.new, stream=True)])
 
     def body(self) -> dict:
         """The whole answer, not streamed."""
         kind = "chat.completion" if self.chat else "text_completion"
         return dict(id=self.id, object=kind, created=self.created, model=self.model,
-                    choices=[self._choice(self.text, list(self.ids), self.finish, stream=False)],
+                    choices=[self._choice(c, c.text, list(c.ids), stream=False) for c in self.choices],
                     usage=self.usage())
+
+
+class Choice:
+    """One choice of a reply: its tokens, the text shown of them, what the last token brought."""
+
+    def __init__(self, detokenizer):
+        self.detokenizer, self.ids, self.text = detokenizer, [], ""
+        self.new, self.piece, self.finish = [], "", None

@@ -47,31 +47,35 @@ class EngineClient:
     def alive(self) -> bool:
         return self.failure is None
 
-    async def add(self, ids, max_new_tokens: int, eos_id: int | None) -> tuple[int, asyncio.Queue]:
-        """Queue a request; its id and the queue its (token, finish_reason) pairs (or an EngineFailed)
-        arrive on. Raises what the engine's `add_request` raises: a bad request changes nothing."""
+    async def add(self, ids, max_new_tokens: int, eos_id: int | None, **sampling) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its id and the queue its (token, finish_reason, index) triples (or an EngineFailed)
+        arrive on. `sampling`: add_request's n, temperature, seed; the n answers are the requests id .. id +
+        n - 1, their tokens on the one queue, each with its index. Raises what the engine's `add_request`
+        raises: a bad request changes nothing."""
         if self.failure is not None:
             raise self.failure
         loop = asyncio.get_running_loop()
         admitted, tokens, key = loop.create_future(), asyncio.Queue(), next(self.keys)
         with self.lock:
-            self.pending[key] = (loop, admitted, tokens, len(ids))
-        self.send(("add", key, list(ids), max_new_tokens, eos_id))
+            self.pending[key] = (loop, admitted, tokens, len(ids), sampling.get("n", 1))
+        self.send(("add", key, list(ids), max_new_tokens, eos_id, sampling))
         return await admitted, tokens
 
-    def cancel(self, rid: int):
-        """Drop request `rid`: its pages are freed, its stream gets nothing more."""
+    def cancel(self, rid: int, n: int = 1):
+        """Drop request `rid` (and the n - 1 answers after it): its pages are freed, its stream gets nothing more."""
         if type(rid) is not int:
             raise RequestIdError(f"a request id is an int, got {rid!r} ({type(rid).__name__})")
         with self.lock:
-            self.streams.pop(rid, None)
+            for r in range(rid, rid + n):
+                self.streams.pop(r, None)
         if self.alive:
-            self.send(("cancel", rid))
+            for r in range(rid, rid + n):
+                self.send(("cancel", r))
 
     def in_flight(self) -> list[int]:
         """The prompt tokens of every request in flight: sent and not yet finished, cancelled or failed."""
         with self.lock:
-            return [p[-1] for p in self.pending.values()] + [s[-1] for s in self.streams.values()]
+            return [p[3] for p in self.pending.values()] + [s[2] for s in self.streams.values()]
 
     def snapshot(self, timeout_s: float = 30) -> dict:
         """The engine's stats, free pages and requests in flight, from its loop (for tests and checks)."""
@@ -90,7 +94,8 @@ class EngineClient:
             with self.lock:
                 waiting = self.pending.pop(key, None)    # None: failed meanwhile
                 if waiting is not None and error is None:
-                    self.streams[rid] = (waiting[0], waiting[2], waiting[3])
+                    for i in range(waiting[4]):          # the n answers, on one queue
+                        self.streams[rid + i] = (waiting[0], waiting[2], waiting[3], i)
             if waiting is not None:
                 waiting[0].call_soon_threadsafe(settle, self, waiting[1], rid, error)
             elif rid is not None:
@@ -104,7 +109,7 @@ class EngineClient:
                 for rid, token, finish in items:
                     stream = self.streams.pop(rid, None) if finish else self.streams.get(rid)
                     if stream is not None:
-                        by_loop.setdefault(stream[0], []).append((stream[1], (token, finish)))
+                        by_loop.setdefault(stream[0], []).append((stream[1], (token, finish, stream[3])))
             for loop, items in by_loop.items():          # one wake-up of each event loop per step
                 loop.call_soon_threadsafe(deliver, items)
         elif kind == "snapshot":
@@ -127,7 +132,7 @@ class EngineClient:
                 self.failure = error
         for loop, admitted, *_ in waiting:
             loop.call_soon_threadsafe(lambda f=admitted: f.done() or f.set_exception(error))
-        for loop, tokens, _ in streams:
+        for loop, tokens, *_ in streams:
             loop.call_soon_threadsafe(tokens.put_nowait, error)
 
 

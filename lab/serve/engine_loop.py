@@ -90,9 +90,9 @@ class EngineLoop:
 
     def _handle(self, kind, *args):
         if kind == "add":
-            key, ids, max_new_tokens, eos_id = args
+            key, ids, max_new_tokens, eos_id, sampling = args
             try:
-                rid, error = self.engine.add_request(ids, max_new_tokens, eos_id), None
+                rid, error = self.engine.add_request(ids, max_new_tokens, eos_id, **sampling), None
             except Exception as e:                       # a bad request: the engine is unchanged
                 rid, error = None, e
             self.transport.send(("admitted", key, rid, error))

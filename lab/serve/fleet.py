@@ -89,20 +89,20 @@ class Fleet:
         if self.on_exit is not None:
             self.on_exit(f"worker {i}: {why}")
 
-    async def add(self, ids, max_new_tokens: int, eos_id: int | None):
+    async def add(self, ids, max_new_tokens: int, eos_id: int | None, **sampling):
         """Route, then queue the request on that worker: (fleet id, its tokens' queue), as EngineClient.add."""
         states = self.states(ids)
         w = choose(self.policy, states, self.overlap_weight)
         self.routed[w] += 1                             # before the await: the next request routed sees them
         self.computed[w] += len(ids) - states[w].cached
-        rid, tokens = await self.workers[w].add(ids, max_new_tokens, eos_id)
+        rid, tokens = await self.workers[w].add(ids, max_new_tokens, eos_id, **sampling)
         return rid * len(self.workers) + w, tokens
 
-    def cancel(self, rid: int):
+    def cancel(self, rid: int, n: int = 1):
         if type(rid) is not int:
             raise RequestIdError(f"a request id is an int, got {rid!r} ({type(rid).__name__})")
         r, w = divmod(rid, len(self.workers))
-        self.workers[w].cancel(r)
+        self.workers[w].cancel(r, n)
 
     # ---- routing ----
     def route(self, ids) -> int:
