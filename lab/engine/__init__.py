@@ -2,6 +2,7 @@
 
 from ..cache.radix import RadixCache
 from .backends import CachedBackend, LibraryBackend, RecomputeBackend, as_ids, common_prefix
+from .beam import BeamResult, beam_search
 from .chat import ChatSession
 from .disagg import DecodeEngine, HandoffError, PageSet, PrefillEngine, WorkerError, prefill
 from .generate import Generation, generate, greedy_agreement, positions_cached, positions_uncached
@@ -25,4 +26,5 @@ __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Gen
            "ChatSession", "common_prefix", "ServingEngine", "EngineStateError", "drive", "speculative_generate",
            "SpecResult", "SpecInputError",
            "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache"]
+__all__ += ["beam_search", "BeamResult"]
 __all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "WorkerError"]
