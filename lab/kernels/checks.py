@@ -80,3 +80,35 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True, wi
     if lowest < 0 or highest >= num_pages:
         raise ValueError(f"block_tables holds page ids from {lowest} to {highest}, but the pool has {num_pages} "
                          f"pages (ids 0 to {num_pages - 1}); pad block tables with 0")
+
+
+def check_cascade_inputs(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, values=True) -> None:
+    """`check_paged_inputs` for a cascade: B branches of one prompt, whose first `shared_length` positions lie
+    in the pages `shared_table` and the rest in each branch's own pages. Raises TypeError or ValueError,
+    naming the argument.
+
+    Expected besides: shared_table int32 [S] on q's device, shared_length an int with
+    ceil(shared_length / page_size) == S (0 and an empty table: no shared part); block_tables and lengths
+    are the branches' own pages and positions (each length at least 1: a decode query's own position is
+    always its branch's), read with `values` as check_paged_inputs reads them, shared_table too.
+    """
+    check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values)
+    if not isinstance(shared_table, torch.Tensor):
+        raise TypeError(f"shared_table must be a torch.Tensor, got {type(shared_table).__name__}")
+    if shared_table.dtype != torch.int32:
+        raise TypeError(f"shared_table must be int32, got {shared_table.dtype}")
+    if shared_table.dim() != 1:
+        raise ValueError(f"shared_table must have rank 1 [shared_pages], got shape {tuple(shared_table.shape)}")
+    if shared_table.device != q.device:
+        raise ValueError(f"shared_table must be on q's device {q.device}, got {shared_table.device}")
+    if isinstance(shared_length, bool) or not isinstance(shared_length, int):
+        raise TypeError(f"shared_length must be an int, got {type(shared_length).__name__}")
+    num_pages, page_size = k_pool.shape[:2]
+    if shared_length < 0 or -(-shared_length // page_size) != len(shared_table):
+        raise ValueError(f"shared_length {shared_length} must be >= 0 and fill the {len(shared_table)} pages of "
+                         f"shared_table, the last one at least in part (page_size {page_size})")
+    if values and len(shared_table):
+        lowest, highest = (int(x) for x in torch.aminmax(shared_table))
+        if lowest < 0 or highest >= num_pages:
+            raise ValueError(f"shared_table holds page ids from {lowest} to {highest}, but the pool has "
+                             f"{num_pages} pages (ids 0 to {num_pages - 1})")

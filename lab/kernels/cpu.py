@@ -16,6 +16,10 @@ PyTorch's intra-op threads (`at::parallel_for`, so `torch.set_num_threads` appli
 alone still keeps every thread busy. Each task leaves its (m, l, acc); a second loop merges a sequence's
 tasks by log-sum-exp, as FlashDecoding does on a GPU.
 
+`cascade_attention_cpu` (branches of one prompt, kernels/cascade.py) runs the same task over the prompt's
+shared pages with N queries, one per branch: a kv head's rows are read once for the N * G query heads of all
+branches. Then each branch's own pages are read as a sequence's, and the same merge takes both sets of runs.
+
 The source is compiled at the first call with the system's C++ compiler (`c++`, or $CXX), against
 PyTorch's headers for its thread pool and its 16-bit float types only (a few seconds, not the half
 minute a full PyTorch extension takes), and cached under ~/.cache/lab/kernels (or $LAB_KERNEL_CACHE),
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import check_paged_inputs
+from .checks import check_cascade_inputs, check_paged_inputs
 
 CHUNK = 512        # positions per task: 8 tasks for one sequence of 4,096, partials of a few KiB each
 DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
@@ -52,23 +56,23 @@ SOURCE = r"""
 
 const float LOWEST = std::numeric_limits<float>::lowest();   // no infinities under -ffast-math
 
-// One task: sequence b, positions [start, end) but [sinks, lo), a local layer's past (never read).
-// Per query head hq: m[hq] the largest score, l[hq] the sum of exp(score - m), acc[hq] the sum of
-// exp(score - m) * value (D floats). DC: the head size when the compiler knows it (64, 128).
-template <typename T, int64_t DC>
-void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* table,
-                int64_t start, int64_t end, int64_t sinks, int64_t lo, int64_t Hq, int64_t Hkv,
+// One task: positions [start, end) of a table but [sinks, lo), a local layer's past (never read),
+// for N queries q [N, Hq, D] (N > 1: branches sharing the pages). Per query head hq of N * Hq:
+// m[hq] the top score, l[hq] the sum of exp(score - m), acc[hq] the sum of exp(score - m) * value.
+template <typename T, int64_t DC>       // DC: the head size when the compiler knows it (64, 128)
+void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* table, int64_t start,
+                int64_t end, int64_t sinks, int64_t lo, int64_t N, int64_t Hq, int64_t Hkv,
                 int64_t head_dim, int64_t P, float* m, float* l, float* acc) {
   const int64_t D = DC ? DC : head_dim, G = Hq / Hkv, row = Hkv * D;  // G query heads per kv head
   std::vector<float> s(P), k(P * D), v(P * D);  // a head's scores; a kv head's keys, values, a page
-  std::fill(m, m + Hq, LOWEST), std::fill(l, l + Hq, 0.f);
-  std::fill(acc, acc + Hq * D, 0.f);
+  std::fill(m, m + N * Hq, LOWEST), std::fill(l, l + N * Hq, 0.f);
+  std::fill(acc, acc + N * Hq * D, 0.f);
   for (int64_t first = start; first < end; first += P) {
     const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
     if (first >= sinks && first + n <= lo) continue;          // outside the sinks and the window
     const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
     for (int64_t h = 0; h < Hkv; ++h) {
-      // kv head h's rows, read where they lie as floats, once for its G query heads. The next page
+      // kv head h's rows, read where they lie as floats, once for its query heads. The next page
       // lies anywhere, where no prefetcher would guess: ask for its rows while these are read.
       for (int64_t t = 0; t < n; ++t) {
         const int64_t at = t * row + h * D;
@@ -78,7 +82,8 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
         for (int64_t d = 0; d < D; ++d)
           k[t * D + d] = float(k_pool[page + at + d]), v[t * D + d] = float(v_pool[page + at + d]);
       }
-      for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+      for (int64_t i = 0; i < N * G; ++i) {   // the G query heads of kv head h, of every query
+        const int64_t hq = i / G * Hq + h * G + i % G;
         for (int64_t t = 0; t < n; ++t) {     // scores: q . k
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += q[hq * D + d] * k[t * D + d];
@@ -103,40 +108,101 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
 
 SOURCE += r"""
 template <typename T>
+using Run = void (*)(const float*, const T*, const T*, const int*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
+
+template <typename T>
+Run<T> run_for(int64_t D) { return D == 64 ? attend_run<T, 64> : D == 128 ? attend_run<T, 128> : attend_run<T, 0>; }
+
+// q [B, Hq, D] (strides sqb, sqh, its rows contiguous) as floats [B, Hq, D], times scale.
+template <typename T>
+std::vector<float> scaled(const T* q, int64_t sqb, int64_t sqh, float scale, int64_t B, int64_t Hq, int64_t D) {
+  std::vector<float> qf(B * Hq * D);
+  for (int64_t i = 0; i < B * Hq; ++i)
+    for (int64_t d = 0; d < D; ++d) qf[i * D + d] = float(q[i / Hq * sqb + i % Hq * sqh + d]) * scale;
+  return qf;
+}
+
+// Each sequence's runs of `chunk` positions, one task each: sequence b's query qf[b] [Hq, D] over its table
+// and length, into parts [B, runs, Hq * (D + 2)] (a run's m, l, acc).
+template <typename T>
+void attend_runs(const float* qf, const T* k_pool, const T* v_pool, const int* tables, const int* lengths,
+                 float* parts, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t max_pages,
+                 int64_t runs, int64_t chunk, int64_t window, int64_t sinks) {
+  const int64_t part = Hq * (D + 2);
+  const auto run = run_for<T>(D);
+  at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / runs, start = task % runs * chunk, length = lengths[b];
+      const int64_t lo = window ? std::max(int64_t(0), length - window) : 0;
+      float* p = parts + task * part;
+      run(qf + b * Hq * D, k_pool, v_pool, tables + b * max_pages, std::min(start, length),
+          std::min(start + chunk, length), window ? sinks : 0, lo, 1, Hq, Hkv, D, P, p, p + Hq, p + 2 * Hq);
+    }
+  });
+}
+
+// `count` runs' partials, run r's at p + r * stride: m [H], l [H], acc [H, D] for H query heads.
+struct Runs { const float* p; int64_t count, stride, H; };
+
+// Head i of the runs a and head j of the runs b (one query head, two sets of positions) merged by
+// log-sum-exp into out [D]: each run's l and acc rescaled by exp(m_run - m_max) and added, acc / l.
+template <typename T>
+void merge(Runs a, int64_t i, Runs b, int64_t j, int64_t D, float* o, T* out) {
+  float m = LOWEST, l = 0.f;
+  for (auto [x, h] : {std::pair(a, i), std::pair(b, j)})
+    for (int64_t r = 0; r < x.count; ++r) m = std::max(m, x.p[r * x.stride + h]);
+  std::fill(o, o + D, 0.f);
+  for (auto [x, h] : {std::pair(a, i), std::pair(b, j)})
+    for (int64_t r = 0; r < x.count; ++r) {
+      const float* p = x.p + r * x.stride;
+      if (p[x.H + h] == 0.f) continue;               // a run past the sequence's end: nothing in it
+      const float c = std::exp(p[h] - m);
+      l += c * p[x.H + h];
+      for (int64_t d = 0; d < D; ++d) o[d] += c * p[2 * x.H + h * D + d];
+    }
+  for (int64_t d = 0; d < D; ++d) out[d] = T(o[d] / l);
+}
+
+template <typename T>
 void attend(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool, const T* v_pool,
             const int* tables, const int* lengths, float* parts, T* out, int64_t B, int64_t Hq, int64_t Hkv,
             int64_t D, int64_t P, int64_t max_pages, int64_t runs, int64_t chunk, int64_t window, int64_t sinks) {
-  const int64_t part = Hq * (D + 2);                  // parts [B, runs, Hq * (D + 2)]: m, l, acc
-  const auto run = D == 64 ? attend_run<T, 64> : D == 128 ? attend_run<T, 128> : attend_run<T, 0>;
-  at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end_) {
-    std::vector<float> qf(Hq * D);                    // the sequence's query, as floats, scaled once
-    for (int64_t task = begin; task < end_; ++task) {
-      const int64_t b = task / runs, start = task % runs * chunk;
-      for (int64_t h = 0; h < Hq; ++h)
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = float(q[b * sqb + h * sqh + d]) * scale;
-      float* p = parts + task * part;
-      const int64_t length = lengths[b], lo = window ? std::max(int64_t(0), length - window) : 0;
-      run(qf.data(), k_pool, v_pool, tables + b * max_pages, std::min(start, length),
-          std::min(start + chunk, length), window ? sinks : 0, lo, Hq, Hkv, D, P, p, p + Hq, p + 2 * Hq);
+  const auto qf = scaled(q, sqb, sqh, scale, B, Hq, D);
+  attend_runs(qf.data(), k_pool, v_pool, tables, lengths, parts, B, Hq, Hkv, D, P, max_pages, runs, chunk,
+              window, sinks);
+  const int64_t part = Hq * (D + 2);
+  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {  // merge a sequence's runs
+    std::vector<float> o(D);
+    for (int64_t bh = begin; bh < end; ++bh)
+      merge(Runs{parts + bh / Hq * runs * part, runs, part, Hq}, bh % Hq, Runs{}, 0, D, o.data(), out + bh * D);
+  });
+}
+
+// N branches of one prompt: the shared pages read once for all N * Hq query heads, in runs of chunk_s
+// positions (parts_s [runs_s, N * Hq * (D + 2)]); then each branch's own pages as `attend` reads a
+// sequence's (parts [N, runs, Hq * (D + 2)]); a query head's runs of both merged.
+template <typename T>
+void cascade(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool, const T* v_pool,
+             const int* shared, int64_t shared_length, const int* tables, const int* lengths, float* parts_s,
+             float* parts, T* out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t max_pages,
+             int64_t runs_s, int64_t chunk_s, int64_t runs, int64_t chunk) {
+  const auto qf = scaled(q, sqb, sqh, scale, N, Hq, D);
+  const int64_t heads = N * Hq, part_s = heads * (D + 2), part = Hq * (D + 2);
+  const auto run = run_for<T>(D);
+  at::parallel_for(0, runs_s, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* p = parts_s + r * part_s;
+      run(qf.data(), k_pool, v_pool, shared, r * chunk_s, std::min((r + 1) * chunk_s, shared_length), 0, 0, N,
+          Hq, Hkv, D, P, p, p + heads, p + 2 * heads);
     }
   });
-  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end_) {  // merge a sequence's runs
+  attend_runs(qf.data(), k_pool, v_pool, tables, lengths, parts, N, Hq, Hkv, D, P, max_pages, runs, chunk, 0, 0);
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
-    for (int64_t bh = begin; bh < end_; ++bh) {
-      const int64_t b = bh / Hq, hq = bh % Hq;
-      const float* first = parts + b * runs * part;
-      float m = LOWEST, l = 0.f;
-      for (int64_t r = 0; r < runs; ++r) m = std::max(m, first[r * part + hq]);
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t r = 0; r < runs; ++r) {
-        const float* p = first + r * part;
-        if (p[Hq + hq] == 0.f) continue;              // a run past the sequence's end: nothing in it
-        const float c = std::exp(p[hq] - m);
-        l += c * p[Hq + hq];
-        for (int64_t d = 0; d < D; ++d) o[d] += c * p[2 * Hq + hq * D + d];
-      }
-      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = T(o[d] / l);
-    }
+    for (int64_t bh = begin; bh < end; ++bh)
+      merge(Runs{parts_s, runs_s, part_s, heads}, bh, Runs{parts + bh / Hq * runs * part, runs, part, Hq}, bh % Hq,
+            D, o.data(), out + bh * D);
   });
 }
 """
@@ -148,6 +214,14 @@ extern "C" void attend_{name}(const void* q, int64_t sqb, int64_t sqh, float sca
                               int64_t chunk, int64_t window, int64_t sinks) {{
   attend((const {ctype}*)q, sqb, sqh, scale, (const {ctype}*)k, (const {ctype}*)v, tables, lengths, parts,
          ({ctype}*)out, B, Hq, Hkv, D, P, max_pages, runs, chunk, window, sinks);
+}}
+extern "C" void cascade_{name}(const void* q, int64_t sqb, int64_t sqh, float scale, const void* k, const void* v,
+                               const int* shared, int64_t shared_length, const int* tables, const int* lengths,
+                               float* parts_s, float* parts, void* out, int64_t N, int64_t Hq, int64_t Hkv,
+                               int64_t D, int64_t P, int64_t max_pages, int64_t runs_s, int64_t chunk_s,
+                               int64_t runs, int64_t chunk) {{
+  cascade((const {ctype}*)q, sqb, sqh, scale, (const {ctype}*)k, (const {ctype}*)v, shared, shared_length, tables,
+          lengths, parts_s, parts, ({ctype}*)out, N, Hq, Hkv, D, P, max_pages, runs_s, chunk_s, runs, chunk);
 }}
 """ for name, ctype in ((str(t).removeprefix("torch."), c) for t, c in DTYPES.items()))
 
@@ -312,6 +386,9 @@ def _library():
         fn = getattr(lib, f"attend_{str(dtype).removeprefix('torch.')}")
         fn.argtypes, fn.restype = [ptr, i64, i64, ctypes.c_float] + [ptr] * 6 + [i64] * 10, None
         name = str(dtype).removeprefix('torch.')
+        fn = getattr(lib, f"cascade_{name}")
+        fn.argtypes = [ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, i64] + [ptr] * 5 + [i64] * 10
+        fn.restype = None
         for op, args in (("add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]),
                          ("rope", [ptr, i64, ptr, ptr, i64, i64, i64]),
                          ("silu_mul", [ptr, i64, ptr, i64, ptr, i64, i64]),
@@ -345,11 +422,7 @@ def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, ch
     PagedCache's never are).
     """
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
-    if q.device.type != "cpu":
-        raise ValueError(f"paged_attention_cpu runs on CPU tensors, got {q.device}; decode_attention "
-                         f"chooses a kernel for the device")
-    if q.dtype not in DTYPES:
-        raise TypeError(f"paged_attention_cpu takes {', '.join(map(str, DTYPES))}, got {q.dtype}")
+    _check_cpu("paged_attention_cpu", "decode_attention", q)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     scale = D ** -0.5 if scale is None else scale
@@ -364,6 +437,50 @@ def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, ch
     fn(q.data_ptr(), q.stride(0), q.stride(1), scale, k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
        lengths.data_ptr(), parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, block_tables.shape[1],
        runs, chunk, window, sinks)
+    return out
+
+
+def _check_cpu(name, chooser, q) -> None:
+    """Raise ValueError unless q is on the CPU, TypeError unless of a dtype the kernel `name` takes."""
+    if q.device.type != "cpu":
+        raise ValueError(f"{name} runs on CPU tensors, got {q.device}; {chooser} chooses a kernel for the device")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"{name} takes {', '.join(map(str, DTYPES))}, got {q.dtype}")
+
+
+def cascade_attention_cpu(q, k_pool, v_pool, shared_table, shared_length: int, block_tables, lengths, scale=None,
+                          check_values=True, max_length=None):
+    """Decode attention for B branches of one prompt (kernels/cascade.py), in C++. Returns [B, H_q, D].
+
+    The shared pages are read once for all branches: a task takes a run of them and, one kv head at a time,
+    reads the head's rows once and scores them for the B * G query heads (of every branch) that read that head,
+    while the rows are in cache. The runs are cut so that every thread has some. Each branch's own pages are
+    read as paged_attention_cpu reads a sequence's, and a query head's partial results of both are merged by
+    log-sum-exp.
+    q [B, H_q, D]; pools [num_pages, page_size, H_kv, D] float32, bfloat16 or float16 on the CPU;
+    shared_table int32 [S]; block_tables int32 [B, max_pages] and lengths int32 [B] (each >= 1): the own pages
+    and positions; max_length: the longest of lengths, if known on the host.
+    """
+    check_cascade_inputs(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, check_values)
+    _check_cpu("cascade_attention_cpu", "cascade_attention", q)
+    B, H_q, D = q.shape
+    _, page_size, H_kv, _ = k_pool.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()                  # rows of D values; the kernel scales them
+    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()       # no-ops for a cache's pools
+    tables, lengths, shared_table = block_tables.contiguous(), lengths.contiguous(), shared_table.contiguous()
+    per_thread = -(-len(shared_table) // torch.get_num_threads())  # shared pages per thread
+    chunk_s = max(min(CHUNK // page_size, per_thread), 1) * page_size     # whole pages per shared run
+    chunk = max(CHUNK // page_size, 1) * page_size
+    runs_s = -(-shared_length // chunk_s)
+    runs = -(-int(lengths.max() if max_length is None else max_length) // chunk)
+    parts_s = torch.empty(runs_s, B * H_q * (D + 2))               # each shared run's m, l, acc for all B * H_q
+    parts = torch.empty(B, runs, H_q * (D + 2))                    # each own run's m [H_q], l [H_q], acc [H_q, D]
+    out = torch.empty(B, H_q, D, dtype=q.dtype)                     # [B, H_q, D]
+    fn = getattr(_library(), f"cascade_{str(q.dtype).removeprefix('torch.')}")
+    fn(q.data_ptr(), q.stride(0), q.stride(1), D ** -0.5 if scale is None else scale, k_pool.data_ptr(),
+       v_pool.data_ptr(), shared_table.data_ptr(), shared_length, tables.data_ptr(), lengths.data_ptr(),
+       parts_s.data_ptr(), parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, tables.shape[1],
+       runs_s, chunk_s, runs, chunk)
     return out
 
 

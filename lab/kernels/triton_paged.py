@@ -47,7 +47,7 @@ if triton is not None:
     # left out to keep the kernel short.
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, lengths_ptr, out_ptr,
+        q_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, lengths_ptr, out_ptr, lse_ptr,
         scale, window, sinks,                               # a local layer's rule; window 0: every position
         stride_qb, stride_qh, stride_qd,                    # q   [B, H_q, D]
         stride_kp, stride_kt, stride_kh, stride_kd,         # k_pool [num_pages, page_size, H_kv, D]
@@ -55,7 +55,9 @@ if triton is not None:
         stride_sp, stride_st, stride_sh,                    # k_scale, v_scale [num_pages, page_size, H_kv]
         stride_btb, stride_btp,                             # block_tables [B, max_pages]
         stride_ob, stride_oh, stride_od,                    # out [B, H_q, D]
+        stride_lb, stride_lh,                               # lse [B, H_q], float32
         INT8: tl.constexpr,            # int8 codes with a scale per position (triton_paged_int8.py)
+        LSE: tl.constexpr,             # also store the scores' log-sum-exp, for a merge (cascade.py)
         GROUP: tl.constexpr,           # query heads per kv head
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
@@ -124,6 +126,8 @@ if triton is not None:
                     + offs_d[None, :] * stride_od)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
         # endregion
+        if LSE:                                             # log sum exp(s) = m + log sum exp(s - m)
+            tl.store(lse_ptr + seq * stride_lb + q_heads * stride_lh, m_i + tl.log(l_i), mask=g_mask)
 else:
     INTERPRETED = False
 
@@ -155,9 +159,9 @@ def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_
     return launch(q, k_pool, v_pool, None, block_tables, lengths, out, scale, window, sinks)
 
 
-def launch(q, k_pool, v_pool, scales, block_tables, lengths, out, scale=None, window=0, sinks=0):
+def launch(q, k_pool, v_pool, scales, block_tables, lengths, out, scale=None, window=0, sinks=0, lse=None):
     """Run the kernel into `out`: one program per (sequence, kv head). scales: (k_scale, v_scale) for INT8
-    pools, or None."""
+    pools, or None. lse: a float32 [B, H_q] for the log-sum-exp of each query head's scores, or None."""
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
     group = H_q // H_kv
@@ -165,9 +169,10 @@ def launch(q, k_pool, v_pool, scales, block_tables, lengths, out, scale=None, wi
     k_scale, v_scale = (s.contiguous() for s in scales) if scales else (k_pool, k_pool)  # one layout
     _paged_decode_kernel[(B, H_kv)](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths.contiguous(), out,   # lengths at stride 1
-        scale, window, sinks,
+        out if lse is None else lse, scale, window, sinks,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *k_scale.stride()[:3],
-        *block_tables.stride(), *out.stride(), INT8=scales is not None,
+        *block_tables.stride(), *out.stride(), *(out if lse is None else lse).stride()[:2],
+        INT8=scales is not None, LSE=lse is not None,
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size,
         GROUP_PAD=_next_power_of_2(group), HEAD_DIM_PAD=_next_power_of_2(D), PAGE_PAD=_next_power_of_2(page_size),
     )
