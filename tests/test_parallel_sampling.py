@@ -96,6 +96,53 @@ def test_the_first_tokens_follow_the_models_distribution(tiny):
     check_idle(engine)
 
 
+def counting_cascades(monkeypatch, shared=None) -> list:
+    """Record the shared positions of every cascade_attention call the planned step makes (CASCADE_SHARED
+    lowered to `shared` if given)."""
+    import lab.cache.pool as pool_module
+
+    calls, real = [], pool_module.cascade_attention
+    if shared is not None:
+        monkeypatch.setattr(pool_module, "CASCADE_SHARED", shared)
+    monkeypatch.setattr(pool_module, "cascade_attention", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_answers_read_their_prompt_once_and_still_answer_as_alone(tiny, page_size, monkeypatch):
+    """With the threshold lowered to 16 shared positions, the step reads the prompt's pages once for the 5
+    answers of each prompt (cascade_attention over the prompt's full pages), and every answer, greedy or
+    sampled, is still what it is alone."""
+    calls = counting_cascades(monkeypatch, shared=16)
+    ps = prompts([37, 24], seed=12)
+    engine = ServingEngine(tiny, 96, page_size, max_batch_tokens=64)
+    greedy = engine.add_request(ps[0], 6, n=5)
+    sampled = engine.add_request(ps[1], 6, n=5, temperature=0.6, seed=4)
+    run(engine)
+    assert calls and set(calls) <= {37 // page_size * page_size, 24 // page_size * page_size}
+    assert [engine.output(greedy + i) for i in range(5)] == expected(tiny, ps[:1], 6) * 5
+    assert [engine.output(sampled + i) for i in range(5)] == [sampled_alone(tiny, ps[1], 6, 0.6, 4 + i)
+                                                               for i in range(5)]
+    check_idle(engine)
+
+
+def test_the_cascade_at_its_own_threshold(tiny, monkeypatch):
+    """The default threshold (4 answers over 1,024 shared positions): a prompt of 1,040 tokens takes the
+    cascade, and its answers are the prompt's alone; fewer answers than CASCADE_ROWS never take it."""
+    calls = counting_cascades(monkeypatch)
+    p = prompts([1040], seed=13)[0]
+    engine = ServingEngine(tiny, 160, 16, max_batch_tokens=256)
+    rid = engine.add_request(p, 3, n=4)
+    run(engine)
+    assert calls and set(calls) == {1040}
+    assert [engine.output(rid + i) for i in range(4)] == expected(tiny, [p], 3) * 4
+    calls.clear()
+    engine.add_request(p, 3, n=3)
+    run(engine)
+    assert not calls
+    check_idle(engine)
+
+
 def test_branches_share_the_prompts_pages(tiny):
     """n answers hold the prompt's full pages once: at the peak, n branches of a 32-token prompt (8 pages of 4)
     and 8 new tokens hold at most 8 + n * 3 pages, where n separate requests hold n * 11."""

@@ -34,13 +34,18 @@ from .checks import int_arg
 from .errors import CacheInputError, CacheStateError, OutOfPagesError
 from .hashing import page_digest
 
-__all__ = ["BlockManager", "NULL", "OutOfPagesError", "pages_for"]
+__all__ = ["BlockManager", "NULL", "OutOfPagesError", "pages_for", "common_length"]
 
 NULL = -1  # a block-table entry whose page was given back (drop_pages): no page, no slots
 
 
 def pages_for(length, page_size):  # ceil(length / page_size)
     return -(-length // page_size)
+
+
+def common_length(a, b) -> int:
+    """How many leading entries the sequences a and b share (token ids, block tables)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 # region block_manager_state

@@ -21,12 +21,17 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from ..kernels import decode_attention
+from ..kernels import cascade_attention, decode_attention
 from ..kernels.fused import store_rows
 from . import checks
 from .base import CacheStateError, offset_causal_mask, visible
-from .block_manager import NULL
+from .block_manager import NULL, common_length
 from .hybrid import HybridBlockManager
+
+# A step reads a shared prefix once (cascade_attention) when at least CASCADE_ROWS decodes start with the same
+# pages, CASCADE_SHARED positions or more: below that the paged kernel is as fast on this machine's CPU (the
+# ch12 section of results.json times both: the cascade wins from 4 branches over 1,024 shared positions).
+CASCADE_ROWS, CASCADE_SHARED = 4, 1024
 
 
 class PagePool:
@@ -174,8 +179,7 @@ def write_changed(row, table: list, old: list) -> list:
     holds now, a host copy."""
     if table == old:
         return old                                   # the usual decode step: nothing to write
-    first = next((j for j, (a, b) in enumerate(zip(table, old, strict=False)) if a != b),
-                 min(len(table), len(old)))
+    first = common_length(table, old)
     new = [max(page, 0) for page in table[first:]] + [0] * max(0, len(old) - len(table))
     row[first:first + len(new)] = torch.tensor(new, dtype=row.dtype)
     return list(table)
@@ -227,6 +231,8 @@ class StepBatch:
         self.lengths = torch.tensor(lengths, dtype=torch.int32, device=device)     # [B_d]
         self.max_length = max(lengths)                    # on the host, for the kernel
         # endregion
+        self.plain = {g: (self.decode_at, self.block_tables[g], self.lengths, self.max_length) for g in groups}
+        self.cascades = {g: self._cascades(pool, g, decode, lengths, device) for g in groups}
         self.pool, self.n_tokens, self.done, self._masks = pool, at, False, {}
         self.n_layers = pool.n_layers
         self.pending = [0] * pool.n_layers                  # tokens stored per layer in this step
@@ -253,22 +259,50 @@ class StepBatch:
             store_rows(v_slots, self.slot_mapping[group], v[0].transpose(0, 1), check_values=False)
             self.pending[layer] = k.shape[2]
         window, sinks = pool.config.window_of(layer)         # the layer's rule (its group's, in an engine)
-        if len(self.decode_at) == self.n_tokens:            # every token a decode, in order: no copies
+        if len(self.decode_at) == self.n_tokens and not self.cascades[group]:   # every token a decode, in order
             o = decode_attention(q[0].transpose(0, 1), k_pool, v_pool, self.block_tables[group], self.lengths,
                                  check_values=False, max_length=self.max_length, window=window, sinks=sinks)
             return o.transpose(0, 1)[None]                                     # [1, H_q, N, D], a view
         out = torch.empty_like(q)                                               # [1, H_q, N, D]
-        if len(self.decode_at):
-            o = decode_attention(q[0, :, self.decode_at].transpose(0, 1), k_pool, v_pool, self.block_tables[group],
-                                 self.lengths, check_values=False, max_length=self.max_length,
-                                 window=window, sinks=sinks)                    # [B_d, H_q, D]
-            out[0, :, self.decode_at] = o.transpose(0, 1)
+        at, tables, lengths, longest = self.plain[group]
+        if len(at):
+            o = decode_attention(q[0, :, at].transpose(0, 1), k_pool, v_pool, tables, lengths, check_values=False,
+                                 max_length=longest, window=window, sinks=sinks)  # [B_d, H_q, D]
+            out[0, :, at] = o.transpose(0, 1)
+        for at, shared, shared_length, tables, lengths, longest in self.cascades[group]:   # a prefix read once
+            o = cascade_attention(q[0, :, at].transpose(0, 1), k_pool, v_pool, shared, shared_length, tables,
+                                  lengths, check_values=False, max_length=longest)
+            out[0, :, at] = o.transpose(0, 1)
         for at, n, read, start, lo in self.chunks[group]:
             keys = k_slots[read].transpose(0, 1)[None]                          # [1, H_kv, K, D]
             values = v_slots[read].transpose(0, 1)[None]
             out[:, :, at:at + n] = F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values, enable_gqa=True,
                                                                   attn_mask=self._mask(start, n, lo, window, sinks))
         return out
+
+    def _cascades(self, pool, group, decode, lengths, device) -> list:
+        """The decodes of `group` that share a prefix worth reading once: groups of at least CASCADE_ROWS whose
+        block tables start with the same CASCADE_SHARED positions or more (a full group of layers with no
+        window only), each (where its tokens are [R], the shared pages [S], their positions, its rows' own
+        pages [R, width - S] and positions [R], the most of those). Those rows leave `self.plain[group]`."""
+        manager, P = pool.manager, pool.page_size
+        if len(decode) < CASCADE_ROWS or any(pool.config.window_of(layer)[0] for layer in manager.layers(group)):
+            return []
+        tables = [manager.manager(group)._tables[seq] for _, seq, _ in decode]
+        families, taken = [], []
+        for rows in _by_first_page(tables):
+            shared = min(min(common_length(tables[rows[0]], tables[r]), len(tables[r]) - 1) for r in rows)
+            if len(rows) >= CASCADE_ROWS and shared * P >= CASCADE_SHARED:   # (never a row's own last page)
+                i = torch.tensor(rows, device=device)
+                families.append((self.decode_at[i], torch.tensor(tables[rows[0]][:shared], dtype=torch.int32,
+                                 device=device), shared * P, self.block_tables[group][i, shared:],
+                                 self.lengths[i] - shared * P, max(lengths[r] for r in rows) - shared * P))
+                taken += rows
+        if taken:
+            i = torch.tensor([r for r in range(len(decode)) if r not in taken], dtype=torch.long, device=device)
+            rest = [lengths[r] for r in range(len(decode)) if r not in taken]
+            self.plain[group] = (self.decode_at[i], self.block_tables[group][i], self.lengths[i], max(rest, default=1))
+        return families
 
     def _mask(self, start, n, lo, window, sinks):
         """`[n, K]`: which of the K positions a chunk reads (its group's sinks, then lo..start + n - 1) each of
@@ -289,6 +323,14 @@ class StepBatch:
         checks.advance(self, t)
         self.done, self.pool.version = True, self.pool.version + 1
         self.pool._first_query.clear()
+
+
+def _by_first_page(tables) -> list[list[int]]:
+    """Indices of the tables, grouped by their first page (forks of one prompt start alike)."""
+    groups = {}
+    for i, table in enumerate(tables):
+        groups.setdefault(table[0], []).append(i)
+    return list(groups.values())
 
 
 def _window_held(table, seq, group, start, lo, sinks, page_size):

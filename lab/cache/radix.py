@@ -29,7 +29,7 @@ import heapq
 import itertools
 from collections import deque
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, common_length
 from .checks import int_arg
 from .errors import CacheInputError, CacheStateError, OutOfPagesError
 
@@ -274,7 +274,7 @@ class RadixCache:
         node, i = root, 0
         while i < len(ids) and ids[i] in node.children:
             child = node.children[ids[i]]
-            k = _common(child.key, ids[i:])
+            k = common_length(child.key, ids[i:])
             if k < len(child.key):
                 child = self._split(child, k)
             node, i = child, i + k
@@ -324,16 +324,11 @@ def _cached_slots(root, ids) -> list[int]:
     node, slots = root, []
     while len(slots) < len(ids) and ids[len(slots)] in node.children:
         node = node.children[ids[len(slots)]]
-        k = _common(node.key, ids[len(slots):])
+        k = common_length(node.key, ids[len(slots):])
         slots += node.slots[:k]
         if k < len(node.key):
             break
     return slots
-
-
-def _common(run, ids) -> int:
-    """How many leading tokens `run` and `ids` share."""
-    return next((j for j, (a, b) in enumerate(zip(run, ids, strict=False)) if a != b), min(len(run), len(ids)))
 
 
 def _path_slots(node) -> list[int]:

@@ -8,19 +8,12 @@ business; the engine cannot tell, and the tests check that it cannot.
 import torch
 
 from ..cache import CacheStateError
+from ..cache.block_manager import common_length
 from ..models import forward
 from ..models.checks import tensor_versions
 from .identity import check_salt, identity_of, key_for, model_identity, token_ids
 
-
-def common_prefix(a: list, b: list) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+common_prefix = common_length      # how many leading ids two lists share
 
 
 def as_ids(ids, vocab_size: int) -> torch.Tensor:
