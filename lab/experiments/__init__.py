@@ -20,7 +20,7 @@ from importlib import import_module
 CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_savings",
             "ch04": "ch04_identity", "ch05": "ch05_paged", "ch06": "ch06_prefix",
             "ch07": "ch07_compress", "ch08": "ch08_serving", "ch09": "ch09_speculation",
-            "ch10": "ch10_architecture", "ch11": "ch11_beyond"}
+            "ch10": "ch10_architecture", "ch11": "ch11_beyond", "ch12": "ch12_branches"}
 
 
 def chapter(name: str):
