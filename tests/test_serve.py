@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from servers import call, serve_process, serving
 
-from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine
+from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine, beam_search
 from lab.models import load
 from lab.models.load import RANDOM, smollm2_folder
 from lab.models.tokenizer import ByteTokenizer, Tokenizer
@@ -322,6 +322,24 @@ def test_n_choices_share_one_prefill_and_count_the_prompt_once(server, tiny):
     assert engine.manager.num_free == engine.manager.num_pages
 
 
+def test_beam_search_over_http_answers_as_the_library(server, tiny):
+    """use_beam_search with n = 3: the choices are beam_search's three hypotheses, best first, in their order;
+    sampling or streaming with it is refused, as is a bad length_penalty."""
+    port, _, engine = server
+    p = prompts([9], seed=7)[0]
+    body = dict(prompt=p, max_tokens=6, n=3, use_beam_search=True, length_penalty=0.5, return_token_ids=True)
+    status, answer = call(port, "/v1/completions", body)
+    want = beam_search(tiny, p, 3, 6, length_penalty=0.5, page_size=PAGE_SIZE).sequences
+    assert status == 200 and [c["token_ids"] for c in answer["choices"]] == want
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and answer["usage"]["completion_tokens"] == 18
+    for bad, param in ((dict(temperature=0.5), "temperature"), (dict(stream=True), "stream"),
+                       (dict(length_penalty=99.0), "length_penalty")):
+        status, answer = call(port, "/v1/completions", body | bad)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    wait_idle(engine)
+    assert engine.manager.num_free == engine.manager.num_pages
+
+
 def test_n_chat_choices_each_open_with_the_role(tiny):
     """Chat with n = 2, sampled without a seed: two messages; streamed, each choice's first delta (and only
     it) carries the role, and its deltas make its message."""
@@ -431,6 +449,11 @@ def test_an_engine_process_answers_what_the_engine_computes(remote, tiny):
     assert [t for e in streamed[:-1] for t in e["choices"][0]["token_ids"]] == want[2]
     status, error = call(port, "/v1/completions", dict(prompt=[1] * 2048, max_tokens=4))
     assert status == 400 and error["error"]["code"] == "context_length_exceeded"   # refused in the child
+    beams = dict(prompt=ps[0], max_tokens=5, n=2, use_beam_search=True, return_token_ids=True)
+    status, answer = call(port, "/v1/completions", beams)                  # searched in the child
+    assert [c["token_ids"] for c in answer["choices"]] == beam_search(tiny, ps[0], 2, 5, page_size=PAGE_SIZE).sequences
+    status, error = call(port, "/v1/completions", beams | dict(prompt=[1] * 2046))
+    assert status == 400 and error["error"]["param"] == "prompt"           # the child's InputError, over the pipe
     snap = wait_idle_remote(engine)
     assert snap["free_pages"] == {"full": NUM_PAGES} and max(snap["batch_sizes"]) > 1
 

@@ -16,8 +16,9 @@
   /health answers 503 and the server exits with code 1 for its supervisor to restart it (cli.py says why).
 
 Decoding is greedy at temperature 0 (or absent), sampled above it (`seed` makes it repeatable); `n` asks for
-n choices, which share the prompt's prefill and pages. `return_token_ids: true` adds the token ids to each
-choice (`prompt_token_ids`, `token_ids`), as vLLM does.
+n choices, which share the prompt's prefill and pages; `use_beam_search: true` (vLLM's extension) runs beam
+search with n beams in the engine's loop and answers with the n best hypotheses. `return_token_ids: true`
+adds the token ids to each choice (`prompt_token_ids`, `token_ids`), as vLLM does.
 """
 
 from .api import MAX_BODY_BYTES, APIError

@@ -40,6 +40,9 @@ class Sampling(Strict):
     user: str | None = None
     seed: int | None = Field(None, ge=0, lt=2**62)
     return_token_ids: bool = False             # vLLM's extension: prompt_token_ids and token_ids in choices
+    use_beam_search: bool = False              # vLLM's extension: n beams, the n best hypotheses as choices
+    length_penalty: float = Field(1.0, ge=-10, le=10)   # beam search: score = log-prob sum / length ** this
+    early_stopping: bool = False               # beam search: stop once n hypotheses are finished
 
 
 class CompletionRequest(Sampling):
@@ -108,6 +111,9 @@ def parse(raw: bytes, schema):
         where = lambda err: ".".join(str(p) for p in err["loc"]) or "body"
         raise APIError(400, "; ".join(f"{where(err)}: {err['msg']}" for err in errors),
                        param=str(errors[0]["loc"][0]) if errors[0]["loc"] else None) from None
+    if req.use_beam_search and (req.temperature or req.stream):
+        raise APIError(400, "beam search is greedy and answers when the search ends: temperature must be 0 or "
+                            "absent, and stream false", param="temperature" if req.temperature else "stream")
     if req.temperature and req.top_p not in (None, 1):
         raise APIError(400, f"top_p must be 1 or absent when sampling, got {req.top_p}: this server samples "
                             "from the whole distribution", param="top_p")

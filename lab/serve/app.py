@@ -127,6 +127,8 @@ def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None 
         prompt = "messages" if chat else "prompt"
         sampling = dict(n=req.n, temperature=req.temperature or 0.0, seed=req.seed)
         try:
+            if req.use_beam_search:
+                return await beams(req, ids, max_tokens, chat)
             rid, tokens = await client.add(ids, max_tokens, eos_id, **sampling)
         except PositionLimitError as e:
             raise APIError(400, f"{e}; shorten the {prompt} or max_tokens", param=prompt,
@@ -152,6 +154,17 @@ def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None 
         if gone:
             return Response(status_code=499)         # nginx's "client closed request": nobody reads it
         answered.result()                            # EngineFailed: 500
+        return reply.body()
+
+    async def beams(req, ids, max_tokens, chat):
+        """Beam search with n beams: the n best hypotheses as the choices, best first, once the search ends."""
+        sequences, _ = await client.beam(ids, max_tokens, eos_id, num_beams=req.n, length_penalty=req.length_penalty,
+                                         early_stopping=req.early_stopping)
+        reply = Reply(tok, name, chat, ids, req.return_token_ids, len(sequences))
+        for i, seq in enumerate(sequences):
+            for j, token in enumerate(seq):
+                last = j == len(seq) - 1
+                reply.add(token, None if not last else "stop" if token == eos_id else "length", i)
         return reply.body()
 
     async def stream(rid, n, tokens, reply, usage):

@@ -61,6 +61,18 @@ class EngineClient:
         self.send(("add", key, list(ids), max_new_tokens, eos_id, sampling))
         return await admitted, tokens
 
+    async def beam(self, ids, max_new_tokens: int, eos_id: int | None, **params) -> tuple[list, list]:
+        """Beam search over `ids` in the engine's loop (lab.engine.beam_search: num_beams, length_penalty,
+        early_stopping): the best hypotheses' tokens and scores, once the whole search has run."""
+        if self.failure is not None:
+            raise self.failure
+        loop = asyncio.get_running_loop()
+        done, key = loop.create_future(), next(self.keys)
+        with self.lock:
+            self.pending[key] = (loop, done, None, len(ids), 0)
+        self.send(("beam", key, list(ids), max_new_tokens, eos_id, params))
+        return await done
+
     def cancel(self, rid: int, n: int = 1):
         """Drop request `rid` (and the n - 1 answers after it): its pages are freed, its stream gets nothing more."""
         if type(rid) is not int:
@@ -112,6 +124,12 @@ class EngineClient:
                         by_loop.setdefault(stream[0], []).append((stream[1], (token, finish, stream[3])))
             for loop, items in by_loop.items():          # one wake-up of each event loop per step
                 loop.call_soon_threadsafe(deliver, items)
+        elif kind == "beam":
+            key, result, error = args
+            with self.lock:
+                waiting = self.pending.pop(key, None)
+            if waiting is not None:
+                waiting[0].call_soon_threadsafe(answer, waiting[1], result, error)
         elif kind == "snapshot":
             self.replies.put(args[0])
         elif kind == "failed":                           # a bug in a step: these requests fail, the loop lives
@@ -145,6 +163,12 @@ def settle(client: EngineClient, admitted: asyncio.Future, rid, error):
         admitted.set_exception(error)
     else:
         admitted.set_result(rid)
+
+
+def answer(done: asyncio.Future, result, error):
+    """On the event loop: a beam search's result (or its error) to the handler waiting for it, if it still is."""
+    if not done.cancelled():
+        done.set_exception(error) if error is not None else done.set_result(result)
 
 
 def deliver(items):

@@ -30,7 +30,7 @@ from multiprocessing import connection
 
 import torch
 
-from ..engine import ServingEngine
+from ..engine import ServingEngine, beam_search
 from ..models import load
 from ..models.load import load_config
 
@@ -96,6 +96,14 @@ class EngineLoop:
             except Exception as e:                       # a bad request: the engine is unchanged
                 rid, error = None, e
             self.transport.send(("admitted", key, rid, error))
+        elif kind == "beam":                             # the whole search, here: other requests wait meanwhile
+            key, ids, max_new_tokens, eos_id, params = args
+            try:
+                r = beam_search(self.engine.model, ids, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                page_size=self.engine.page_size, **params)
+                self.transport.send(("beam", key, (r.sequences, r.scores), None))
+            except Exception as e:                       # a bad request
+                self.transport.send(("beam", key, None, e))
         elif kind == "cancel":
             self.engine.cancel(args[0])                  # False if it had finished: fine
         elif kind == "snapshot":

@@ -98,6 +98,12 @@ class Fleet:
         rid, tokens = await self.workers[w].add(ids, max_new_tokens, eos_id, **sampling)
         return rid * len(self.workers) + w, tokens
 
+    async def beam(self, ids, max_new_tokens: int, eos_id: int | None, **params):
+        """Beam search on the worker the policy routes `ids` to (EngineClient.beam)."""
+        w = self.route(ids)
+        self.routed[w] += 1
+        return await self.workers[w].beam(ids, max_new_tokens, eos_id, **params)
+
     def cancel(self, rid: int, n: int = 1):
         if type(rid) is not int:
             raise RequestIdError(f"a request id is an int, got {rid!r} ({type(rid).__name__})")
