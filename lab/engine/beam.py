@@ -76,22 +76,23 @@ def beam_search(model, ids, num_beams: int, max_new_tokens: int, length_penalty:
     logp, _ = forward([(seqs[0], P)], prompt, [P - 1])                # prefill once: [1, V]
     finished, stats = [], dict(held_pages=[], forks=[], copied_pages=[], copied_bytes=[], index_select_bytes=[])
     for t in range(1, T + 1):                                  # t: the new tokens of each candidate
+        # region beam_step
         top, at = torch.topk((logp + scores[:, None]).flatten(), 2 * k)   # [2k], best first
         V = logp.shape[-1]
         src, tok = (at // V).tolist(), (at % V).tolist()
         penalized = (top / t ** length_penalty).tolist()     # in float32, as transformers
-        nxt = []                                                # (rank, beam, token) of the next beams
+        nxt = []                                    # (rank, beam, token) of the next beams
         for rank, (b, x) in enumerate(zip(src, tok, strict=True)):
-            if x == eos_id or t == T:                           # ends: a hypothesis if among the first k
+            if x == eos_id or t == T:               # ends: a hypothesis if among the first k
                 if rank < k:
                     finished.append((penalized[rank], hyps[b] + [x]))
             elif len(nxt) < k:
                 nxt.append((rank, b, x))
         finished = sorted(finished, key=lambda f: -f[0])[:k]    # stable: the earlier first on a tie
-        if t == T or len(finished) == k and _done(top[nxt[0][0]], finished[-1][0], t, T, length_penalty,
-                                                  early_stopping):
+        if t == T or len(finished) == k and _done(top[nxt[0][0]], finished[-1][0], t, T,
+                                                  length_penalty, early_stopping):
             break
-        # move the pages: release the beams no candidate continues, fork those continued more than once
+        # move the pages: release the beams no candidate continues, fork those continued twice
         chosen = Counter(b for _, b, _ in nxt)
         for b, seq in enumerate(seqs):
             if not chosen[b]:
@@ -102,7 +103,8 @@ def beam_search(model, ids, num_beams: int, max_new_tokens: int, length_penalty:
             taken.add(b)
         seqs, hyps = new_seqs, [hyps[b] + [x] for _, b, x in nxt]
         scores = top[[r for r, _, _ in nxt]]                   # [k]
-        logp, copies = forward([(s, 1) for s in seqs], [x for _, _, x in nxt], list(range(k)))  # [k, V]
+        logp, copies = forward([(s, 1) for s in seqs], [x for _, _, x in nxt], list(range(k)))
+        # endregion
         stats["held_pages"].append(sum(pool.held_pages().values()))
         stats["forks"].append(k - len(taken))
         stats["copied_pages"].append(len(copies))
