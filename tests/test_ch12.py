@@ -45,7 +45,7 @@ def test_more_answers_of_one_length_save_more_and_the_sweeps_save_some(tiny):
 
 
 def test_forked_answers_equal_answers_apart_and_the_values_record_them(tiny):
-    s = dict(ch12.settings(True), engine_prompts=2, engine_prompt=24, engine_new=4, engine_n=3)
+    s = dict(ch12.settings(True), engine_prompts=2, engine_prompt=24, engine_new=4, engine_n=3, engine_rounds=2)
     e = ch12.engine_end_to_end(tiny, s)
     assert e["same_answers"] and e["forked"]["computed_tokens"] < e["apart"]["computed_tokens"]
     m = dict(settings=s, engine=e, http="not run here")
