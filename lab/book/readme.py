@@ -157,6 +157,17 @@ HEADLINES = [
      ("ch11.dynamo.kv.cached", "ch11.dynamo.round_robin.cached"), ".1f"),
     ("Ch. 11 — prefill apart from decode over one engine, same load and memory: throughput",
      "ch11.disagg.throughput_ratio", ".2f"),
+    ("Ch. 12 — page-steps saved by forking n = 16 sampled answers, Alpaca / ShareGPT lengths (%)",
+     ("ch12.sampling.Alpaca.n16", "ch12.sampling.ShareGPT.n16"), ".1f"),
+    ("Ch. 12 — page-steps saved by beam search on pages, 4 beams, Alpaca / ShareGPT lengths (%)",
+     ("ch12.beam_memory.Alpaca.beams4", "ch12.beam_memory.ShareGPT.beams4"), ".0f"),
+    ("Ch. 12 — beam search, bytes copied per step: transformers' reordering over copy on write",
+     "ch12.beams.copy_ratio", ".0f"),
+    ("Ch. 12 — decode attention of 16 answers over 16,384 shared positions: paged kernel's time over the cascade's",
+     "ch12.attention.float32_n16_s16384.speedup", ".2f"),
+    ("Ch. 12 — the engine, 8 answers per prompt: forked / as 8 requests / as 8 requests with prefix caching (tok/s)",
+     ("ch12.engine.forked.tokens_per_s", "ch12.engine.apart.tokens_per_s", "ch12.engine.apart_cached.tokens_per_s"),
+     ".0f"),
     ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 / 11 "
      "(two CPU cores)", tuple(f"notebooks.seconds.{name}" for name in
                               ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",

@@ -480,9 +480,9 @@ class ServingEngine:
         return int(torch.multinomial(probs, 1, generator=req.generator))
 
     def _fork(self, req, branch, row, now) -> int:
-        """`branch` takes every page of `req`, which has just computed its prompt (shared, counted: the partly
-        filled last page is copied on first write), and runs from here on alone; its first token, drawn
-        from the logits `row` [V] of the prompt's last position."""
+        """`branch` takes every page of `req`, which has just computed its prompt (shared,
+        counted: the partly filled last page is copied on first write), and runs from here on
+        alone; its first token, drawn from the logits `row` [V] of the prompt's last position."""
         branch.seq = self.pool.fork(req.seq)
         branch.computed, branch.named, branch.keys = req.computed, req.named, list(req.keys)
         branch.state, branch.parent = "running", None

@@ -51,10 +51,10 @@ def attention_lse(q, k, v, scale=None):
 
 
 def merge_attention(out_1, lse_1, out_2, lse_2):
-    """Attention over two disjoint sets of positions, from each set's: out [..., D] and lse [...] (float32).
-
-    Each output is weighted by its share of the softmax's denominator, exp(lse - m) with m the larger lse
-    (so that no exp overflows); a set of no positions (lse -inf, out 0) weighs 0. Returns (out, lse).
+    """Attention over two disjoint sets of positions, from each set's out [..., D] and lse
+    [...] (float32). Each output is weighted by its share of the softmax's denominator,
+    exp(lse - m), m the larger lse (so that no exp overflows); a set of no positions (lse
+    -inf, out 0) weighs 0. Returns (out, lse).
     """
     m = torch.maximum(lse_1, lse_2)                                    # [...]
     w_1, w_2 = torch.exp(lse_1 - m), torch.exp(lse_2 - m)              # [...]
