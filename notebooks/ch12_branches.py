@@ -289,7 +289,7 @@ display(show(pd.DataFrame({mode: {"tokens/s": r["tokens_per_s"], "time to first 
 assert e["same_answers"]
 m["engine"] = e
 m["http"] = "the notebook does not start servers; `make results` compares the lab's server with vLLM's"
-beside("ch12", "ch12.engine", values=ch12.values(m),
+beside("ch12", "ch12.engine", "ch12.http", values=ch12.values(m),
        why=f"your run: {S['engine_prompts']} prompts of {S['engine_prompt']} tokens, {S['engine_new']} new each; "
            f"the book's {FULL['engine_prompts']} of {FULL['engine_prompt']}, {FULL['engine_new']} new")
 
