@@ -173,6 +173,35 @@ def test_branches_survive_preemption_and_local_layers(tiny):
         check_idle(engine)
 
 
+@pytest.mark.parametrize("page_size", [1, 2, 4, 16])
+@pytest.mark.parametrize("prefix_caching", ["hash", "radix"])
+def test_answers_of_a_prompt_that_shares_pages_computed_beside_it(tiny, page_size, prefix_caching):
+    """Two prompts that share 17 tokens, admitted in one step, the second with 3 answers: both compute the
+    shared pages, the first publishes them, and the second's (held by its forks too) is swapped for the
+    cached one in every table that holds it. Before, the radix tree took the page back from the first
+    answer only, and the next publish failed ("insert: slot ... was not allocated")."""
+    q = prompts([21, 21], seed=3)
+    q[1] = q[0][:17] + q[1][17:]
+    engine = ServingEngine(tiny, 120, page_size, max_batch_tokens=256, prefix_caching=prefix_caching)
+    a, b = engine.add_request(q[0], 4), engine.add_request(q[1], 4, n=3)
+    run(engine)
+    want = expected(tiny, q, 4)
+    assert engine.output(a) == want[0] and [engine.output(b + i) for i in range(3)] == [want[1]] * 3
+    check_idle(engine)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 9e-6])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny, temperature):
+    """softmax(logits / 1e-40) holds inf and nan, and multinomial refused it mid-step; below 1e-5 the engine
+    decodes greedily, as vLLM does."""
+    p = prompts([11], seed=14)[0]
+    engine = ServingEngine(tiny, 64, 4)
+    rid = engine.add_request(p, 5, n=2, temperature=temperature, seed=1)
+    run(engine)
+    assert [engine.output(rid + i) for i in range(2)] == expected(tiny, [p], 5) * 2
+    check_idle(engine)
+
+
 def test_cancelling_the_first_before_its_first_token_cancels_the_n(tiny):
     engine = ServingEngine(tiny, 64, 4, max_batch_tokens=4)
     rid = engine.add_request(prompts([20], seed=1)[0], 5, n=3)
@@ -224,12 +253,13 @@ def test_fork_step_cancel_preempt_returns_every_page(tiny, data):
     index = data.draw(st.sampled_from([False, "hash", "radix"]))
     page_size = data.draw(st.sampled_from([1, 2, 4]))
     engine = ServingEngine(tiny, 40 // page_size * 2, page_size, max_batch_tokens=12, prefix_caching=index)
-    reqs = data.draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 4), st.integers(1, 6),
-                                        st.booleans()), min_size=1, max_size=4))
+    reqs = data.draw(st.lists(st.tuples(st.integers(0, 10), st.integers(1, 8), st.integers(1, 4),
+                                        st.integers(1, 6), st.booleans()), min_size=1, max_size=4))
+    head = prompts([10], seed=99)[0]                                  # prompts share a head of up to 10 tokens
     rids = []
-    for i, (length, n, new, sampled) in enumerate(reqs):
-        rids.append((engine.add_request(prompts([length], seed=i)[0], new, n=n, temperature=0.8 * sampled,
-                                        seed=i), n, new, sampled, prompts([length], seed=i)[0]))
+    for i, (shared, length, n, new, sampled) in enumerate(reqs):
+        p = head[:shared] + prompts([length], seed=i)[0]
+        rids.append((engine.add_request(p, new, n=n, temperature=0.8 * sampled, seed=i), n, new, sampled, p))
         engine.step()
         engine.manager.check()
         if data.draw(st.booleans()):

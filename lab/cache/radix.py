@@ -380,9 +380,9 @@ class RadixBlockManager(BlockManager):
     requests find them: from the sequence's own node when it only adds to what it cached before, from the
     root otherwise. Where the tree already held those tokens (two requests computed one prefix at once), the
     sequence's page is swapped for the tree's (the same tokens at the same positions, under the same
-    identity: the same keys and values) and goes back free, so no prefix is held twice. `release` gives
-    back what the tree does not keep. Pages shared through the tree need no copy on write: a tree page is
-    always full and never written again.
+    identity: the same keys and values), in its table and its forks', and goes back free, so no prefix is
+    held twice. `release` gives back what the tree does not keep. Pages shared through the tree need no
+    copy on write: a tree page is always full and never written again.
 
     `fork` shares every page, and locks the tree's for the new sequence too. Not here: chapter 6's page
     names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
@@ -453,10 +453,12 @@ class RadixBlockManager(BlockManager):
         _, held, locked = self.tree.match(pages, extra)     # the tree's pages, ours or earlier ones
         self.tree.release(handle)
         for i, (mine, tree) in enumerate(zip(table, held, strict=False)):
-            if mine != tree:                         # computed twice: insert took ours back, use the tree's
-                self._refs[mine] -= 1
-                self._refs[tree] += 1
-                table[i] = tree
+            if mine != tree:                         # computed twice: insert took ours back, use the tree's,
+                for other in self._tables.values():  # in every table that holds ours (its forks, same index)
+                    if i < len(other) and other[i] == mine:
+                        self._refs[mine] -= 1
+                        self._refs[tree] += 1
+                        other[i] = tree
         if seq in self._handles:
             self.tree.release(self._handles[seq])
         self._handles[seq], self._in_tree[seq] = locked, (extra, ids)

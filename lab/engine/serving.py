@@ -58,6 +58,8 @@ from ..models.llama import Prepacked
 from .identity import identity_of, token_ids
 from .speculative import SpecInputError, check_guess, check_k
 
+GREEDY_BELOW = 1e-5     # a temperature below this decodes greedily, as vLLM's (softmax(logits / T) overflows)
+
 
 class EngineStateError(RuntimeError):
     """A step that would run on the leftovers of a failed one (see ServingEngine.step)."""
@@ -185,8 +187,8 @@ class ServingEngine:
         n > 1 asks for n answers to the prompt (parallel sampling): the requests rid .. rid + n - 1, of which
         the first prefills the prompt once; at its first token the other n - 1 fork its pages (no copy but the
         partly filled last page, on first write) and each goes on alone. temperature > 0 samples each token
-        from softmax(logits / temperature), every answer with a generator of its own, seeded seed + i when a
-        seed is given. Cancelling the first before its first token cancels the n."""
+        from softmax(logits / temperature) (below GREEDY_BELOW, greedily), every answer with a generator of its
+        own, seeded seed + i when a seed is given. Cancelling the first before its first token cancels the n."""
         return self._add(self._check(ids, max_new_tokens, eos_id, n, temperature, seed))
 
     def cancel(self, rid: int) -> bool:
@@ -263,8 +265,8 @@ class ServingEngine:
                                   f"{P}" + (f", and {n} answers {total}" if n > 1 else "")
                                   + f"; the pool has {self.num_pages}")
         generators = [None if seed is None else torch.Generator().manual_seed(seed + i) for i in range(n)]
-        return [Request(-1, prompt, max_new_tokens, eos_id, temperature=float(temperature), generator=g)
-                for g in generators]
+        temperature = float(temperature) if temperature >= GREEDY_BELOW else 0.0   # logits / T would overflow
+        return [Request(-1, prompt, max_new_tokens, eos_id, temperature=temperature, generator=g) for g in generators]
 
     def _add(self, reqs: list) -> int:
         """Give the n requests of a prompt (`_check`'s) their ids and queue the first; the others wait for its
