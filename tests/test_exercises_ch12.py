@@ -34,7 +34,8 @@ def test_copy_on_write_reference_passes(capsys):
 
 
 def test_the_traces_hold_every_kind_of_write():
-    """On 5 draws, each trace replayed on a BlockManager: the first copies a shared, partly filled page, then writes
+    """On 5 draws, each trace replayed on a BlockManager: the first copies a shared, partly filled page (for the
+    prompt's own sequence, then for an answer: a manager where only forks copy leaks the prompt's write), then writes
     into a page a release left to one sequence in place, then forks at a full page; the random traces copy on
     write, and the trace of one-position pages never does. The reference copies exactly as many pages."""
     for seed in range(5):
@@ -57,7 +58,7 @@ def test_the_traces_hold_every_kind_of_write():
             assert sum(r["copies"] for r in ch12._run_pages(sol12.Pages, P, ops)) == copied, (seed, name)
         P, ops = traces[0][1:]
         forks = [i for i, op in enumerate(ops) if op[0] == "fork"]
-        assert ops[forks[0] + 3] == ("release", 0) and len(forks) == 3
+        assert ops[forks[0] + 2][:2] == ("append", 0) and ops[forks[0] + 4] == ("release", 0) and len(forks) == 3
 
 
 class CopiesAtFork(sol12.Pages):
@@ -169,7 +170,7 @@ class ShadowLists(sol12.Pages):
 
 @pytest.mark.parametrize("wrong, message", [
     (CopiesAtFork, r"your fork copied \d+ page\(s\) \(pool.copy\), 0 suffice: a fork copies nothing"),
-    (NeverCopies, r"which sequence \d+ wrote at op \d+ into page \d+, a page sequence \d+ holds too"),
+    (NeverCopies, r"your append wrote into page \d+, which sequence \d+ holds too: a shared page is read-only"),
     (CopiesTheWholeTable, r"your append copied [2-9] page\(s\) \(pool.copy\), 1 suffice: only the partly filled"),
     (CopiesEveryPartlyFilledPage, r"your append copied 1 page\(s\) \(pool.copy\), 0 suffice: no other sequence "
                                   r"holds the sequence's last page now"),
@@ -310,6 +311,34 @@ def test_merge_shortcuts_fail(wrong, message):
     with pytest.raises(AssertionError, match=message) as e:
         ch12.check_merge(wrong, seed=5)
     assert "seed=5" in str(e.value)
+
+
+def first_as_the_max(out_1, lse_1, out_2, lse_2):
+    """Subtracting lse_1 (lse_2 where the first set is empty), not the larger: overflows if the second is far above."""
+    m = torch.where(lse_1.isneginf(), lse_2, lse_1)
+    w_1, w_2 = torch.exp(lse_1 - m), torch.exp(lse_2 - m)
+    return (w_1[..., None] * out_1 + w_2[..., None] * out_2) / (w_1 + w_2)[..., None], m + torch.log(w_1 + w_2)
+
+
+def naive_in_float64(out_1, lse_1, out_2, lse_2):
+    """The naive weights in float64, whose exp reaches 709.8: enough for scores in the hundreds, not past them."""
+    out, lse = naive(*(x.double() for x in (out_1, lse_1, out_2, lse_2)))
+    return out.float(), lse.float()
+
+
+def in_float64(out_1, lse_1, out_2, lse_2):
+    return sol12.merge(*(x.double() for x in (out_1, lse_1, out_2, lse_2)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("wrong, message", [
+    (first_as_the_max, r"subtract the larger lse before exp"),
+    (naive_in_float64, r"scores past float64's exp"),
+    (in_float64, "keep the dtype of out_1 and lse_1"),
+], ids=["lse_1-as-the-max", "naive-in-float64", "float64-out"])
+def test_merge_shortcuts_a_reader_found_fail_on_every_draw(wrong, message, seed):
+    with pytest.raises(AssertionError, match=message):
+        ch12.check_merge(wrong, seed=seed)
 
 
 def test_patching_the_checks_attention_fails():
@@ -466,3 +495,32 @@ def test_patching_the_checks_oracle_fails():
     with pytest.raises(AssertionError, match="changed lab.exercises.ch12.values_of"):
         ch12.check_beam_reorder(patches, seed=6)
     assert ch12.values_of.__name__ == "values_of"
+
+
+class OnlyForksCopy(sol12.Pages):
+    """A reader's manager that copies a shared page only for a forked sequence, never for the one forked from: the
+    prompt's write into the page its answers still hold leaks into them."""
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.forked = set()
+
+    def fork(self, src, dst):
+        super().fork(src, dst)
+        self.forked.add(dst)
+
+    def append(self, seq, value):
+        if seq in self.forked:
+            return super().append(seq, value)
+        table, n = self.tables.setdefault(seq, []), self.lengths.get(seq, 0)
+        if n % self.P == 0:
+            table.append(self.pool.take())
+            self.refs[table[-1]] = 1
+        self.pool.write(table[-1], n % self.P, value)
+        self.lengths[seq] = n + 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_manager_where_only_forks_copy_fails_on_every_draw(seed):
+    with pytest.raises(AssertionError):
+        ch12.check_copy_on_write(OnlyForksCopy, seed=seed)

@@ -28,9 +28,10 @@ from .base import CacheStateError, offset_causal_mask, visible
 from .block_manager import NULL, common_length
 from .hybrid import HybridBlockManager
 
-# A step reads a shared prefix once (cascade_attention) when at least CASCADE_ROWS decodes start with the same
-# pages, CASCADE_SHARED positions or more: below that the paged kernel is as fast on this machine's CPU (the
-# ch12 section of results.json times both: the cascade wins from 4 branches over 1,024 shared positions).
+# A step reads a shared prefix once (cascade_attention) for at least CASCADE_ROWS decodes whose block tables
+# begin with the same page and share CASCADE_SHARED positions or more (all of them): the smallest case the ch12
+# section of results.json times where the cascade won (4 branches over 1,024 positions); below it, unmeasured,
+# the separate kernel call and the rows' gathers may cost more than the reads they save.
 CASCADE_ROWS, CASCADE_SHARED = 4, 1024
 
 

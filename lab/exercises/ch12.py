@@ -117,9 +117,9 @@ def fork_traces(seed) -> list[tuple[str, int, list]]:
     """Four traces drawn from `seed`: (name, page_size, ops). An op is ("append", seq, value), ("fork", src, dst)
     or ("release", seq); sequences are ints, a new one starts with an append (or a fork), values are distinct ints.
 
-    - "three answers of one prompt": a prompt that ends inside a page (pages of 3..5) forked twice; one answer
-      writes (a copy on write), the prompt is released (its partly filled page is then the other answer's alone: no
-      copy), a fork at a full page, and writes from all.
+    - "three answers of one prompt": a prompt that ends inside a page (pages of 3..5) forked twice; the prompt's
+      own sequence writes, then one answer (a copy on write each), the prompt is released (its partly filled page
+      is then the other answer's alone: no copy), a fork at a full page, and writes from all.
     - "forks and releases": 160 random ops on pages of 2..4, new prompts now and then.
     - "pages of one position": 60 random ops on pages of 1 (every page full: nothing is ever copied).
     - "beam steps": 12 steps of 2..4 beams, each step releasing the beams not chosen, forking those chosen twice
@@ -136,7 +136,8 @@ def _answers_trace(rng, values) -> tuple[int, list]:
     P = rng.randint(3, 5)
     prompt = P * rng.randint(1, 2) + rng.randint(1, P - 1)                   # it ends inside a page
     ops = [("append", 0, next(values)) for _ in range(prompt)]
-    ops += [("fork", 0, 1), ("fork", 0, 2), ("append", 1, next(values)), ("release", 0), ("append", 2, next(values))]
+    ops += [("fork", 0, 1), ("fork", 0, 2), ("append", 0, next(values)), ("append", 1, next(values)), ("release", 0),
+            ("append", 2, next(values))]                                   # the prompt writes too, then an answer
     ops += [("append", 2, next(values)) for _ in range(-(prompt + 1) % P)]    # answer 2 fills its last page
     ops += [("fork", 2, 3)]                                                    # a fork at a full page
     for _ in range(rng.randint(2 * P, 3 * P)):
@@ -257,6 +258,13 @@ def _check_pages_trace(name, P, ops, record):
             copies = []
             del wrote[seq]
         where, story = f"{name} (pages of {P}), op {i}: {_op(op)}", _story(ops, i)
+        if kind == "append":                             # the page written is the writer's alone
+            page = rec["tables"][seq][-1] if rec["tables"].get(seq) else None
+            others = [s for s, t in rec["tables"].items() if s != seq and page in t]
+            assert not others, (
+                f"{where}: your append wrote into page {page}, which sequence {others[0]} holds too: a shared page "
+                "is read-only (the other sequence's positions past its length live there as well); a write into a "
+                f"shared, partly filled page takes a copy of it first, whichever sequence writes. {story}")
         for s, values in wrote.items():
             try:
                 _read_back(where, s, values, rec["tables"][s], rec["contents"], P, writer)
@@ -313,6 +321,7 @@ def check_copy_on_write(make_pages, seed=None) -> dict:
     and releases, pages of one position, beam steps) and runs your manager on each, reading every live
     sequence through its block table after every op. Only then does it replay them through plain lists (what
     each sequence wrote) and a BlockManager (the pages held and copied), and fails the first op after which:
+    - a sequence wrote into a page another sequence holds (a shared page is read-only);
     - a sequence reads anything but what it wrote (a write leaked into a page another sequence holds);
     - an op copied more pages than BlockManager's copy on write (a fork copies none, a write one at most);
     - more pages are in use than BlockManager holds (copies at a fork, or a page not given back).
@@ -350,6 +359,7 @@ NO_MERGE = ("forbidden shortcut: this exercise asks you to merge the two parts y
 OUT_ATOL = 5e-4
 LSE_RTOL, LSE_ATOL = 1e-5, 1e-5
 SCORE = 200             # the score of a key along (or against) the queries, in the cases that need one
+HUGE = 800              # such a score past 709.8, where exp overflows even in float64
 
 
 def attention64(q, k, v) -> tuple:
@@ -368,7 +378,7 @@ def attention64(q, k, v) -> tuple:
 
 
 def merge_cases(seed) -> list[dict]:
-    """Nine cases drawn from `seed`: name, q [N, H_q, D], k, v [T, H_kv, D] (float32), and `first`, a bool [T] that
+    """Eleven cases drawn from `seed`: name, q [N, H_q, D], k, v [T, H_kv, D] (float32), and `first`, a bool [T] that
     splits the positions into two sets (every query attends over both). Grouped heads (H_q a multiple of H_kv), N
     1..16, D 8..64, T 6..300:
 
@@ -377,21 +387,22 @@ def merge_cases(seed) -> list[dict]:
     - large scores (queries 100 x longer: lse in the hundreds, where exp overflows float32, above 88.7);
     - scores far below zero (keys pointing away from the queries: lse near -SCORE, where exp underflows to 0);
     - one set far above the other (keys along the queries in the first set: its lse near SCORE, the other's
-      below 30);
+      below 30), and the second far above the first;
+    - scores past float64's exp (lse near HUGE, 800: exp overflows even in float64);
     - many heads and queries (N 16, H_q 32, H_kv 8, D 64).
     """
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=g)                          # noqa: E731
 
-    def case(name, first, N=None, heads=None, D=None, q_scale=1.0, toward=None):
-        """toward: per position, 1 for a key along its kv head's queries (a score near +SCORE), -1 for one against
-        them (near -SCORE), 0 for a random key."""
+    def case(name, first, N=None, heads=None, D=None, q_scale=1.0, toward=None, score=SCORE):
+        """toward: per position, 1 for a key along its kv head's queries (a score near +score), -1 for one against
+        them (near -score), 0 for a random key."""
         T, N, D = len(first), N or rng.randint(1, 6), D or rng.choice((8, 16, 32))
         H_q, H_kv = heads or rng.choice(((8, 2), (4, 4), (6, 1), (9, 3)))
         q, k, v = q_scale * randn(N, H_q, D), randn(T, H_kv, D), randn(T, H_kv, D)
         if toward is not None:
             u = randn(H_kv, D)
-            u = u / u.norm(dim=-1, keepdim=True) * (SCORE * math.sqrt(D)) ** 0.5      # u . u / sqrt(D) = SCORE
+            u = u / u.norm(dim=-1, keepdim=True) * (score * math.sqrt(D)) ** 0.5      # u . u / sqrt(D) = score
             q = u.repeat_interleave(H_q // H_kv, 0) + 0.1 * randn(N, H_q, D)         # [N, H_q, D]
             along = toward[:, None, None].float()                                    # [T, 1, 1]
             k = torch.where(along == 0, k, along * u + 0.1 * randn(T, H_kv, D))      # [T, H_kv, D]
@@ -402,7 +413,7 @@ def merge_cases(seed) -> list[dict]:
         first[0], first[-1] = True, False                  # both sets hold a position
         return first
 
-    T = [rng.randint(20, 300) for _ in range(9)]
+    T = [rng.randint(20, 300) for _ in range(11)]
     return [case("a prefix and the rest", torch.arange(T[0]) < rng.randint(1, T[0] - 1)),
             case("positions scattered between the two sets", split(T[1], rng.uniform(0.2, 0.8))),
             case("one position against many", torch.arange(T[2]) == rng.randrange(T[2])),
@@ -411,6 +422,8 @@ def merge_cases(seed) -> list[dict]:
             case("large scores", split(T[5], 0.5), q_scale=100.0),
             case("scores far below zero", split(T[6], 0.5), toward=-torch.ones(T[6])),
             case("one set far above the other", first := split(T[7], 0.3), toward=first.float()),
+            case("the second set far above the first", first := split(T[9], 0.7), toward=(~first).float()),
+            case("scores past float64's exp", first := split(T[10], 0.5), toward=first.float(), score=HUGE),
             case("many heads and queries", split(T[8], 0.5), N=16, heads=(32, 8), D=64)]
 
 
@@ -438,6 +451,9 @@ def _check_merge_case(j, case, parts, got):
     assert isinstance(got, tuple | list) and len(got) == 2 and all(isinstance(x, torch.Tensor) for x in got), (
         f"{where}: merge must return (out, lse), two tensors, got {type(got).__name__}")
     out, lse = got
+    assert out.dtype == parts[0].dtype and lse.dtype == parts[1].dtype, (
+        f"{where}: merge returned out {out.dtype} and lse {lse.dtype}; keep the dtype of out_1 and lse_1 "
+        f"({parts[0].dtype}): a kernel's merge writes back into the same buffers")
     assert out.shape == parts[0].shape and lse.shape == parts[1].shape, (
         f"{where}: merge returned out {list(out.shape)} and lse {list(lse.shape)}; they have the shapes of out_1 "
         f"{list(parts[0].shape)} and lse_1 {list(parts[1].shape)}")
@@ -483,7 +499,7 @@ def check_merge(merge, seed=None) -> dict:
     log sum_t exp(q . k_t / sqrt(D)). A set of no positions has lse -inf and out 0 (never both sets).
 
     The rules: your merge sees the partial results only, never the queries or keys; lab's merge_attention and
-    attention_lse (every function of lab/kernels/cascade.py) raise while it runs. The check draws nine cases from
+    attention_lse (every function of lab/kernels/cascade.py) raise while it runs. The check draws eleven cases from
     `seed` (`merge_cases`: a prefix and the rest, scattered positions, one position against many, an empty set on
     either side, scores in the hundreds, far below zero, one set far above the other, many grouped heads), hands
     your merge each case's partial results (worked out in float64, handed over in float32), and only then works
