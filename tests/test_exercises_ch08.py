@@ -154,8 +154,8 @@ class SortedOnArrival(ServingEngine):
     """Keeps the queue sorted by size as requests arrive, and admits its head: but a preempted request goes
     back to the head whatever its size."""
 
-    def _add(self, req):
-        rid = super()._add(req)
+    def _add(self, reqs):
+        rid, req = super()._add(reqs), reqs[0]        # the request queued (n = 1: the only one)
         self.waiting.remove(req)
         sizes = [size(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(sizes, size(req)), req)
