@@ -79,6 +79,7 @@ def test_smollm2_bf16_forward_matches_transformers_bf16(smol16, smol16_ids):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow            # over 5 s: make test within 15 minutes (make test-slow runs it)
 def test_smollm2_bf16_greedy_tokens_equal_transformers_generate(smol16, smol16_ids):
     """64 greedy tokens through a bfloat16 StaticCache against transformers' generate (its DynamicCache) in
     bfloat16: measured equal over all 64 (no divergence); the test asks for all 64."""

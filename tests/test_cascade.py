@@ -150,6 +150,7 @@ def run_cases(*pytest_args):
     assert done.returncode == 0, f"tests/cascade_cases.py failed:\n{done.stdout[-12000:]}\n{done.stderr[:6000]}"
 
 
+@pytest.mark.slow            # over 5 s: make test within 15 minutes (make test-slow runs it)
 def test_triton_cascade_quick_cases_in_a_fresh_process():
     run_cases("-m", "not slow")
 

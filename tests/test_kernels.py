@@ -44,6 +44,7 @@ def test_kernel_cases_in_a_fresh_process():
     assert_passed(run_cases())
 
 
+@pytest.mark.slow            # over 5 s: make test within 15 minutes (make test-slow runs it)
 def test_kernel_cases_pass_after_this_process_imported_dynamo():
     # transformers' generate in this process first, so torch._dynamo is imported here; the kernel cases,
     # in their own process, must not notice. The Triton ones only: they are what the interpreter runs.
@@ -60,6 +61,7 @@ def test_kernel_cases_pass_after_this_process_imported_dynamo():
     assert_passed(run_cases("-k", "triton_kernel_float16 or triton_kernel_addresses_pages"))
 
 
+@pytest.mark.slow            # over 5 s: make test within 15 minutes (make test-slow runs it)
 def test_kernel_cases_after_dynamo_in_their_own_process_fail_with_the_cause():
     # The guard in tests/conftest.py: run in a process that imported torch._dynamo first, a kernel case
     # stops before it starts (an error in its setup), naming the cause, instead of failing with Triton's

@@ -513,6 +513,7 @@ def test_an_engine_process_refuses_an_id_that_is_not_an_int(remote):
     assert call(port, "/v1/completions", dict(prompt=[1, 2], max_tokens=2))[0] == 200
 
 
+@pytest.mark.slow            # over 5 s: make test within 15 minutes (make test-slow runs it)
 def test_sigterm_finishes_the_stream_in_flight_then_exits_cleanly():
     """`python -m lab.serve` as a process: SIGTERM while a stream runs lets it finish, then exit code 0."""
     with serve_process("--model", "tiny-llama", "--threads", "1", "--num-pages", "128") as (proc, port):

@@ -44,6 +44,7 @@ def test_a_benchmark_setting_replaces_every_openmp_key():
     assert contention.environment({})["LAB_OMP_DEFAULT"] == "1"
 
 
+@pytest.mark.slow            # over 5 s: make test within 15 minutes (make test-slow runs it)
 def test_the_worker_runs_with_the_setting_it_was_given():
     r = contention.worker({"OMP_NUM_THREADS": "1"}, context=4, reps=1, warmup=0)
     assert r["openmp"] == {"OMP_NUM_THREADS": "1"} and r["threads"] == 1 and r["median"] > 0

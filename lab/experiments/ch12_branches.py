@@ -37,8 +37,8 @@ SYNTHETIC = "synthetic lengths: chapter 5's log-normal ShareGPT and Alpaca shape
 
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
-        return dict(ns=(2, 4, 8, 16), sampling_requests=100, beams=(4,), beam_requests=2, beam_cap=24,
-                    tf_prompt=64, tf_new=8, tf_rounds=1, engine_prompts=2, engine_prompt=128, engine_new=16,
+        return dict(ns=(2, 4, 8, 16), sampling_requests=100, beams=(4,), beam_requests=1, beam_cap=24,
+                    tf_prompt=64, tf_new=8, tf_rounds=1, engine_prompts=2, engine_prompt=128, engine_new=8,
                     engine_n=8, temperature=0.8, vllm=False, http_prompts=2, http_prompt=128, engine_rounds=1,
                     branches=(1, 16), shared=(1024, 4096), dtypes=("float32",), rounds=5)
     return dict(ns=(2, 4, 8, 16), sampling_requests=1000, beams=(4, 8), beam_requests=6, beam_cap=256,
