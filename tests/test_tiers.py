@@ -6,9 +6,12 @@ scores it would, to float32 rounding (1e-5 on logits of order 1, as tests/test_p
 proven real by the positions the model did not run (computed_tokens) and the pages the tiers gave back.
 """
 
+import errno
 import gc
 import random
+import threading
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +155,62 @@ def test_a_backend_with_tiers_is_freed_without_the_cycle_collector():
         assert pool() is None
     finally:
         gc.enable()
+
+
+def _failing_save(real_save, how):
+    """torch.save that leaves a partial file and raises, as a full disk does (ENOSPC), or writes nowhere, as a
+    folder that has gone does (torch's RuntimeError)."""
+    def save(obj, path):
+        if how == "gone":
+            raise RuntimeError(f"Parent directory {Path(path).parent} does not exist.")
+        Path(path).write_bytes(b"half a page")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save
+
+
+@pytest.mark.parametrize("how", ["full", "gone"])
+def test_a_page_that_cannot_be_written_is_dropped_and_serving_goes_on(tiny, tmp_path, monkeypatch, how):
+    """A failed write during an eviction must not escape into the request: the page is dropped and counted,
+    no partial file stays, every pool page comes back, and later requests (hits included) score right."""
+    import lab.engine.tiers as tiers
+    monkeypatch.setattr(tiers.torch, "save", _failing_save(torch.save, how))
+    backend = PrefixCachingBackend(tiny, num_pages=10, page_size=P, disk_dir=tmp_path)
+    A = prompt(31)
+    serve(backend, tiny, [A, prompt(32), prompt(33), A, prompt(34), A])       # serve checks the pool each time
+    t = backend.tiers.stats()
+    assert t["write_failed"] > 0 and t["dropped"] == t["write_failed"] and t["disk_held"] == 0
+    assert not list(tmp_path.iterdir())                                        # no .tmp, no .page
+    assert backend.stats["cached_tokens"] > 0                                  # the pool still serves hits
+
+
+def test_two_writers_sharing_a_folder_never_replace_each_others_temporary_file(tmp_path, monkeypatch):
+    """Two tiers (two servers) on one folder write the same page at once: the second writes and renames while
+    the first is between its write and its rename. Both succeed, and the file holds the page."""
+    import lab.engine.tiers as tiers
+    real_save = torch.save
+    first, second = tiers.Tiers(disk_dir=tmp_path), tiers.Tiers(disk_dir=tmp_path)
+    k, v = torch.randn(2, P, 2, 8), torch.randn(2, P, 2, 8)
+    key = (bytes(range(32)), bytes(32), tuple(range(P)))         # digest, parent digest, tokens
+
+    def save_then_let_the_other_write(obj, path):
+        real_save(obj, path)
+        if threading.current_thread() is threading.main_thread():           # the first writer, mid-write
+            other = threading.Thread(target=second.put, args=(key, (k, v)))
+            other.start()
+            other.join()
+    monkeypatch.setattr(tiers.torch, "save", save_then_let_the_other_write)
+    first.put(key, (k, v))
+    assert first.write_failed == second.write_failed == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{key[0].hex()}.page"]
+    page, tier = tiers.Tiers(disk_dir=tmp_path).take(key)
+    assert tier == "disk" and torch.equal(page[0], k) and torch.equal(page[1], v)
+
+
+def test_files_that_are_not_pages_in_the_disk_folder_are_left_alone(tiny, tmp_path):
+    """README.page or abc.page in the folder: the constructor skips them, serving works, they stay."""
+    (tmp_path / "README.page").write_text("notes")
+    (tmp_path / "abc.page").write_text("not hex")
+    backend = PrefixCachingBackend(tiny, num_pages=10, page_size=P, disk_dir=tmp_path)
+    serve(backend, tiny, [prompt(41), prompt(42), prompt(43), prompt(41)])
+    assert (tmp_path / "README.page").read_text() == "notes" and (tmp_path / "abc.page").exists()
+    assert backend.tiers.stats()["disk_held"] > 0 and backend.tiers.corrupt == 0

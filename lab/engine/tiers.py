@@ -10,7 +10,11 @@ instead of computing it. A page from another model or salt has another name, so 
 
 A page file holds the name (digest, parent digest, tokens), the keys and values, and a sha256 of their bytes.
 A file that does not load, whose checksum or name does not match, is refused, deleted and recomputed, never
-served. Files outlive the process: a new backend on the same folder finds them (a warm restart).
+served. Files outlive the process: a new backend on the same folder finds them (a warm restart), and files
+that are not page files are left alone. A page that cannot be written (a full disk, a folder that refuses
+writes) is dropped and counted (`write_failed`), its partial file removed: the pool above never notices. Each
+writer writes under a temporary name of its own, so processes that share a folder never replace each
+other's half-written file.
 
 Restores here are synchronous: the copy happens before the forward that needs it, where an engine on a GPU
 would overlap the next page's copy with the forward of the current one.
@@ -18,6 +22,7 @@ would overlap the next page's copy with the forward of the current one.
 
 import hashlib
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -52,10 +57,12 @@ class Tiers:
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         self.disk = {}                            # digest -> (key or None, path or None); None key: found on disk
         self.dropped = self.corrupt = 0           # pages no tier could keep; page files refused
+        self.write_failed = 0                     # pages dropped because their file could not be written
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             for path in self.disk_dir.glob("*.page"):             # a warm restart: the files are the index
-                self.disk[bytes.fromhex(path.stem)] = (None, path)
+                if digest := _digest(path.stem):                  # skip README.page and the like
+                    self.disk[digest] = (None, path)
 
     def __contains__(self, key) -> bool:
         return key[0] in self.host or key[0] in self.disk
@@ -78,9 +85,16 @@ class Tiers:
         if page is not None:                                        # a dry run keeps names only
             k, v = page
             path = self.disk_dir / f"{digest.hex()}.page"
-            tmp = path.with_suffix(".tmp")
-            torch.save(dict(digest=digest, parent=parent, tokens=list(tokens), k=k, v=v, sha256=checksum(k, v)), tmp)
-            os.replace(tmp, path)                                   # never a half-written page file
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")   # this writer's own
+            try:
+                torch.save(dict(digest=digest, parent=parent, tokens=list(tokens), k=k, v=v,
+                                sha256=checksum(k, v)), tmp)
+                os.replace(tmp, path)                               # never a half-written page file
+            except (OSError, RuntimeError):                         # disk full, folder read-only or gone
+                tmp.unlink(missing_ok=True)
+                self.dropped += 1
+                self.write_failed += 1
+                return
         self.disk[digest] = (key, path)
 
     # region tiers_take
@@ -120,4 +134,13 @@ class Tiers:
         return page
 
     def stats(self) -> dict:
-        return dict(host_held=len(self.host), disk_held=len(self.disk), dropped=self.dropped, corrupt=self.corrupt)
+        return dict(host_held=len(self.host), disk_held=len(self.disk), dropped=self.dropped, corrupt=self.corrupt,
+                    write_failed=self.write_failed)
+
+
+def _digest(stem: str) -> bytes | None:
+    """The digest a page file's name spells (hex), or None for a name that spells none."""
+    try:
+        return bytes.fromhex(stem) or None
+    except ValueError:
+        return None
