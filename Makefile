@@ -10,7 +10,8 @@ READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LAB_READY := $(VENV)/.lab-ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test test-slow test-peers test-all results lab lab-check book book-check notebooks lint clean vllm peers dynamo
+.PHONY: setup test test-slow test-peers test-all results lab lab-check book book-check notebooks lint clean vllm peers dynamo \
+	llamacpp
 
 setup: $(READY)
 	@$(PY) -m lab.prepare
@@ -58,8 +59,9 @@ test-slow: setup notebooks $(LAB_READY)
 	$(NBVAL) $(SLOW_NOTEBOOKS)
 
 # The lab against its peers, each in its own environment: vLLM's CPU build (`make vllm`, a few minutes and
-# about 3.5 GB, once) for chapters 6 and 8, kvpress (`make peers`, about a minute and 1.4 GB) for chapter 7.
-test-peers: setup vllm peers
+# about 3.5 GB, once) for chapters 6 and 8, kvpress (`make peers`, about a minute and 1.4 GB) for chapter 7,
+# llama.cpp (`make llamacpp`, about ten minutes of compiling on two cores, once) for chapters 6 to 8.
+test-peers: setup vllm peers llamacpp
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m peers
 
 test-all: test test-slow test-peers
@@ -69,10 +71,11 @@ test-all: test test-slow test-peers
 # operators, the fastest when nothing else wants the cores). Then the time of every notebook, run as a reader
 # runs it (quick mode, a temporary results file, the lab's setting for a shared machine: lab/threads.py;
 # chapter 3 measures both settings), into "notebooks".
-results: setup vllm peers
+results: setup vllm peers llamacpp
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.steps
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
+	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.llamacpp
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
 	$(PY) -m lab.book.readme
 	$(MAKE) book
@@ -136,6 +139,13 @@ dynamo: .venv-dynamo/.ready
 	  'blake3<2,>=1' uvloop
 	.venv-dynamo/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
+
+# llama.cpp, as llama-cpp-python==0.3.36's source distribution vendors it (upstream commit 0c1e57098), built for
+# this CPU (native, OpenMP) with cmake into .llamacpp/ (outside git): llama-server, llama-bench,
+# llama-perplexity, llama-batched-bench and llama-quantize (lab/peers/llamacpp.py). Idempotent; the build takes
+# about ten minutes on two cores (.llamacpp/build.json records it; the README cites results' llamacpp.build_seconds).
+llamacpp: setup
+	$(PY) -m lab.peers.llamacpp build
 
 clean:
 	rm -rf build .pytest_cache

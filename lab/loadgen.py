@@ -21,7 +21,6 @@ import http.client
 import itertools
 import json
 import math
-import os
 import random
 import socket
 import threading
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 
 from .data import MAX_REQUEST_LEN, synthetic_lengths
 from .serve.process import free_port, pinned, server_process
+from .threads import peer_env
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
@@ -43,6 +43,10 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost")
 # vLLM's `ignore_eos` makes every answer exactly max_tokens long. Both take `return_token_ids`.
 LAB_FIELDS = {}
 VLLM_FIELDS = {"ignore_eos": True}
+# llama-server's OpenAI route streams text without token ids; its own route, /completion, streams each token's
+# id (`tokens`) and ends with a chunk whose `stop` is true. `ignore_eos` as vLLM's.
+LLAMACPP_FIELDS = {"ignore_eos": True}
+LLAMACPP_PATH = "/completion"
 
 
 # ---- the requests ----
@@ -145,13 +149,13 @@ def check_local(base_url: str) -> tuple:
 
 
 def run_load(base_url: str, requests: list, model_name: str | None, timeout_s: float,
-             max_concurrency: int | None = None, extra_body: dict | None = None) -> list:
-    """Send each Request at its arrival time to `{base_url}/v1/completions` (token ids as the prompt, greedy,
+             max_concurrency: int | None = None, extra_body: dict | None = None, path: str = "/v1/completions") -> list:
+    """Send each Request at its arrival time to `{base_url}{path}` (token ids as the prompt, greedy,
     streamed, `return_token_ids`), each on a thread of its own, and time every token. `extra_body` adds
-    fields a server accepts (VLLM_FIELDS for vLLM). At most `max_concurrency` requests are in flight; a
-    request waits for a slot. After `timeout_s` seconds the run ends: requests not finished are aborted
-    (their connections closed, which cancels them on the server) and fail. One Record per request, in the
-    order given."""
+    fields a server accepts (VLLM_FIELDS for vLLM); `path` LLAMACPP_PATH for llama-server. At most
+    `max_concurrency` requests are in flight; a request waits for a slot. After `timeout_s` seconds the run
+    ends: requests not finished are aborted (their connections closed, which cancels them on the server) and
+    fail. One Record per request, in the order given."""
     host, port, prefix = check_local(base_url)
     records = [Record(r.arrival, r.max_tokens) for r in requests]
     slots = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
@@ -169,7 +173,7 @@ def run_load(base_url: str, requests: list, model_name: str | None, timeout_s: f
             if aborted.is_set():
                 return
             rec.sent = clock()
-            conn.request("POST", prefix + "/v1/completions", body=json.dumps(body),
+            conn.request("POST", prefix + path, body=json.dumps(body),
                          headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             rec.status = resp.status
@@ -217,7 +221,8 @@ def run_load(base_url: str, requests: list, model_name: str | None, timeout_s: f
 
 def read_events(resp, rec: Record, clock):
     """Read a stream of server-sent events into `rec`: each `data:` line is one JSON chunk whose choice
-    carries `token_ids` (one or more tokens, all stamped with the chunk's arrival), until `data: [DONE]`."""
+    carries `token_ids` (one or more tokens, all stamped with the chunk's arrival), until `data: [DONE]`;
+    or, from llama-server's own route, chunks that carry `tokens`, until one whose `stop` is true."""
     for line in resp:                                  # lines as they arrive
         now = clock()
         if not line.startswith(b"data:"):
@@ -230,6 +235,15 @@ def read_events(resp, rec: Record, clock):
         if "error" in chunk:                           # an error reported inside the stream
             rec.error = json.dumps(chunk["error"])[:1000]
             return
+        if "choices" not in chunk and "stop" in chunk:  # llama-server's /completion
+            rec.token_times += [now] * len(chunk.get("tokens", []))
+            rec.token_ids += chunk.get("tokens", [])
+            if chunk["stop"]:
+                why = chunk.get("stop_type")
+                rec.finish_reason = {"limit": "length", "eos": "stop"}.get(why, why)
+                rec.done = True
+                return
+            continue
         for choice in chunk.get("choices", []):        # none in a closing usage chunk
             ids = choice.get("token_ids")
             rec.token_times += [now] * (len(ids) if ids is not None else 1)
@@ -286,7 +300,8 @@ SETTLE_S = 3.0                          # pause before each run: vLLM's worker s
 def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate_requests: int, max_prompt: int,
                     max_output: int, sequential: int, rounds: int = 1, compare_at=(16,), compare_only=(),
                     timeout_s: float = 300, model_name: str = "smollm2", vocab: int = 49152) -> dict:
-    """Start every server of `servers` ({name: (lab_server(...) or vllm_server(...), extra_body)}, each
+    """Start every server of `servers` ({name: (lab_server(...) or vllm_server(...), extra_body)}, or
+    (server, extra_body, path) for a server whose route is not /v1/completions; each
     idle when not sent a load), then send them the same loads in turns, so that a drift of a shared
     machine's speed falls on all of them, `SETTLE_S` seconds apart:
 
@@ -306,11 +321,11 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
     under the first server."""
     out = {}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(server)[1] for name, (server, _) in servers.items()}
+        urls = {name: stack.enter_context(server)[1] for name, (server, *_) in servers.items()}
 
         def run(name, reqs, c=None):
             time.sleep(SETTLE_S)                  # the other server's threads spin for about a second after a run
-            return run_load(urls[name], reqs, model_name, timeout_s, c, servers[name][1])
+            return run_load(urls[name], reqs, model_name, timeout_s, c, *servers[name][1:])
 
         for name in urls:
             out[name] = {"concurrency": {}, "rates": {}}
@@ -371,8 +386,8 @@ def vllm_server(cores: str | None = "0-1", port: int | None = None, block_size: 
         "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
         "--max-model-len", str(max_model_len), "--gpu-memory-utilization", str(memory_fraction), "--seed", "0",
         *extra_args]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                        "DO_NOT_TRACK": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env = peer_env(HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1,
+                   VLLM_CPU_NUM_OF_RESERVED_CPU=0)       # vLLM's own OpenMP defaults, not the lab's PASSIVE
     if cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     env.pop("PYTHONPATH", None)               # vLLM's environment imports nothing of the lab's

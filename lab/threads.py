@@ -32,6 +32,14 @@ def configure() -> None:
             os.environ.setdefault(k, v)
 
 
+def peer_env(**extra) -> dict:
+    """This process's environment for a peer system (llama.cpp, vLLM) started from it: without any OpenMP
+    setting, so that the peer runs with its own defaults and its own thread flags, not the lab's
+    PASSIVE (llama.cpp's decode falls to half under it), plus `extra`."""
+    drop = KEYS + ("OMP_PROC_BIND", "OMP_PLACES")
+    return {k: v for k, v in os.environ.items() if k not in drop} | {k: str(v) for k, v in extra.items()}
+
+
 def describe() -> str:
     """One line for a notebook's first cell: the OpenMP settings in effect in this process."""
     shown = ", ".join(f"{k}={os.environ[k]}" for k in KEYS if k in os.environ) or "OpenMP's defaults"
