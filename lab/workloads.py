@@ -7,14 +7,22 @@ own bookkeeping without the model (`dry_run`, tested to count exactly what scori
 
     requests = multi_turn_chats(vocab=49152, scale=0.5)
     shape(requests)["distinct_pages"], hit_rate(model, requests, num_pages=256)["hit_rate"]
+
+One workload is real traffic: `mooncake()`, Mooncake's published conversation trace (data/mooncake/), whose
+block hashes become token ids at a smaller scale (its docstring says how), served by the same helpers.
 """
 
+import json
+import math
 import random
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from .cache.eviction import POLICIES as EVICTION
 from .engine import PrefixCachingBackend, RadixCache, block_hashes
+from .models import ModelConfig, random_model
+from .results import REPO_ROOT
 
 
 def random_tokens(rng, n, vocab) -> list:
@@ -116,9 +124,14 @@ def shape(requests, page_size=16) -> dict:
                 tokens=sum(lengths), distinct_pages=distinct)
 
 
-def hit_rate(model, requests, num_pages, page_size=16) -> dict:
-    """Serve the requests in order from one pool of `num_pages` (LRU eviction); the backend's stats."""
+def hit_rate(model, requests, num_pages, page_size=16, eviction="lru") -> dict:
+    """Serve the requests in order from one pool of `num_pages`; the backend's stats. eviction: "lru" (the
+    BlockManager's least recently freed page) or "lfu" (the least used, lab.cache.eviction)."""
+    if eviction not in EVICTION:
+        raise ValueError(f"eviction must be one of {', '.join(map(repr, EVICTION))}, got {eviction!r}")
     backend = PrefixCachingBackend(model, num_pages, page_size)
+    if eviction != "lru":
+        backend.pool.manager = EVICTION[eviction](num_pages, page_size)    # before the first request
     for ids in requests:
         backend.dry_run(ids)
     s = backend.stats
@@ -153,3 +166,129 @@ def hit_rate_sweep(model, workloads: dict, fractions, page_size=16) -> dict:
         out[name] = dict(shape=sh, runs=[hit_rate(model, requests, n, page_size)
                                          for n in tqdm(sizes, desc=f"hit rate: {name}")])
     return out
+
+
+# ---- real traffic: Mooncake's conversation trace ---------------------------------------------------------
+
+MOONCAKE = REPO_ROOT / "data" / "mooncake" / "conversation_trace.jsonl"   # its source: SOURCE.md beside it
+TRACE_BLOCK = 512               # prompt tokens per hash id in Mooncake's traces
+HASH_BOUND = 2**32              # hash ids below this are spelled in a block's first ids (the trace's reach 182,789)
+
+
+class TraceError(ValueError):
+    """A trace that cannot be loaded as asked: tokens_per_block not a positive multiple of page_size, a
+    vocabulary too small to spell a hash id within one page, a bad limit, or a line of the file that is not a
+    request of the trace's format."""
+
+
+class TraceRequest(list):
+    """One request of a published trace: its prompt's token ids (the object is that list, so every helper
+    that takes a workload, a list of id lists, takes a trace as it is) and what the trace says of it."""
+
+    def __init__(self, ids, arrival_ms: int, output_tokens: int, hash_ids: tuple):
+        super().__init__(ids)
+        self.arrival_ms = arrival_ms          # when it arrived: the trace's timestamp, ms after the first request
+        self.output_tokens = output_tokens    # its answer's length, scaled as the prompt is (at least 1)
+        self.hash_ids = hash_ids              # the trace's block hashes: one per tokens_per_block ids, the last partial
+
+    def __repr__(self):
+        return (f"TraceRequest({len(self)} ids, arrival_ms={self.arrival_ms}, output_tokens={self.output_tokens}, "
+                f"{len(self.hash_ids)} blocks)")
+
+
+def spelled_digits(vocab: int) -> int:
+    """How many ids spell any hash id below HASH_BOUND in base `vocab`: the fewest d with vocab**d >= 2**32."""
+    d = 1
+    while vocab**d < HASH_BOUND:
+        d += 1
+    return d
+
+
+def block_ids(hash_id: int, n: int, vocab: int) -> list:
+    """The n token ids that stand for block `hash_id`: its first spelled_digits(vocab) ids spell hash_id in
+    base vocab, least significant digit first (so two blocks of different hashes differ there), the rest are
+    drawn by random.Random(hash_id) below vocab (so equal hashes give equal ids, on every machine)."""
+    digits = spelled_digits(vocab)
+    rng = random.Random(hash_id)
+    return [hash_id // vocab**k % vocab for k in range(digits)] + [rng.randrange(vocab) for _ in range(n - digits)]
+
+
+def mooncake(path=None, page_size: int = 16, tokens_per_block: int = 16, vocab: int = 320,
+             limit: int | None = None) -> list:
+    """Mooncake's conversation trace as a workload: a list of TraceRequests in arrival order.
+
+    The trace (data/mooncake/SOURCE.md) gives each request's arrival time, prompt and answer lengths and one
+    hash id per block of 512 prompt tokens, equal ids at the start of two requests marking a prefix they
+    share. Each block becomes `tokens_per_block` token ids below `vocab` (`block_ids`), so every length is
+    scaled by s = tokens_per_block / 512 (1/32 by default, a block to one page of 16):
+
+    - a prompt of input_length tokens has n = ceil(input_length / 512) hash ids; its first n - 1 blocks are
+      full and become tokens_per_block ids each; its last block holds r = input_length - 512 (n - 1) tokens
+      (1 to 512) and becomes the first ceil(r * s) ids of that block's. So a prompt has
+      (n - 1) * tokens_per_block + ceil(r * s) ids;
+    - its answer has output_tokens = max(1, round(output_length * s)) tokens;
+    - arrival_ms is the trace's timestamp, unscaled (the trace's hour stays an hour).
+
+    A pool of N pages of page_size ids thus stands for N * page_size / s tokens of the real service.
+    tokens_per_block is a multiple of page_size, so blocks start on page boundaries; block_ids spells a hash
+    id within a block's first page (spelled_digits(vocab) <= page_size), so two requests share a page-aligned
+    prefix of ids exactly when the trace says they share those blocks: equal leading hash ids, equal ids;
+    a different hash, a different first page.
+
+    path: the trace file (default: the vendored one, MOONCAKE); limit: only its first `limit` requests.
+    FileNotFoundError for a missing file; TraceError for bad arguments or a bad line.
+    """
+    for name, n in (("page_size", page_size), ("tokens_per_block", tokens_per_block), ("vocab", vocab)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise TraceError(f"{name} must be an int of at least 1, got {n!r}")
+    if tokens_per_block % page_size:
+        raise TraceError(f"tokens_per_block ({tokens_per_block}) must be a multiple of page_size ({page_size}): "
+                         "a block must start on a page boundary, or two blocks would share a page")
+    if vocab < 2 or spelled_digits(vocab) > page_size:
+        raise TraceError(f"vocab {vocab} is too small: a block's first page of {page_size} ids must spell hash ids "
+                         f"up to 2**32 in base vocab (needs vocab >= {math.ceil(HASH_BOUND ** (1 / page_size))})")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise TraceError(f"limit must be None or an int of at least 1, got {limit!r}")
+    path = MOONCAKE if path is None else path
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no trace at {path}: the lab ships Mooncake's conversation trace as "
+                                f"{MOONCAKE.relative_to(REPO_ROOT)}") from None
+    s, blocks, out = tokens_per_block / TRACE_BLOCK, {}, []
+    for number, line in enumerate(lines[:limit], start=1):
+        row = _trace_row(line, number, path)
+        hashes, last = row["hash_ids"], row["input_length"] - TRACE_BLOCK * (len(row["hash_ids"]) - 1)
+        ids = []
+        for h in hashes:
+            if h not in blocks:
+                blocks[h] = block_ids(h, tokens_per_block, vocab)
+            ids += blocks[h]
+        del ids[len(ids) - tokens_per_block + math.ceil(last * s):]        # the last block, cut to scale
+        out.append(TraceRequest(ids, row["timestamp"], max(1, round(row["output_length"] * s)), tuple(hashes)))
+    return out
+
+
+def _trace_row(line: str, number: int, path) -> dict:
+    """One line of a trace, checked: TraceError naming the line when it is not a request of the format."""
+    try:
+        row = json.loads(line)
+        ok = all(type(row[k]) is int and row[k] >= 0 for k in ("timestamp", "input_length", "output_length"))
+        hashes = row["hash_ids"]
+        ok = ok and isinstance(hashes, list) and all(type(h) is int and 0 <= h < HASH_BOUND for h in hashes)
+        ok = ok and row["input_length"] >= 1 and len(hashes) == -(-row["input_length"] // TRACE_BLOCK)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise TraceError(f"{path}, line {number}: not a request of the trace's format (timestamp, input_length, "
+                         f"output_length, hash_ids: ceil(input_length / {TRACE_BLOCK}) ids below 2**32): "
+                         f"{line[:80]!r}")
+    return row
+
+
+def bookkeeping_model(vocab: int = 320, max_positions: int = 1 << 17):
+    """A model for page bookkeeping only (`hit_rate`, `simulate` and the tiers on long traces): it names pages
+    as any model does and is never run. One layer with one key-value head of two values, so its pool costs 16
+    bytes a position (SmolLM2's costs 46,080), and positions enough for the trace's longest prompt."""
+    return random_model(ModelConfig(arch="llama", vocab_size=vocab, n_layers=1, d_model=2, n_heads=1, n_kv_heads=1,
+                                    head_dim=2, d_ff=2, max_positions=max_positions, name="bookkeeping"))
