@@ -7,6 +7,7 @@ by any other, so *where* a request goes decides the fleet's hit rate as much as 
     router = Router([PrefixCachingBackend(model, 256) for _ in range(4)], "kv_aware")
     router.next_logits(ids)                                  # routed, then scored by that worker: [V]
     simulate(trace, workers=8, policy="kv_aware", pages_per_worker=256)["hit_rate"]
+    replay(mooncake_trace, 8, "kv_aware", 256, prefill_s=2e-3, decode_s=1.6)["ttft_s"]   # in time (below)
 
 Three policies, one `choose(policy, states)` for this router and the server's (lab/serve/fleet.py), over a
 WorkerState per worker (the tokens of the request it would take from its pages, its load, its requests and
@@ -37,11 +38,16 @@ overlap_score_weight * prefill_blocks + decode_blocks", lower is better, the wei
 favours cache reuse, lower even load), docs.nvidia.com/dynamo, "Router > Routing Concepts > Cost Calculation"
 and the frontend's `--router-kv-overlap-score-weight`. Dynamo counts prefill blocks still running on the
 worker as well; here prefill ends within the call, so there are none.
+Load, in time (`replay`): a trace with arrival times (lab.workloads.mooncake) is replayed on a clock, each
+request living on its worker from its arrival until its last token, so a worker's load is the pages of the
+requests in flight on it when the next one arrives, as a running fleet's is.
+
 `cached_w` is what the worker would really take: the leading full pages of the request, at most
 (T - 1) // page_size of them (one token is always run), named in its BlockManager under the page keys the
 worker itself computes (`PrefixCachingBackend.page_keys`: its model's state identity and the salt).
 """
 
+import heapq
 import math
 import operator
 from collections import deque
@@ -142,6 +148,7 @@ class Router:
         n = len(engines)
         self.calls, self.tokens, self.computed, self.load = [0] * n, [0] * n, [0] * n, [0] * n
         self.in_flight = deque()                        # (worker, pages) of the last `window` requests
+        self.last = None                                # the worker the last request went to
 
     def __len__(self):
         return len(self.engines)
@@ -216,6 +223,7 @@ class Router:
         after = _computed(engine)
         pages = -(-len(ids) // getattr(engine, "page_size", 16))
         self.calls[w] += 1
+        self.last = w
         self.tokens[w] += len(ids)
         self.computed[w] += len(ids) if before is None else after - before
         if self.window:
@@ -281,6 +289,14 @@ def simulate(trace, workers: int, policy, pages_per_worker: int, page_size: int 
     its vocabulary (320 for tiny-llama: generate workloads with vocab=320, or map ids, i % 320) and a
     request must fit its positions (2048) and one worker's pool; FleetError otherwise, before anything runs.
     """
+    router = _fleet(trace, workers, policy, pages_per_worker, page_size, model, overlap_weight, window)
+    for ids in trace:
+        router.dry_run(list(ids))
+    return _totals(router, workers, policy, pages_per_worker, page_size)
+
+
+def _fleet(trace, workers, policy, pages_per_worker, page_size, model, overlap_weight, window) -> Router:
+    """simulate's and replay's checks, then `workers` fresh PrefixCachingBackends behind a Router."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise FleetError(f"workers must be an int of at least 1, got {workers!r}")
     if not _known(policy):
@@ -291,9 +307,11 @@ def simulate(trace, workers: int, policy, pages_per_worker: int, page_size: int 
     model = load("tiny-llama") if model is None else model
     check_trace(trace, model.config.vocab_size, min(pages_per_worker * page_size, model.config.max_positions))
     engines = [PrefixCachingBackend(model, pages_per_worker, page_size) for _ in range(workers)]
-    router = Router(engines, policy, overlap_weight=overlap_weight, window=window)
-    for ids in trace:
-        router.dry_run(list(ids))
+    return Router(engines, policy, overlap_weight=overlap_weight, window=window)
+
+
+def _totals(router: Router, workers, policy, pages_per_worker, page_size) -> dict:
+    engines = router.engines
     keys = ("calls", "cached_tokens", "computed_tokens", "evicted_pages")
     per_worker = [dict(calls=e.stats["calls"], tokens=router.tokens[w],
                        **{k: e.stats[k] for k in keys if k != "calls"}) for w, e in enumerate(engines)]
@@ -304,3 +322,60 @@ def simulate(trace, workers: int, policy, pages_per_worker: int, page_size: int 
     return dict(out, hit_rate=out["cached_tokens"] / seen if seen else 0.0, workers=workers, policy=_name(policy),
                 pages_per_worker=pages_per_worker, page_size=page_size, per_worker=per_worker,
                 imbalance=max(computed) / mean if mean else 1.0)
+
+
+# region fleet_replay
+def replay(trace, workers: int, policy, pages_per_worker: int, prefill_s: float, decode_s: float,
+           page_size: int = 16, model=None, overlap_weight: float = 1.0) -> dict:
+    """`simulate` on a clock: each request of `trace` (each with `arrival_ms` and `output_tokens`, as
+    lab.workloads.mooncake's TraceRequests have) arrives at its time, is routed, and stays in flight on its
+    worker until its last token. A worker's load when a request arrives is the pages of its requests then in
+    flight (ceil(T / page_size) each: Dynamo's active blocks), so least_loaded and kv_aware see a running
+    fleet. The cost model of a worker, in seconds:
+
+        prefill: one request at a time, first come first served: prefill_s per token it computes (its cached
+                 tokens cost nothing), starting when the request arrives or the previous prefill ends;
+        decode:  batched beside it, decode_s per output token, whatever else runs;
+        time to first token = waiting + prefill; the request leaves when its decode ends.
+
+    A request's pages are named when it arrives (the dry run's bookkeeping), a little before its prefill
+    would name them. Returns simulate's totals and ttft_s, ttft_p50_s, ttft_p90_s (over the requests),
+    in_flight (requests in flight on the chosen worker when one arrives, mean), busy (the share of the
+    trace's span the busiest worker spent in prefill)."""
+    for name, x in (("prefill_s", prefill_s), ("decode_s", decode_s)):
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
+            raise FleetError(f"{name} must be a finite number of seconds >= 0, got {x!r}")
+    if not all(hasattr(r, "arrival_ms") and hasattr(r, "output_tokens") for r in trace):
+        raise FleetError("replay needs each request's arrival_ms and output_tokens (lab.workloads.mooncake)")
+    router = _fleet(trace, workers, policy, pages_per_worker, page_size, model, overlap_weight, window=0)
+    prefill_free = [0.0] * workers              # when each worker's prefill queue empties
+    prefill_time = [0.0] * workers
+    leaving = []                                # heap of (time, worker, pages) of the requests in flight
+    count = [0] * workers                       # requests in flight per worker
+    ttft, in_flight = [], []
+    for r in sorted(trace, key=lambda r: r.arrival_ms):         # in arrival order (stable: the trace's own)
+        now = r.arrival_ms / 1000
+        while leaving and leaving[0][0] <= now:                 # requests that ended before this arrival
+            _, w, pages = heapq.heappop(leaving)
+            router.load[w] -= pages
+            count[w] -= 1
+        cached = router.dry_run(list(r))
+        w, computed = router.last, len(r) - cached
+        start = max(now, prefill_free[w])
+        prefill_free[w] = first = start + computed * prefill_s
+        prefill_time[w] += computed * prefill_s
+        pages = -(-len(r) // page_size)
+        heapq.heappush(leaving, (first + r.output_tokens * decode_s, w, pages))
+        in_flight.append(count[w])
+        router.load[w] += pages
+        count[w] += 1
+        ttft.append(first - now)
+    out = _totals(router, workers, policy, pages_per_worker, page_size)
+    span = (max(r.arrival_ms for r in trace) - min(r.arrival_ms for r in trace)) / 1000 if trace else 0.0
+    ttft.sort()
+    return dict(out, ttft_s=sum(ttft) / len(ttft) if ttft else 0.0,
+                ttft_p50_s=ttft[len(ttft) // 2] if ttft else 0.0,
+                ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))] if ttft else 0.0,
+                in_flight=sum(in_flight) / len(in_flight) if in_flight else 0.0,
+                busy=max(prefill_time) / span if span else 0.0, prefill_s=prefill_s, decode_s=decode_s)
+# endregion
