@@ -339,9 +339,12 @@ def replay(trace, workers: int, policy, pages_per_worker: int, prefill_s: float,
         time to first token = waiting + prefill; the request leaves when its decode ends.
 
     A request's pages are named when it arrives (the dry run's bookkeeping), a little before its prefill
-    would name them. Returns simulate's totals and ttft_s, ttft_p50_s, ttft_p90_s (over the requests),
-    in_flight (requests in flight on the chosen worker when one arrives, mean), busy (the share of the
-    trace's span the busiest worker spent in prefill)."""
+    would name them. kv_aware's cost counts the pages in flight on a worker, not the prefills queued on it
+    (Dynamo adds those to its prefill blocks, its "active prompt load").
+
+    Returns simulate's totals and ttft_s, ttft_p50_s, ttft_p90_s (over the requests), in_flight (requests
+    in flight on the chosen worker when one arrives, mean), busy (the busiest worker's prefill time over
+    the trace's span: above 1, its queue only grows)."""
     for name, x in (("prefill_s", prefill_s), ("decode_s", decode_s)):
         if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
             raise FleetError(f"{name} must be a finite number of seconds >= 0, got {x!r}")

@@ -205,12 +205,14 @@ def spelled_digits(vocab: int) -> int:
 
 
 def block_ids(hash_id: int, n: int, vocab: int) -> list:
-    """The n token ids that stand for block `hash_id`: its first spelled_digits(vocab) ids spell hash_id in
-    base vocab, least significant digit first (so two blocks of different hashes differ there), the rest are
-    drawn by random.Random(hash_id) below vocab (so equal hashes give equal ids, on every machine)."""
+    """The n token ids that stand for block `hash_id`. Its first spelled_digits(vocab) ids spell
+    hash_id in base vocab, least significant digit first, so blocks of different hashes differ
+    there; the rest are drawn by random.Random(hash_id) below vocab, so equal hashes give equal
+    ids, on every machine."""
     digits = spelled_digits(vocab)
+    spelled = [hash_id // vocab**k % vocab for k in range(digits)]
     rng = random.Random(hash_id)
-    return [hash_id // vocab**k % vocab for k in range(digits)] + [rng.randrange(vocab) for _ in range(n - digits)]
+    return spelled + [rng.randrange(vocab) for _ in range(n - digits)]
 
 
 def mooncake(path=None, page_size: int = 16, tokens_per_block: int = 16, vocab: int = 320,

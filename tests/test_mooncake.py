@@ -15,7 +15,7 @@ import pytest
 from lab.cache.eviction import LFUBlockManager
 from lab.engine import PrefixCachingBackend
 from lab.fleet import FleetError, replay
-from lab.workloads import (MOONCAKE, TraceError, bookkeeping_model, hit_rate, mooncake, spelled_digits)
+from lab.workloads import MOONCAKE, TraceError, bookkeeping_model, hit_rate, mooncake, spelled_digits
 
 P = 16
 N = 300                                         # the slice of the trace the tests serve

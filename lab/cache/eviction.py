@@ -19,20 +19,21 @@ from .block_manager import BlockManager
 
 # region eviction_lfu
 class LFUBlockManager(BlockManager):
-    """Evict the named free page used the fewest times, the least recently freed among equals; a free page
-    without a name goes first (it holds nothing reusable). A page's uses: 1 when it is named, plus 1 for
-    every request that takes it from the cache; named again after its eviction, it starts again at 1.
+    """Evict the named free page used the fewest times, the least recently freed among equals;
+    a free page without a name goes first (it holds nothing reusable). A page's uses: 1 when it
+    is named, plus 1 for every request that takes it from the cache; named again after its
+    eviction, it starts again at 1.
 
-    The choice costs O(log N): free pages wait in a heap keyed (uses, when freed). A page's uses change only
-    while a sequence holds it, so its key stays right while it is free; an entry whose page was taken
-    since (allocated, or reused by a prefix hit) is stale and skipped when it reaches the top."""
+    The choice costs O(log N): free pages wait in a heap keyed (uses, when freed). A page's uses
+    change only while a sequence holds it, so its key stays right while it is free; an entry
+    whose page was taken since (allocated, or reused by a prefix hit) is stale, and skipped."""
 
     def __init__(self, num_pages: int, page_size: int):
         super().__init__(num_pages, page_size)
         self.uses = [0] * num_pages                 # page -> uses since it was named
         self._clock = itertools.count()             # orders the frees
         self._freed_at = [0] * num_pages            # page -> the clock when it was last freed
-        self._heap = []                             # (uses or 0 unnamed, freed at, page), stale entries too
+        self._heap = []                     # (uses, or 0 unnamed; freed at; page), stale ones too
         for page in self.free_pages():
             self._push(page)
 
@@ -43,7 +44,7 @@ class LFUBlockManager(BlockManager):
     def victim(self) -> int:
         while True:
             _, t, page = self._heap[0]
-            if page in self._free and self._freed_at[page] == t:   # free since this entry was pushed
+            if page in self._free and self._freed_at[page] == t:   # free since it was pushed
                 return page
             heapq.heappop(self._heap)               # stale: the page was taken after this entry
 
