@@ -245,8 +245,8 @@ show(pd.DataFrame(chat.turns).rename(columns={"prompt_tokens": "prompt (tokens)"
 #
 # ### How much of a workload the pages hold
 #
-# Three **synthetic** workloads (random token ids in the shapes of real traffic; no real trace ships in
-# any package):
+# Three **synthetic** workloads (random token ids in the shapes of real traffic), and after them a real
+# trace:
 #
 # - **system prompts**: eight applications, each with a long system prompt (500–1,500 tokens), picked
 #   with Zipf popularity; each request is a system prompt and a question of 20–150 tokens;
@@ -279,6 +279,92 @@ beside("ch06", "ch06.workloads", values=ch06.values(m),
 # reuse is: few-shot prompts share a few prefixes that everyone uses, chats share a short system prompt
 # and then each conversation only with itself.
 #
+# ### Real traffic: Mooncake's conversation trace
+#
+# Moonshot AI published, with the Mooncake paper (FAST '25), an hour of requests to its chat service Kimi:
+# no text, but each request's arrival time, prompt and answer lengths, and one hash id per 512-token block
+# of the prompt, equal ids at the start of two requests marking a prefix they share. The lab ships it in
+# `data/mooncake/` (its source and license beside it). One row:
+
+# %%
+import json
+
+from lab.experiments import mooncake
+from lab.workloads import MOONCAKE, spelled_digits
+
+with open(MOONCAKE) as f:
+    rows = [json.loads(next(f)) for _ in range(3)]
+show(pd.DataFrame(rows).assign(hash_ids=[f"{r['hash_ids'][:5]} ... ({len(r['hash_ids'])} ids)" for r in rows]),
+     caption="the trace's first three requests")
+
+# %% [markdown]
+# The first request has 6,758 prompt tokens: 13 full blocks and a last one of 6,758 − 13 × 512 = 102 tokens,
+# so 14 hash ids. All three begin with block 0 (every request of the trace does: a system prompt), then go
+# their own ways.
+#
+# To serve the trace, each block becomes token ids: 16 per block (one page), at 1/32 of the service's
+# lengths. A block's ids are a function of its hash id alone, so equal ids give equal tokens. The first
+# four ids spell the hash id in base 320, least significant digit first, so two different hash ids differ
+# in their first page and can never pass for a shared prefix; the rest are drawn from a generator seeded
+# with the hash id. The last block is cut to scale: 102 tokens become ⌈102 / 32⌉ = 4 ids.
+
+# %%
+trace = mooncake.trace(S["trace_requests"])              # the trace's first requests, at 1/32 scale
+a, b = trace[0], trace[1]
+print(a, "\n", b)
+
+
+def spelled(block, vocab=320):                           # the hash id a block's first ids spell
+    return sum(x * vocab**k for k, x in enumerate(block[:spelled_digits(vocab)]))
+
+
+assert len(a) == 13 * 16 + math.ceil(102 / 32)
+assert [spelled(a[16 * i:]) for i in range(len(a) // 16)] == list(a.hash_ids[:len(a) // 16])
+print("block 0, both:", a[:16] == b[:16], a[:6], "...; block 1:", a[16:20], "vs", b[16:20],
+      "= hash ids", a.hash_ids[1], "and", b.hash_ids[1], "spelled in base 320")
+print(f"arrivals {a.arrival_ms} ms and {b.arrival_ms} ms; answers of {a.output_tokens} and {b.output_tokens} "
+      "tokens (the trace's 500 and 490, at 1/32)")
+
+# %% [markdown]
+# What a pool that never evicts would serve can be read off the hash ids alone: each request's leading
+# blocks that some earlier request had, at most all but the page of its last token. `lab` serves the
+# token ids through `PrefixCachingBackend`'s bookkeeping; the two must agree, request by request:
+
+# %%
+seen, by_hand = set(), []
+for r in trace:
+    k = next((k for k in range(len(r.hash_ids), 0, -1) if r.hash_ids[:k] in seen), 0)
+    seen.update(r.hash_ids[:j] for j in range(1, len(r.hash_ids) + 1))
+    by_hand.append(min(16 * k, (len(r) - 1) // 16 * 16))
+moon = mooncake.capacity_sweep(trace, S["trace_capacities"])
+assert sum(by_hand) == moon["unbounded"]["cached_tokens"]
+print(f"{len(trace):,} requests: {sum(by_hand):,} prompt tokens from the cache by hand and by lab, "
+      f"{moon['unbounded']['hit_rate']:.1%} of them")
+
+# %% [markdown]
+# Now pools that do evict (LRU), sized in tokens of the service: a pool of N pages here holds what N × 512
+# tokens hold there. The paper's own marks are drawn in: a node's local cache of 3M tokens, and the
+# trace's prefix cache ratio of about 40 %.
+
+# %%
+show(pd.DataFrame({mooncake.label(x["capacity"]): {"pages (1/32 scale)": x["num_pages"], "hit rate": x["hit_rate"]}
+                   for x in moon["runs"]} | {"never evicts": {"pages (1/32 scale)": moon["unbounded"]["num_pages"],
+                                                             "hit rate": moon["unbounded"]["hit_rate"]}}).T
+     .rename_axis("pool (tokens of the service)"), percent=["hit rate"],
+     caption=f"Mooncake's trace, first {len(trace):,} requests, LRU")
+
+# %%
+fig_mooncake = mooncake.plot_capacity(moon)
+print(f"mean over requests of the share found cached, never evicting: {moon['unbounded']['request_mean']:.1%}")
+
+# %%
+fig_hit_rate = ch06.plot_hit_rate(sweep, trace=moon)       # the synthetic workloads with the trace beside them
+m["mooncake"] = moon
+beside("ch06", "ch06.mooncake", values=ch06.values(m),
+       why=f"your run serves the trace's first {len(trace):,} requests, the book all 12,031: the first minutes "
+           "of the hour hold few second turns, so less of each prompt is found cached.")
+
+# %% [markdown]
 # ### Time to first token: a hit against a miss
 #
 # One prompt, a cached prefix of each length plus 16 new tokens. A hit finds the prefix's pages; a miss
@@ -420,7 +506,8 @@ else:
 
 # %%
 m["vllm"] = "the notebook does not start vLLM (about a minute); `make results` runs the comparison"
-ch06.record(m, drawn={"hit_rate": fig_hit_rate, "ttft": fig_ttft, "roc": fig_roc, "costs": fig_costs})
+ch06.record(m, drawn={"hit_rate": fig_hit_rate, "ttft": fig_ttft, "roc": fig_roc, "costs": fig_costs,
+                      "mooncake": fig_mooncake})
 print("wrote section ch06 to", results.results_path())
 
 # %% [markdown]

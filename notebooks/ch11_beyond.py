@@ -368,10 +368,72 @@ beside("ch11", "ch11.disagg", values=ch11.values(m),
            "prompts the decode worker rarely waits for room, and a hand-off costs little.")
 
 # %% [markdown]
+# ## 8. Real traffic: Mooncake's conversation trace
+#
+# Chapter 6 loaded an hour of a chat service's requests, Mooncake's published trace, at 1/32 scale (a page of
+# 16 ids stands for a block of 512 tokens). The trace has arrival times, so a fleet can be replayed on its
+# clock: each request stays on its worker from its arrival until its last token, and a worker's load is the
+# pages of its requests still in flight. Time comes from a cost model, not from this CPU: one prefill at a
+# time per worker, at the Mooncake paper's own estimate for LLaMA3-70B on eight A800s (Equation 1 and
+# Table 1, at peak), and 50 ms per output token. By hand, round robin over 8 workers whose pools never evict:
+
+# %%
+from lab.fleet import replay  # noqa: E402
+
+mc = ch11.mooncake
+trace = mc.trace(S["fleet_requests"])
+N, prefill_s, decode_s = 8, mc.PREFILL_S / mc.SCALE, mc.DECODE_S / mc.SCALE   # per id here: 32 tokens there
+seen, free_at, leaves = [set() for _ in range(N)], [0.0] * N, [[] for _ in range(N)]
+in_flight, ttft = [], []
+for k, r in enumerate(trace):
+    w, now = k % N, r.arrival_ms / 1000                        # round robin, at the request's arrival
+    leaves[w] = [t for t in leaves[w] if t > now]              # its requests still in flight
+    in_flight.append(len(leaves[w]))
+    pages = max((j for j in range(1, (len(r) - 1) // 16 + 1) if tuple(r[:16 * j]) in seen[w]), default=0)
+    seen[w].update(tuple(r[:16 * j]) for j in range(1, len(r) // 16 + 1))
+    free_at[w] = max(now, free_at[w]) + (len(r) - 16 * pages) * prefill_s   # its prefill ends: first token
+    ttft.append(free_at[w] - now)
+    leaves[w].append(free_at[w] + r.output_tokens * decode_s)  # its decode ends
+got = replay(trace, N, "round_robin", sum(-(-len(r) // 16) for r in trace), prefill_s, decode_s, model=mc.model())
+assert abs(got["in_flight"] - sum(in_flight) / len(in_flight)) < 1e-9
+assert abs(got["ttft_s"] - sum(ttft) / len(ttft)) < 1e-9                 # the same sums, in the same order
+print(f"{len(trace)} requests over {N} workers: {got['in_flight']:.1f} in flight on a worker when one arrives, "
+      f"mean time to first token {got['ttft_s']:.2f} s, by hand and by lab.fleet.replay")
+
+# %% [markdown]
+# Then the chapter's measurements on the trace: the tiers of section 3, LRU against LFU eviction
+# (`lab.cache.eviction`: the page used least goes first), and every router at each worker count, in
+# arrival order (`simulate`) and on the clock (`replay`), every worker with the paper's local cache of 3M
+# tokens of the service.
+
+# %%
+real = ch11.real_trace(S)
+fig_trace_pool = mc.plot_pool(real["tiers"], real["eviction"])
+display(show(pd.DataFrame({n: {**{c: real["tiers"][c][j]["hit_rate"] for c in ch11.TIER_CASES},
+                               "LFU, no tier": real["eviction"]["lfu"][j]["hit_rate"]}
+                           for j, n in enumerate(real["tiers"]["sizes"])}).T.rename_axis("pool pages (1/32 scale)"),
+             percent=[*ch11.TIER_CASES, "LFU, no tier"], caption=f"the trace's first {real['requests']:,} requests"))
+
+# %%
+fig_trace_fleet = mc.plot_fleet(real["fleet"])
+display(show(pd.DataFrame({(ch11.ROUTER_NAMES[p], n): {"hit rate": x["hit_rate"], "mean TTFT (s)": x["ttft_s"],
+                                                      "in flight": x["in_flight"]}
+                           for p, runs in real["fleet"]["in time"].items()
+                           for n, x in zip(real["fleet"]["workers"], runs, strict=True)}).T
+             .rename_axis(["router", "workers"]), percent=["hit rate"],
+             caption=f"on the clock, the trace's first {real['fleet_requests']:,} requests"))
+m["trace"] = real
+beside("ch11", "ch11.trace", values=ch11.values(m),
+       why=f"your run serves the trace's first {real['requests']:,} requests in one pool and "
+           f"{real['fleet_requests']:,} in the fleets, the book all 12,031 and 6,000: the first minutes of the hour "
+           "hold few second turns, and the book's fleets run up to 64 workers.")
+
+# %% [markdown]
 # ## Record
 
 # %%
-ch11.record(m, drawn={"tiers": fig_tiers, "restore": fig_restore, "routers": fig_routers, "handoff": fig_handoff})
+ch11.record(m, drawn={"tiers": fig_tiers, "restore": fig_restore, "routers": fig_routers, "handoff": fig_handoff,
+                      "trace_pool": fig_trace_pool, "trace_fleet": fig_trace_fleet})
 print("wrote section ch11 to", results.results_path())
 
 # %% [markdown]
