@@ -400,6 +400,40 @@ beside("ch08", "ch08.http", values=ch08.values(m),
            f"{FULL['rounds']} at {ch08.compared(FULL)[0]}: two servers on cores that other programs share.")
 
 # %% [markdown]
+# ### A third server: llama.cpp
+#
+# llama.cpp is what most people run on a laptop CPU. `make llamacpp` builds it from the source that the
+# `llama-cpp-python` package ships (about ten minutes on two cores, once), and `make results` sends its server
+# the same loads as the lab's and vLLM's, on the same two cores, on the Q4_1 file the lab's weights come from
+# and on the lab's own weights written as float32 and bfloat16 GGUF files. With llama.cpp built, this cell
+# also times one sequence decoding on both sides, a few tokens after a short context.
+
+# %%
+from lab.experiments import llamacpp as llamacpp_exp
+from lab.peers import llamacpp
+
+book_l = results.read(results.COMMITTED)["sections"].get("llamacpp", {}).get("values", {})
+if "serving" in book_l:
+    sv = book_l["serving"]
+    sides = [k for k in sv if k != "ratios" and "concurrency" in sv[k]]
+    display(show(pd.DataFrame({k: {f"{c[1:]} in flight": sv[k]["concurrency"][c]["throughput"]["value"]
+                                   for c in sv[k]["concurrency"]} for k in sides}).T.rename_axis("server"),
+                 caption="output tokens per second, the book's run"))
+mine_l = {}
+if llamacpp.available():
+    SL = llamacpp_exp.settings(True)
+    files = {k: llamacpp.model_files()[k] for k in ("float32",)}
+    mine_l = llamacpp_exp.decode({"float32": smol}, files, SL)
+    print({side: f"{x['tok_s']:.1f} tok/s" for side, x in mine_l[SL["depths"][0]].items()},
+          f"one sequence after {SL['depths'][0]} positions")
+else:
+    print("llama.cpp is not built here: `make llamacpp` builds it; the table above is the book's run")
+beside("ch08", "llamacpp.serving", "llamacpp.decode",
+       why="the book's run times one sequence after 512 and 4,096 positions and serves 16 and 64 requests in "
+           "flight; this cell times one sequence after a short context, in float32 only, or nothing where "
+           "llama.cpp is not built.")
+
+# %% [markdown]
 # ## Record
 #
 # The figures drawn above are saved as they are.
