@@ -192,9 +192,10 @@ def values(m: dict) -> dict:
                                 note="`make llamacpp` from the unpacked source: cmake's configure and build")}
     v["weights"] = {name: {"identical": value(w["identical"], "tensors", of=w["tensors"]),
                            "max_abs_diff": value(w["max_abs_diff"], None)} for name, w in m["weights"].items()}
-    v["agreement"] = {name: value(a["identical"], "passages", of=a["passages"], first_difference=a["first_difference"],
-                                  note=f"greedy, {s['answer']} tokens after {s['passage_tokens']} of a held-out play")
-                      for name, a in m["agreement"].items()}
+    v["agreement"] = {name: {"identical": value(a["identical"], "passages", first_difference=a["first_difference"],
+                                                note=f"greedy, {s['answer']} tokens after {s['passage_tokens']} "
+                                                     "of a held-out play"),
+                             "passages": value(a["passages"], "passages")} for name, a in m["agreement"].items()}
     v["decode"] = {}
     for depth, sides in m["decode"].items():
         d = {name: value(x["tok_s"], "tok/s", rounds=x["rounds"], new_tokens=s["new_tokens"])
@@ -208,6 +209,7 @@ def values(m: dict) -> dict:
     v["serving"] = serving_values(m["serving"], s)
     v["prompt_cache"] = prompt_cache_values(m["prompt_cache"])
     v["shape"] = {"prompt": value(s["prompt"], "tokens"), "output": value(s["output"], "tokens"),
+                  "passage": value(s["passage_tokens"], "tokens"), "answer": value(s["answer"], "tokens"),
                   "new_tokens": value(s["new_tokens"], "tokens"), "rounds": value(s["rounds"], "runs")}
     return v
 
@@ -221,6 +223,8 @@ def serving_values(h: dict, s: dict) -> dict:
     if isinstance(h.get("vllm_float32"), dict):
         pairs |= {f"{dt}_vllm": (f"lab_{dt}", f"vllm_{dt}") for dt in DTYPES}
     v["ratios"] = ratios(h, pairs, s["compared"])
+    v["failed"] = value(sum(x["failed"] for r in h.values() if isinstance(r, dict) for x in r["concurrency"].values()),
+                        "requests", note="requests that failed, every server and load")
     return v
 
 
