@@ -6,6 +6,7 @@ file, and a test fails when the committed README differs from what the committed
 
 import sys
 
+from lab.book.render import render_text
 from lab.results import COMMITTED, REPO_ROOT, format_value, lookup, read
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -168,6 +169,14 @@ HEADLINES = [
     ("Ch. 12 — the engine, 8 answers per prompt: forked / as 8 requests / as 8 requests with prefix caching (tok/s)",
      ("ch12.engine.forked.tokens_per_s", "ch12.engine.apart.tokens_per_s", "ch12.engine.apart_cached.tokens_per_s"),
      ".0f"),
+    ("Beside llama.cpp — one sequence decoding after 512 positions, the lab's engine over llama-bench: float32 / "
+     "bfloat16", ("llamacpp.decode.d512.ratio_float32", "llamacpp.decode.d512.ratio_bfloat16"), ".2f"),
+    ("Beside llama.cpp — the lab's server over llama-server, same dtype: float32 at 16 / 64 in flight, bfloat16 at "
+     "16 / 64", tuple(f"llamacpp.serving.ratios.{d}_llamacpp.c{c}.ratio" for d in ("float32", "bfloat16")
+                      for c in (16, 64)), ".2f"),
+    ("Beside llama.cpp — greedy answers identical on the same float32 weights (passages)",
+     ("llamacpp.agreement.float32.identical", "llamacpp.agreement.float32.passages"), ""),
+    ("Beside llama.cpp — `make llamacpp`, building it from source on two cores", "llamacpp.build_seconds", ".0f"),
     ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 / 11 "
      "(two CPU cores)", tuple(f"notebooks.seconds.{name}" for name in
                               ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
@@ -200,8 +209,28 @@ def _machine(p) -> str:
             f"{gpu}, torch {p['versions'].get('torch')}, {p['mode']} mode, {p['date'][:10]}")
 
 
+# Where the lab stands beside llama.cpp, in words the results choose (rendered as the book's prose is, so that a
+# verdict that no longer holds changes its word, and a claim that fails stops the build).
+BESIDE_LLAMACPP = """### Beside llama.cpp
+
+llama.cpp, built from source by `make llamacpp`, runs the same model on the same two cores (chapter 8). One
+sequence decoding is where the lab is slower: after 512 positions it decodes at
+{{calc: 100 * llamacpp.decode.d512.ratio_float32|.0f}}% of llama.cpp's speed in float32 and
+{{calc: 100 * llamacpp.decode.d512.ratio_bfloat16|.0f}}% in bfloat16.{{claim: llamacpp.decode.d512.ratio_float32 < 1
+and llamacpp.decode.d512.ratio_bfloat16 < 1}} A step of one sequence should cost about one read of the
+weights; llama.cpp's is one compute graph in C, the lab's is Python calling some thirty torch operators a
+layer, plus the engine's planning and identity check, a fixed cost per step that one sequence pays alone.
+Serving 16 and 64 requests at once, where a batch shares that cost, the lab's server is
+{{verdict: min(llamacpp.serving.ratios.float32_llamacpp.c16.ratio,
+  llamacpp.serving.ratios.float32_llamacpp.c64.ratio) >= 1|ahead of/behind}}
+llama-server in float32 and
+{{verdict: min(llamacpp.serving.ratios.bfloat16_llamacpp.c16.ratio,
+  llamacpp.serving.ratios.bfloat16_llamacpp.c64.ratio) >= 1|ahead of/behind}}
+it in bfloat16 (the table above; chapter 8 has every load and vLLM beside both)."""
+
+
 def block(doc) -> str:
-    return f"{START}\n{table(doc)}\n{END}"
+    return f"{START}\n{table(doc)}\n\n{render_text(BESIDE_LLAMACPP, doc)}\n{END}"
 
 
 def rewrite(readme=REPO_ROOT / "README.md", results=COMMITTED) -> bool:
