@@ -76,6 +76,7 @@ results: setup vllm peers llamacpp
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.steps
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.llamacpp
+	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.mooncake
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
 	$(PY) -m lab.book.readme
 	$(MAKE) book

@@ -309,7 +309,8 @@ show(pd.DataFrame(rows).assign(hash_ids=[f"{r['hash_ids'][:5]} ... ({len(r['hash
 # with the hash id. The last block is cut to scale: 102 tokens become ⌈102 / 32⌉ = 4 ids.
 
 # %%
-trace = mooncake.trace(S["trace_requests"])              # the trace's first requests, at 1/32 scale
+MS = mooncake.settings(QUICK)                            # the trace's sizes in this run
+trace = mooncake.trace(MS["pool_requests"])              # the trace's first requests, at 1/32 scale
 a, b = trace[0], trace[1]
 print(a, "\n", b)
 
@@ -336,7 +337,7 @@ for r in trace:
     k = next((k for k in range(len(r.hash_ids), 0, -1) if r.hash_ids[:k] in seen), 0)
     seen.update(r.hash_ids[:j] for j in range(1, len(r.hash_ids) + 1))
     by_hand.append(min(16 * k, (len(r) - 1) // 16 * 16))
-moon = mooncake.capacity_sweep(trace, S["trace_capacities"])
+moon = mooncake.capacity_sweep(trace, MS["capacities"])
 assert sum(by_hand) == moon["unbounded"]["cached_tokens"]
 print(f"{len(trace):,} requests: {sum(by_hand):,} prompt tokens from the cache by hand and by lab, "
       f"{moon['unbounded']['hit_rate']:.1%} of them")
@@ -358,9 +359,7 @@ fig_mooncake = mooncake.plot_capacity(moon)
 print(f"mean over requests of the share found cached, never evicting: {moon['unbounded']['request_mean']:.1%}")
 
 # %%
-fig_hit_rate = ch06.plot_hit_rate(sweep, trace=moon)       # the synthetic workloads with the trace beside them
-m["mooncake"] = moon
-beside("ch06", "ch06.mooncake", values=ch06.values(m),
+beside("ch06", "mooncake.pool", values=mooncake.values({"pool": moon}), section="mooncake",
        why=f"your run serves the trace's first {len(trace):,} requests, the book all 12,031: the first minutes "
            "of the hour hold few second turns, so less of each prompt is found cached.")
 
@@ -506,8 +505,7 @@ else:
 
 # %%
 m["vllm"] = "the notebook does not start vLLM (about a minute); `make results` runs the comparison"
-ch06.record(m, drawn={"hit_rate": fig_hit_rate, "ttft": fig_ttft, "roc": fig_roc, "costs": fig_costs,
-                      "mooncake": fig_mooncake})
+ch06.record(m, drawn={"hit_rate": fig_hit_rate, "ttft": fig_ttft, "roc": fig_roc, "costs": fig_costs})
 print("wrote section ch06 to", results.results_path())
 
 # %% [markdown]

@@ -378,10 +378,11 @@ beside("ch11", "ch11.disagg", values=ch11.values(m),
 # Table 1, at peak), and 50 ms per output token. By hand, round robin over 8 workers whose pools never evict:
 
 # %%
+from lab.experiments import mooncake as mc  # noqa: E402
 from lab.fleet import replay  # noqa: E402
 
-mc = ch11.mooncake
-trace = mc.trace(S["fleet_requests"])
+MS = mc.settings(QUICK)                                          # the trace's sizes in this run
+trace = mc.trace(MS["fleet_requests"])
 N, prefill_s, decode_s = 8, mc.PREFILL_S / mc.SCALE, mc.DECODE_S / mc.SCALE   # per id here: 32 tokens there
 seen, free_at, leaves = [set() for _ in range(N)], [0.0] * N, [[] for _ in range(N)]
 in_flight, ttft = [], []
@@ -407,7 +408,7 @@ print(f"{len(trace)} requests over {N} workers: {got['in_flight']:.1f} in flight
 # tokens of the service.
 
 # %%
-real = ch11.real_trace(S)
+real = mc.real_trace(MS)
 fig_trace_pool = mc.plot_pool(real["tiers"], real["eviction"])
 display(show(pd.DataFrame({n: {**{c: real["tiers"][c][j]["hit_rate"] for c in ch11.TIER_CASES},
                                "LFU, no tier": real["eviction"]["lfu"][j]["hit_rate"]}
@@ -422,8 +423,7 @@ display(show(pd.DataFrame({(ch11.ROUTER_NAMES[p], n): {"hit rate": x["hit_rate"]
                            for n, x in zip(real["fleet"]["workers"], runs, strict=True)}).T
              .rename_axis(["router", "workers"]), percent=["hit rate"],
              caption=f"on the clock, the trace's first {real['fleet_requests']:,} requests"))
-m["trace"] = real
-beside("ch11", "ch11.trace", values=ch11.values(m),
+beside("ch11", "mooncake.trace", values=mc.values({"trace": real}), section="mooncake",
        why=f"your run serves the trace's first {real['requests']:,} requests in one pool and "
            f"{real['fleet_requests']:,} in the fleets, the book all 12,031 and 6,000: the first minutes of the hour "
            "hold few second turns, and the book's fleets run up to 64 workers.")
@@ -432,8 +432,7 @@ beside("ch11", "ch11.trace", values=ch11.values(m),
 # ## Record
 
 # %%
-ch11.record(m, drawn={"tiers": fig_tiers, "restore": fig_restore, "routers": fig_routers, "handoff": fig_handoff,
-                      "trace_pool": fig_trace_pool, "trace_fleet": fig_trace_fleet})
+ch11.record(m, drawn={"tiers": fig_tiers, "restore": fig_restore, "routers": fig_routers, "handoff": fig_handoff})
 print("wrote section ch11 to", results.results_path())
 
 # %% [markdown]

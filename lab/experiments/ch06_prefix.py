@@ -2,8 +2,8 @@
 first token, what naming pages costs, what a shared cache tells another tenant, what caching saves in money,
 and the lab against vLLM on the same requests (`lab.peers.vllm_agreement`).
 
-The workloads are SYNTHETIC (`lab.workloads`): random token ids in the shapes of real traffic; beside them
-runs real traffic, Mooncake's conversation trace at 1/32 scale (lab.experiments.mooncake). Hit rates depend
+The workloads are SYNTHETIC (`lab.workloads`): random token ids in the shapes of real traffic; real traffic,
+Mooncake's conversation trace at 1/32 scale, is lab.experiments.mooncake's (section "mooncake"). Hit rates depend
 only on which tokens repeat, so the sweeps run the backend's own bookkeeping without the model
 (`lab.workloads.hit_rate`). Times are SmolLM2 on this CPU.
 """
@@ -24,7 +24,7 @@ from ..models import load
 from ..peers.vllm_agreement import against_vllm
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
 from ..workloads import WORKLOADS, conversation, hit_rate, hit_rate_sweep
-from . import mooncake, plots
+from . import plots
 from .plots import finish
 
 SECTION = "ch06"
@@ -36,12 +36,10 @@ SYNTHETIC = "synthetic workload: random token ids in the shape of real traffic (
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
         return dict(scale=0.5, pool_fractions=(0.05, 0.1, 0.2, 0.4, 0.7, 1.0), prefixes=(64, 256, 1024),
-                    ttft_rounds=3, trials=80, hash_tokens=4096, vllm=False,
-                    trace_requests=2000, trace_capacities=(1e6, 3e6, 1e7))
-    # the trace's capacities are tokens of the service (mooncake.SCALE): 3M is the paper's local cache per node
+                    ttft_rounds=3, trials=80, hash_tokens=4096, vllm=False)
     return dict(scale=1.0, pool_fractions=(0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85, 1.0),
                 prefixes=(32, 64, 128, 256, 512, 1024, 1536), ttft_rounds=15, trials=400, hash_tokens=65536,
-                vllm=True, trace_requests=None, trace_capacities=(3e5, 1e6, 3e6, 1e7, 3e7, 5e7))
+                vllm=True)
 
 
 # ---- time to first token, hit against miss ----------------------------------------------------------------
@@ -179,25 +177,16 @@ def economics(model, seconds_per_token, chat=CHAT, page_size=PAGE) -> dict:
 
 # ---- figures ----------------------------------------------------------------------------------------------
 
-def plot_hit_rate(sweep: dict, path=None, trace=None):
-    """The synthetic workloads' hit rate against pool size; with `trace` (mooncake.capacity_sweep), the real
-    trace's beside them, its pool that never evicts at 100%."""
-    fig, ax = plots.figure(height=3.6 if trace is None else 4.4)
+def plot_hit_rate(sweep: dict, path=None):
+    """The synthetic workloads' hit rate against pool size (the real trace's: mooncake.plot_capacity)."""
+    fig, ax = plots.figure(height=3.6)
     for name, r in sweep.items():
         distinct = r["shape"]["distinct_pages"]
         ax.plot([100 * x["num_pages"] / distinct for x in r["runs"]], [100 * x["hit_rate"] for x in r["runs"]],
                 "o-", label=f"{name} ({distinct:,} distinct pages)")
-    if trace is not None:
-        distinct, runs = trace["shape"]["distinct_pages"], [*trace["runs"], trace["unbounded"]]
-        ax.plot([min(100, 100 * x["num_pages"] / distinct) for x in runs], [100 * x["hit_rate"] for x in runs],
-                "s-", color="k", label=f"Mooncake trace, real, 1/32 ({distinct:,} pages)")
     ax.set(xlabel="pool size (% of the workload's distinct pages)", ylabel="prompt tokens from cache (%)",
-           ylim=(0, 100), title="Hit rate against pool size, LRU" + (" (synthetic and real)" if trace else
-                                                                       " (synthetic workloads)"))
-    if trace is None:
-        ax.legend(loc="lower right")
-    else:                                                    # below the axes: the trace's curve runs low
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2, frameon=False)
+           ylim=(0, 100), title="Hit rate against pool size, LRU (synthetic workloads)")
+    ax.legend(loc="lower right")
     return finish(fig, path)
 
 
@@ -269,7 +258,6 @@ def measure(quick_mode=None) -> dict:
     workloads = {name: make(vocab, s["scale"]) for name, make in WORKLOADS.items()}
     m = dict(settings=s, manifest=smol.manifest, threads=torch.get_num_threads(),
              sweep=hit_rate_sweep(smol, workloads, s["pool_fractions"]),
-             mooncake=mooncake.capacity_sweep(mooncake.trace(s["trace_requests"]), s["trace_capacities"]),
              ttft=ttft(smol, s["prefixes"], s["ttft_rounds"]),
              hashing=hashing_cost(smol, s["hash_tokens"]))
     longest = m["ttft"][max(m["ttft"])]
@@ -308,8 +296,6 @@ def values(m: dict) -> dict:
                               "ratio": value(r["ratio"], "x"), "cached": value(r["cached"], "tokens")}
     if "ttft" in m:
         v["ttft"]["threads"] = value(m["threads"], "threads")
-    if "mooncake" in m:
-        v["mooncake"] = mooncake.capacity_values(m["mooncake"])
     if "hashing" in m:
         h = m["hashing"]
         v["hashing_us_per_token"] = value(h["per_token"] * 1e6, "µs", tokens=h["tokens"], note="sha256, page 16")
@@ -365,20 +351,16 @@ def record(m: dict, drawn: dict | None = None) -> dict:
     """Write section ch06 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
     {"hit_rate": fig, "ttft": fig, "roc": fig, "costs": fig}."""
     figs, drawn = figures_dir(), drawn or {}
-    draw = {"hit_rate": lambda p: plot_hit_rate(m["sweep"], p, m["mooncake"]),
+    draw = {"hit_rate": lambda p: plot_hit_rate(m["sweep"], p),
             "ttft": lambda p: plot_ttft(m["ttft"], p),
-            "roc": lambda p: plot_roc(m["side_channel"], p), "costs": lambda p: plot_costs(m["economics"], p),
-            "mooncake": lambda p: mooncake.plot_capacity(m["mooncake"], p)}
+            "roc": lambda p: plot_roc(m["side_channel"], p), "costs": lambda p: plot_costs(m["economics"], p)}
     for name, plot in draw.items():
         path = figs / f"ch06_{name}.png"
         finish(drawn[name], path) if name in drawn else plot(path)
     v = values(m)
     figures = {"hit_rate": {"path": figs / "ch06_hit_rate.png",
                             "caption": "Share of prompt tokens served from cache against pool size, LRU; "
-                                       "synthetic workloads and Mooncake's trace at 1/32 scale"},
-               "mooncake": {"path": figs / "ch06_mooncake.png",
-                            "caption": "Mooncake's conversation trace (1/32 scale): hit rate against pool size "
-                                       "in tokens of the service"},
+                                       "synthetic workloads"},
                "ttft": {"path": figs / "ch06_ttft.png", "caption": "Time to first token, hit against miss"},
                "roc": {"path": figs / "ch06_roc.png",
                        "caption": "The timing side channel: ROC of guessing a tenant's first page"},

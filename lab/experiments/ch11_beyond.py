@@ -14,8 +14,9 @@ time is SmolLM2 in float32 on this CPU. Measured:
 - routers: two workers on this machine (real forwards, one request at a time), and 2 to 64 simulated;
 - prefill apart from decode (lab.engine.disagg, lab.serve.disagg, lab.disagg_cost): two engine
   processes against one engine, same load;
-- real traffic, Mooncake's conversation trace at 1/32 scale (lab.experiments.mooncake): the tiers, LRU
-  against LFU eviction, and the routers over 2 to 64 workers, in arrival order and on the trace's clock.
+
+Real traffic, Mooncake's conversation trace, is measured by lab.experiments.mooncake (section "mooncake"):
+the tiers (through `tier_sweep` and `tier_values` here), LRU against LFU, and the routers on its clock.
 """
 
 import json
@@ -37,7 +38,7 @@ from ..fleet import POLICIES, Router, simulate
 from ..models import load
 from ..results import figures_dir, not_run, provenance, quick, value, write_section
 from ..workloads import WORKLOADS, agent_branches, hit_rate, radix_hit_rate, shape, shared_system_prompts
-from . import mooncake, plots
+from . import plots
 from .plots import finish
 
 SECTION = "ch11"
@@ -55,17 +56,13 @@ def settings(quick_mode: bool) -> dict:
                     sched_requests=16, sched_head=128, sched_pool=20,
                     sched_new=4, router_requests=16, router_head=256, router_pages=40,
                     sim_workers=(2, 4, 8), sim_requests=200, sim_apps=16, sim_pages=256,
-                    disagg_requests=4, disagg_tokens=96, disagg_new=8,
-                    trace_requests=1000, trace_fractions=(0.05, 0.4), fleet_requests=400, fleet_workers=(2, 8))
+                    disagg_requests=4, disagg_tokens=96, disagg_new=8)
     return dict(scale=1.0, fractions=(0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0), host_factor=4, radix_pages=(1, 16, 32),
                 ttft_scale=0.15, ttft_requests=None, ttft_fractions=(0.2, 0.5), restore_tokens=1024, restore_rounds=5,
                 sched_requests=40, sched_head=384, sched_pool=96,
                 sched_new=8, router_requests=48, router_head=512, router_pages=96,
                 sim_workers=(2, 4, 8, 16, 32, 64), sim_requests=3000, sim_apps=64, sim_pages=512,
-                disagg_requests=16, disagg_tokens=512, disagg_new=32,
-                # Mooncake's trace: all of it in one pool; its first 6,000 requests (half its hour) in the fleets
-                trace_requests=None, trace_fractions=(0.02, 0.05, 0.1, 0.2, 0.5), fleet_requests=6000,
-                fleet_workers=(2, 4, 8, 16, 32, 64))
+                disagg_requests=16, disagg_tokens=512, disagg_new=32)
 
 
 def workloads(vocab: int, scale: float) -> dict:
@@ -307,20 +304,6 @@ def routers_simulated(s: dict) -> dict:
             for policy in POLICIES}
 
 
-# ---- real traffic: Mooncake's conversation trace -----------------------------------------------------------------
-
-def real_trace(s: dict) -> dict:
-    """The trace at 1/32 scale (lab.experiments.mooncake): tiers and eviction in one pool, on its first
-    `trace_requests` requests; each router at each of `fleet_workers`, on its first `fleet_requests`, every worker
-    holding the paper's local cache of 3M tokens of the service."""
-    requests = mooncake.trace(s["trace_requests"])
-    tiers = tier_sweep(mooncake.model(), {"Mooncake conversation": requests}, s["trace_fractions"], s["host_factor"])
-    fleet = mooncake.fleet(requests[:s["fleet_requests"]], s["fleet_workers"], mooncake.pages(mooncake.WORKER_TOKENS))
-    return dict(requests=len(requests), fleet_requests=min(len(requests), s["fleet_requests"]),
-                tiers=tiers["Mooncake conversation"], eviction=mooncake.eviction_sweep(requests, s["trace_fractions"]),
-                fleet=fleet)
-
-
 # ---- prefill apart from decode ----------------------------------------------------------------------------------
 
 def disaggregation(model, s: dict) -> dict:
@@ -366,7 +349,6 @@ def measure(quick_mode=None) -> dict:
     m["simulated"] = routers_simulated(s)
     m["disagg"] = disaggregation(smol, s)
     m["dynamo"] = dynamo(quick_mode)
-    m["trace"] = real_trace(s)
     return m
 
 
@@ -442,6 +424,14 @@ def plot_handoff(d: dict, path=None):
 
 def key(name: str) -> str:
     return name.replace(", ", "_").replace(" + ", "_").replace(" ", "_").replace("-", "_")
+
+
+def tier_values(t: dict) -> dict:
+    """One workload's tier_sweep as values: each case at the smallest pool, and at every pool."""
+    return {"pool_pages": value(t["sizes"][0], "pages", note="the smallest pool"),
+            **{key(c): value(100 * t[c][0]["hit_rate"], "%") for c in TIER_CASES},
+            "by_pool": {f"p{n}": {key(c): value(100 * t[c][j]["hit_rate"], "%") for c in TIER_CASES}
+                        for j, n in enumerate(t["sizes"])}}
 
 
 def values(m: dict) -> dict:
@@ -536,14 +526,6 @@ def values(m: dict) -> dict:
                         "same_tokens": value(d["same_tokens"], None),
                         "throughput_ratio": value(d["disaggregated"]["tokens_per_s"] / d["colocated"]["tokens_per_s"],
                                                   "x", note="disaggregated over co-located, same load and memory")}
-    if "trace" in m:
-        t = m["trace"]
-        v["trace"] = mooncake.trace_values(t)
-        v["trace"]["tiers"] = {
-            "pool_pages": value(t["tiers"]["sizes"][0], "pages", note="the smallest pool"),
-            **{key(c): value(100 * t["tiers"][c][0]["hit_rate"], "%") for c in TIER_CASES},
-            "by_pool": {f"p{n}": {key(c): value(100 * t["tiers"][c][j]["hit_rate"], "%") for c in TIER_CASES}
-                        for j, n in enumerate(t["tiers"]["sizes"])}}
     dy = m.get("dynamo", "not measured")
     if isinstance(dy, str):                      # the same keys, NOT_RUN with the reason
         v["dynamo"] = {r: {"cached": not_run(dy, "%"), "ttft_ms": not_run(dy, "ms")} for r in ("kv", "round_robin")}
@@ -564,19 +546,14 @@ def record(m: dict, drawn: dict | None = None) -> dict:
     figs, drawn, v = figures_dir(), drawn or {}, values(m)
     draw = {"tiers": lambda p: plot_tiers(m["tiers"], p), "restore": lambda p: plot_restore(m["restore"], p),
             "routers": lambda p: plot_routers(m["routers"], m["simulated"], p),
-            "handoff": lambda p: plot_handoff(m["disagg"], p),
-            "trace_pool": lambda p: mooncake.plot_pool(m["trace"]["tiers"], m["trace"]["eviction"], p),
-            "trace_fleet": lambda p: mooncake.plot_fleet(m["trace"]["fleet"], p)}
+            "handoff": lambda p: plot_handoff(m["disagg"], p)}
     for name, plot in draw.items():
         path = figs / f"ch11_{name}.png"
         finish(drawn[name], path) if name in drawn else plot(path)
     captions = {"tiers": "Hit rate against pool size with no tier, a host tier, and host and disk tiers",
                 "restore": "A page restored from a tier against the same page recomputed",
                 "routers": "Router hit rate against workers: two measured, 2 to 64 simulated",
-                "handoff": "A prefill-to-decode hand-off, request by request",
-                "trace_pool": "Mooncake's conversation trace (1/32 scale): one pool with tiers, and LFU against LRU",
-                "trace_fleet": "Mooncake's conversation trace (1/32 scale): routers against workers, hit rate and "
-                               "time to first token of the cost model"}
+                "handoff": "A prefill-to-decode hand-off, request by request"}
     figures = {n: {"path": figs / f"ch11_{n}.png", "caption": captions[n]} for n in draw}
     write_section(SECTION, v, provenance(manifest=m["manifest"], threads=m["threads"]), figures=figures)
     return v

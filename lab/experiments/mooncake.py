@@ -1,4 +1,5 @@
-"""Real traffic for chapters 6 and 11: Mooncake's conversation trace (lab.workloads.mooncake), measured.
+"""Real traffic for chapters 6 and 11: Mooncake's conversation trace (lab.workloads.mooncake), measured
+(section "mooncake": `python -m lab.experiments.mooncake`; LAB_FULL=1 writes results/results.json).
 
 Chapter 6: the hit rate of one pool against its size, and of a pool that never evicts. Chapter 11: LRU against
 LFU eviction in the pool (lab.cache.eviction), and a fleet behind each router at 2 to 64 workers, replayed in
@@ -19,11 +20,12 @@ from tqdm.auto import tqdm
 
 from ..engine import PrefixCachingBackend
 from ..fleet import POLICIES, replay, simulate
-from ..results import value
+from ..results import figures_dir, provenance, quick, value, write_section
 from ..workloads import TRACE_BLOCK, bookkeeping_model, hit_rate, mooncake, shape
 from . import plots
 from .plots import finish
 
+SECTION = "mooncake"
 PAGE = 16
 TOKENS_PER_BLOCK = 16                                 # one page per block of the trace
 SCALE = TOKENS_PER_BLOCK / TRACE_BLOCK                # 1/32: ids here per token of the service
@@ -36,6 +38,19 @@ REAL = (f"Mooncake's conversation trace, real traffic (data/mooncake), at 1/{rou
 PREFILL_S = 80 * (4 * 12035 * 8192 + 22 * 8192**2) / (8 * 312e12)   # 6.0e-5 s per prompt token computed
 DECODE_S = 0.05                                     # s per output token: half the paper's tightest TBT bound (100 ms)
 WORKER_TOKENS = 3_000_000                           # a worker's pool: the paper's local cache of one node (3M tokens)
+
+
+def settings(quick_mode: bool) -> dict:
+    """Chapter 6's pool sizes (tokens of the service) on the trace's first `pool_requests`; chapter 11's
+    tiers and eviction on its first `trace_requests` (pool sizes as `trace_fractions` of its distinct pages,
+    a host tier `host_factor` times the pool), and its fleets on the first `fleet_requests`."""
+    if quick_mode:
+        return dict(pool_requests=2000, capacities=(1e6, 3e6, 1e7), trace_requests=1000,
+                    trace_fractions=(0.05, 0.4), host_factor=4, fleet_requests=400, fleet_workers=(2, 8))
+    # all of the trace in one pool; its first 6,000 requests (half its hour) in the fleets
+    return dict(pool_requests=None, capacities=(3e5, 1e6, 3e6, 1e7, 3e7, 5e7), trace_requests=None,
+                trace_fractions=(0.02, 0.05, 0.1, 0.2, 0.5), host_factor=4, fleet_requests=6000,
+                fleet_workers=(2, 4, 8, 16, 32, 64))
 
 
 @functools.cache
@@ -143,6 +158,19 @@ def fleet(requests, workers, pages_per_worker: int) -> dict:
     return out
 
 
+def real_trace(s: dict) -> dict:
+    """Chapter 11 on the trace: tiers (chapter 11's `tier_sweep`) and eviction in one pool, on its first
+    `trace_requests` requests; each router at each of `fleet_workers`, on its first `fleet_requests`, every
+    worker holding the paper's local cache of 3M tokens of the service."""
+    from .ch11_beyond import tier_sweep
+
+    requests = trace(s["trace_requests"])
+    tiers = tier_sweep(model(), {"Mooncake conversation": requests}, s["trace_fractions"], s["host_factor"])
+    return dict(requests=len(requests), fleet_requests=min(len(requests), s["fleet_requests"]),
+                tiers=tiers["Mooncake conversation"], eviction=eviction_sweep(requests, s["trace_fractions"]),
+                fleet=fleet(requests[:s["fleet_requests"]], s["fleet_workers"], pages(WORKER_TOKENS)))
+
+
 def trace_values(t: dict) -> dict:
     """Chapter 11's values of the trace: `t` holds "requests", and "eviction" and "fleet" as measured."""
     ev, fl = t["eviction"], t["fleet"]
@@ -204,3 +232,45 @@ def plot_fleet(fl: dict, path=None):
         a.set_xlabel("workers")
     ax_t.legend(loc="upper right")
     return finish(fig, path)
+
+
+# ---- measure and record -------------------------------------------------------------------------------------
+
+def measure(quick_mode=None) -> dict:
+    s = settings(quick() if quick_mode is None else quick_mode)
+    return dict(settings=s, pool=capacity_sweep(trace(s["pool_requests"]), s["capacities"]), trace=real_trace(s))
+
+
+def values(m: dict) -> dict:
+    """The section's values from what m holds: "pool" (chapter 6) and "trace" (chapter 11)."""
+    from .ch11_beyond import tier_values
+
+    v = {}
+    if "pool" in m:
+        v["pool"] = capacity_values(m["pool"])
+    if "trace" in m:
+        v["trace"] = trace_values(m["trace"]) | {"tiers": tier_values(m["trace"]["tiers"])}
+    return v
+
+
+def record(m: dict, drawn: dict | None = None) -> dict:
+    """Write section mooncake and its figures (drawn: a notebook's, saved as they are)."""
+    figs, drawn = figures_dir(), drawn or {}
+    draw = {"ch06_mooncake": lambda p: plot_capacity(m["pool"], p),
+            "ch11_trace_pool": lambda p: plot_pool(m["trace"]["tiers"], m["trace"]["eviction"], p),
+            "ch11_trace_fleet": lambda p: plot_fleet(m["trace"]["fleet"], p)}
+    for name, plot in draw.items():
+        path = figs / f"{name}.png"
+        finish(drawn[name], path) if name in drawn else plot(path)
+    captions = {"ch06_mooncake": "Mooncake's conversation trace (1/32 scale): hit rate against pool size in tokens "
+                                 "of the service",
+                "ch11_trace_pool": "Mooncake's trace: one pool with tiers, and LFU against LRU",
+                "ch11_trace_fleet": "Mooncake's trace: routers over 2 to 64 workers, in arrival order and in time"}
+    v = values(m)
+    write_section(SECTION, v, provenance(note=REAL),
+                  figures={k: {"path": figs / f"{k}.png", "caption": c} for k, c in captions.items()})
+    return v
+
+
+if __name__ == "__main__":
+    record(measure())
