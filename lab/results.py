@@ -286,6 +286,26 @@ def write_section(name, values: dict, provenance: dict, figures: dict | None = N
         _write_atomic(path, text)
 
 
+def update_section(name, key, values, provenance_extra: dict | None = None, path=None):
+    """Set `key` of section `name`'s values to `values` (a leaf or a group), keeping the section's other
+    values, its figures and its provenance, into which `provenance_extra` is merged: one part of a chapter
+    measured again alone. ResultsError if the file has no such section yet."""
+    path = Path(path or results_path())
+    with _locked(path):
+        doc = read(path)
+        if name not in doc["sections"]:
+            raise ResultsError(f"{path} has no section {name!r} to update: run the chapter first")
+        section = doc["sections"][name]
+        section["values"][key] = values
+        section["provenance"] |= provenance_extra or {}
+        validate(doc, path)
+        try:
+            text = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+        except ValueError as e:
+            raise ResultsError(f"section {name!r} for {path}: {e}") from None
+        _write_atomic(path, text)
+
+
 # -----------------------------------------------------------------------------
 # looking values up, and writing them in prose
 

@@ -315,6 +315,61 @@ beside("ch07", "ch07.quantized", "ch07.ref_loss", "ch07.outliers", "ch07.residua
        f"{S['passages'] * S['decode']} decoded positions moves by a factor of two with the text.")
 
 # %% [markdown]
+# ### llama.cpp's cache types
+#
+# llama.cpp quantizes its cache in blocks of 32 values along the head dimension: `-ctk q8_0 -ctv q8_0` keeps
+# 32 int8 codes and one float16 scale per block (34 bytes), `q4_0` 16 bytes of 4-bit codes and the scale (18
+# bytes). A quantized cache is also turned by a 64 × 64 Hadamard matrix first (its PR #21038);
+# `LLAMA_ATTN_ROT_DISABLE=1` switches that off. Its tool for judging them, `llama-perplexity
+# --kl-divergence`, feeds each chunk of text in one step and scores the chunk's second half, and within that
+# step every position reads its keys and values back from the cache, its own included.
+#
+# The lab's QuantizedCache attends a step's own keys in float, so one step through it sees no quantization
+# at all. `ReadBackCache` stores each key and value as the quantized cache gives it back
+# (`QuantizedCache.round_trip`) before attention reads it, which is how llama.cpp reads its cache:
+
+# %%
+from lab.peers import llamacpp_kl
+
+chunk = prompt                                                   # [1, 96]: one step through each cache
+int8_cache = QuantizedCache(cfg, bits=8, residual=0, scale_dtype=torch.bfloat16)
+as_float = forward_cached(chunk, smol.weights, cfg, ConcatCache(cfg))
+one_step = forward_cached(chunk, smol.weights, cfg, QuantizedCache(cfg, bits=8, scale_dtype=torch.bfloat16))
+read_back = forward_cached(chunk, smol.weights, cfg, llamacpp_kl.ReadBackCache(cfg, int8_cache.round_trip))
+print(f"one step through QuantizedCache: largest |Δ logit| {number(float((one_step - as_float).abs().max()), 2)}; "
+      f"read back: {number(float((read_back - as_float).abs().max()), 2)}")
+
+# %% [markdown]
+# With llama.cpp built (`make llamacpp`, about 15 minutes), the next cell runs its cache types on chunks of the
+# held-out plays, a base run with an f32 cache and then one run per type, and the lab's caches read back on
+# the same token ids at the same positions (KIVI's float window set to 0: llama.cpp has none). Without it,
+# the cell says so and the book's numbers stand.
+
+# %%
+cpp = ch07.llamacpp_comparison(smol, S)
+m["llamacpp"] = cpp
+if isinstance(cpp, str):
+    print(f"{cpp}: `make llamacpp` builds it from llama-cpp-python's source distribution; the book's run is in "
+          "section ch07.llamacpp of results/results.json")
+else:
+    print(cpp["llamacpp"]["command"])
+    print(f"{cpp['chunks']} chunks of {cpp['ctx']} tokens, {cpp['positions']} scored positions; token ids "
+          f"{'identical' if cpp['tokens_identical'] else 'DIFFERENT'}; the lab's float32 forward against "
+          f"llama.cpp's f32 base: KL {number(cpp['lab_vs_llamacpp']['kl'], 2)} nats")
+    names = {"f16": "llama.cpp f16", "q8_0": "llama.cpp q8_0", "q8_0_plain": "llama.cpp q8_0, not rotated",
+             "q4_0": "llama.cpp q4_0", "q4_0_plain": "llama.cpp q4_0, not rotated"}
+    rows = {label: {"KL (nats)": cpp["llamacpp"][n]["kl"], "top-1 agreement": cpp["llamacpp"][n]["top1"] / 100,
+                    "bytes / position": cpp["llamacpp"][n]["bytes_per_position"]} for n, label in names.items()}
+    rows |= {f"lab {n}, read back": {"KL (nats)": x["kl"], "top-1 agreement": x["top1"],
+                                     "bytes / position": x["bytes_per_position"]} for n, x in cpp["lab"].items()}
+    display(show(pd.DataFrame(rows).T, percent=["top-1 agreement"],
+                 note="llama-perplexity prints KL to six decimals: f16's is at that floor"))
+    beside("ch07", "ch07.llamacpp", values=ch07.values(m),
+           why=f"your run scores {cpp['chunks']} chunks of {cpp['ctx']} tokens, the book "
+               f"{FULL['llamacpp'][1]} of {FULL['llamacpp'][0]}: a KL over a few hundred positions moves with "
+               "the text by tens of percent.")
+
+# %% [markdown]
 # ## 4. Keeping fewer positions
 #
 # Four policies, each at several budgets (positions kept per layer and KV head):

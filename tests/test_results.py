@@ -111,6 +111,28 @@ def test_merge_by_section_keeps_the_other_section(tmp_path, prov):
     assert get("ch01.positions.uncached", path)["value"] == 2000
 
 
+def test_update_section_sets_one_key_and_keeps_the_rest(tmp_path, prov):
+    """One part of a chapter measured again alone (ch07's llama.cpp part): its key is replaced, the section's
+    other values, figures and provenance stay, and the part's provenance is added beside it."""
+    path = tmp_path / "results.json"
+    figure = {"speedup": {"path": results.FIGURES / "speedup.png", "caption": "cached vs uncached"}}
+    write_section("ch01", ch01_values(), prov, path=path, figures=figure)
+    write_section("ch02", {"bytes": value(36864, "B")}, prov, path=path)
+    before = read(path)["sections"]["ch01"]
+    results.update_section("ch01", "speedup", {"peer": value(3.0, "x")}, {"peer": {"version": "1.0"}}, path=path)
+    doc = read(path)
+    after = doc["sections"]["ch01"]
+    assert after["values"] == before["values"] | {"speedup": {"peer": value(3.0, "x")}}
+    assert after["figures"] == before["figures"]
+    assert after["provenance"] == before["provenance"] | {"peer": {"version": "1.0"}}
+    assert doc["sections"]["ch02"]["values"] == {"bytes": value(36864, "B")}
+    with pytest.raises(ResultsError, match="no section 'ch09'"):
+        results.update_section("ch09", "x", value(1, None), path=path)
+    with pytest.raises(ResultsError, match="does not fit the schema"):
+        results.update_section("ch01", "bad", {"value": 1}, path=path)
+    assert read(path) == doc
+
+
 def test_concurrent_writers_lose_no_section(tmp_path, prov):
     # flock locks belong to an open file description, so threads that each open the lock file exclude
     # each other exactly as processes would.

@@ -305,21 +305,46 @@ class QuantizedCache(KVCache):
     def _dequantized(self, layer, first_group=0):
         """The quantized prefix from position first_group x group on, in the cache's dtype: k, v
         `[B, H_kv, Q', D]` with Q' = Q - first_group x group."""
-        G, start = self.group, first_group * self.group
-        B, H, D = self.batch_size, self.n_kv_heads, self.head_dim
-        k_codes = unpack(self.k_codes[layer][:, :, start:], self.bits)   # [B, H_kv, Q', D]
-        v_codes = unpack(self.v_codes[layer][:, :, start:], self.bits)
+        start = first_group * self.group                         # key scales: one per group of positions
+        keys = (self.k_codes[layer][:, :, start:], self.k_scale[layer][:, :, first_group:],
+                at(self.k_zero[layer], first_group))
+        values = (self.v_codes[layer][:, :, start:], self.v_scale[layer][:, :, start:], at(self.v_zero[layer], start))
+        return self._decode(layer, keys, values)
+
+    def _decode(self, layer, keys, values):
+        """(codes, scale, zero) of keys and of values as `_quantize_keys` and `_quantize_values` make them, for
+        Q' positions -> k, v `[B, H_kv, Q', D]` in the cache's dtype."""
+        (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero) = keys, values
+        B, H, G, D = k_codes.shape[0], k_codes.shape[1], self.group, self.head_dim
+        k_codes, v_codes = unpack(k_codes, self.bits), unpack(v_codes, self.bits)   # [B, H_kv, Q', D]
         Qs, n = k_codes.shape[2], D // self.value_group
         if self.scheme == "per_token":
-            k = self._dequantize(k_codes, self.k_scale[layer][:, :, start:], at(self.k_zero[layer], start))
+            k = self._dequantize(k_codes, k_scale, k_zero)
             if self.smooth:
                 k = k + self.k_mean[layer].to(self.work)
         else:                                                    # scale, zero per group: [B, H_kv, Q' / G, 1, D]
-            s, z = self.k_scale[layer][:, :, first_group:, None], at(self.k_zero[layer], first_group)
-            k = self._dequantize(k_codes.view(B, H, -1, G, D), s, None if z is None else z[:, :, :, None])
-        v = self._dequantize(v_codes.view(B, H, Qs, n, -1), self.v_scale[layer][:, :, start:, :, None],
-                             None if self.v_zero[layer] is None else self.v_zero[layer][:, :, start:, :, None])
+            k = self._dequantize(k_codes.view(B, H, -1, G, D), k_scale[:, :, :, None],
+                                 None if k_zero is None else k_zero[:, :, :, None])
+        v = self._dequantize(v_codes.view(B, H, Qs, n, -1), v_scale[..., None],
+                             None if v_zero is None else v_zero[..., None])
         return k.reshape(B, H, Qs, D).to(self.dtype), v.reshape(B, H, Qs, D).to(self.dtype)
+
+    def round_trip(self, layer: int, k, v):
+        """k, v `[B, H_kv, m, D]` as this cache would serve them once quantized: made into
+        codes, scales and zero points as `advance` makes them, and read back in the cache's
+        dtype. Nothing is stored; m must be a whole number of key groups. This cache attends
+        a step's own keys in float; llama.cpp's cache quantizes them before its attention
+        reads them, and chapter 7 reads the lab's schemes that way with this."""
+        checks.kv(self, layer, k, v)
+        if k.shape[2] % self.group:
+            raise CacheInputError(f"round_trip quantizes whole key groups of {self.group} "
+                                  f"positions, got {k.shape[2]}")
+        if self.smooth and self.k_mean[layer] is None:
+            raise CacheInputError("a smoothed cache subtracts the mean of its first committed "
+                                  "step's keys, and none was committed yet")
+        check_finite(k, v)
+        check_range(k, v, self.largest(), self.scale_dtype)
+        return self._decode(layer, self._quantize_keys(layer, k), self._quantize_values(v))
     # endregion
 
 

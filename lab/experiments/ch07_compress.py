@@ -8,7 +8,8 @@ KL divergence, change in loss and perplexity, top-1 agreement.
 The peers, each on the same model and text: transformers' QuantizedCache (quanto and FP8 backends, run
 teacher-forced the same way, `lab.peers.hf_quantized`) and NVIDIA's kvpress (`against_kvpress`: kvpress's own
 protocol, a context compressed once after its prefill and a continuation scored on it, which the lab
-repeats with an EvictingCache of the same size).
+repeats with an EvictingCache of the same size), and llama.cpp's cache types (`llamacpp_comparison`, on
+llama-perplexity's protocol: lab.peers.llamacpp_kl).
 """
 
 
@@ -22,9 +23,9 @@ from ..cache.quantized import PerTensorCache
 from ..metrics import compare, key_spread, reference, sweep, teacher_forced
 from ..models import load
 from ..models.retrofit import OUTLIER_FACTOR, OUTLIER_PAIRS, with_outlier_channels
-from ..peers import hf_quantized, kvpress_agreement
+from ..peers import hf_quantized, kvpress_agreement, llamacpp, llamacpp_kl
 from ..peers.kvpress_agreement import LAB_PRESS, against_kvpress
-from ..results import figures_dir, not_run, provenance, quick, value, write_section
+from ..results import figures_dir, not_run, provenance, quick, update_section, value, write_section
 from ..step_cost import cache_step_times
 from . import plots
 from .plots import finish
@@ -42,19 +43,22 @@ QUANTIZED = {
     "kivi_2": dict(bits=2, scheme="kivi", group_size=32, residual=128, scale_dtype=BF16),
 }
 POLICIES = ("window", "sinks", "h2o", "snapkv")
+LLAMACPP_LAB = ("per_token_8", "kivi_4", "kivi_2")     # the lab's caches set beside llama.cpp's cache types
 
 
 def settings(quick_mode: bool) -> dict:
     """Passages of `tokens` ids, `decode` of them fed one per step after a prefill of the rest; `groups`:
-    2-bit KIVI's (key group, value group) sizes tried beside its default (32, 64)."""
+    2-bit KIVI's (key group, value group) sizes tried beside its default (32, 64); `llamacpp`: (tokens per
+    chunk, chunks) of llama-perplexity's protocol."""
     if quick_mode:
         return dict(tokens=256, passages=2, decode=16, budgets=(48, 128), rerotate_budgets=(48,),
                     residuals=(0, 128), groups=((32, 16),), ratios=(0.5,), continuation=64, step_context=256,
-                    step_rounds=5, peers=False)
+                    step_rounds=5, peers=False, llamacpp=(256, 2))
     return dict(tokens=2048, passages=4, decode=128, budgets=(64, 128, 256, 512, 1024),
                 rerotate_budgets=(64, 256, 1024), residuals=(0, 32, 128, 256),
                 groups=((16, 16), (32, 16), (8, 8)),
-                ratios=(0.5, 0.75), continuation=256, step_context=1024, step_rounds=15, peers=True)
+                ratios=(0.5, 0.75), continuation=256, step_context=1024, step_rounds=15, peers=True,
+                llamacpp=(512, 16))
 
 
 # ---- the caches compared (lab.metrics.quality feeds each a prefill, then one token per step) ---------------
@@ -212,6 +216,16 @@ def kvpress_comparison(model, ids, s: dict):
     return out
 
 
+def llamacpp_comparison(model, s: dict):
+    """llama.cpp's cache types and the lab's LLAMACPP_LAB caches, each read back from the quantized cache at
+    every position, on `s["llamacpp"]` = (tokens, count) chunks of held-out text (llamacpp_kl.compare). A
+    string saying why, where llama.cpp is not built."""
+    if not llamacpp.available():
+        return "llama.cpp is not built here (make llamacpp)"
+    ctx, chunks = s["llamacpp"]
+    return llamacpp_kl.compare(model, ctx, chunks, {n: QUANTIZED[n] for n in LLAMACPP_LAB})
+
+
 def measure_steps(model, s: dict) -> dict:
     """Decode step times: the float cache, three quantized schemes, each policy at the middle budget."""
     b = sorted(s["budgets"])[len(s["budgets"]) // 2]
@@ -230,6 +244,7 @@ def measure(quick_mode=None) -> dict:
     m |= measure_positions(smol, ids, prefill, ref, s)
     m["transformers"] = hf_quantized.quality(smol, ids, prefill, ref, hf_quantized.CASES)
     m["kvpress"] = kvpress_comparison(smol, ids, s)
+    m["llamacpp"] = llamacpp_comparison(smol, s)
     m["steps"] = measure_steps(smol, s)
     return m
 
@@ -309,6 +324,8 @@ def values(m: dict) -> dict:
             settings=", ".join(f"{k}={x}" for k, x in r["settings"].items()))} for name, r in m["transformers"].items()}
     if "kvpress" in m:
         v["kvpress"] = kvpress_agreement.values(m["kvpress"])
+    if "llamacpp" in m:
+        v["llamacpp"] = llamacpp_kl.values(m["llamacpp"], LLAMACPP_LAB)
     if "steps" in m:
         st = m["steps"]
         v["steps"] = {name: {"ms": value(t["median"] * 1e3, "ms", iqr=t["iqr"] * 1e3, n=t["n"]),
@@ -340,5 +357,17 @@ def record(m: dict, drawn: dict | None = None) -> dict:
                                "caption": "Held-out loss against budget, per eviction policy"},
                "kept": {"path": figs / "ch07_kept.png", "caption": "Positions H2O and SnapKV keep, per KV head"},
                "residual": {"path": figs / "ch07_residual.png", "caption": "2-bit KIVI: KL against residual window"}}
-    write_section(SECTION, v, provenance(manifest=m["manifest"]), figures=figures)
+    write_section(SECTION, v, provenance(manifest=m["manifest"], **llamacpp_kl.build_provenance(m.get("llamacpp"))),
+                  figures=figures)
+    return v
+
+
+def record_llamacpp(quick_mode=None) -> dict:
+    """Measure llama.cpp's part alone (`llamacpp_comparison`) and set it into section ch07 as the results file
+    already holds it (results.update_section); llama.cpp's provenance says when it ran."""
+    smol = load("smollm2")
+    r = llamacpp_comparison(smol, settings(quick() if quick_mode is None else quick_mode))
+    when = {k: x for k, x in provenance(manifest=smol.manifest).items() if k in ("date", "git", "mode")}
+    extra = {name: part | when for name, part in llamacpp_kl.build_provenance(r).items()}
+    update_section(SECTION, "llamacpp", v := llamacpp_kl.values(r, LLAMACPP_LAB), extra)
     return v
