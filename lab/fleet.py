@@ -350,6 +350,12 @@ def replay(trace, workers: int, policy, pages_per_worker: int, prefill_s: float,
             raise FleetError(f"{name} must be a finite number of seconds >= 0, got {x!r}")
     if not all(hasattr(r, "arrival_ms") and hasattr(r, "output_tokens") for r in trace):
         raise FleetError("replay needs each request's arrival_ms and output_tokens (lab.workloads.mooncake)")
+    for i, r in enumerate(trace):
+        a, o = r.arrival_ms, r.output_tokens
+        if not (isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and a >= 0
+                and isinstance(o, int) and not isinstance(o, bool) and o >= 0):
+            raise FleetError(f"request {i}: arrival_ms must be a finite number >= 0 and output_tokens an int >= 0, "
+                             f"got {a!r} and {o!r}")
     router = _fleet(trace, workers, policy, pages_per_worker, page_size, model, overlap_weight, window=0)
     prefill_free = [0.0] * workers              # when each worker's prefill queue empties
     prefill_time = [0.0] * workers

@@ -198,6 +198,8 @@ class TraceRequest(list):
 
 def spelled_digits(vocab: int) -> int:
     """How many ids spell any hash id below HASH_BOUND in base `vocab`: the fewest d with vocab**d >= 2**32."""
+    if vocab < 2:
+        raise TraceError(f"no base below 2 spells a hash id, got vocab {vocab!r}")
     d = 1
     while vocab**d < HASH_BOUND:
         d += 1
@@ -210,6 +212,8 @@ def block_ids(hash_id: int, n: int, vocab: int) -> list:
     there; the rest are drawn by random.Random(hash_id) below vocab, so equal hashes give equal
     ids, on every machine."""
     digits = spelled_digits(vocab)
+    if n < digits:
+        raise TraceError(f"a block of {n} ids cannot spell a hash id in base {vocab}: it needs {digits}")
     spelled = [hash_id // vocab**k % vocab for k in range(digits)]
     rng = random.Random(hash_id)
     return spelled + [rng.randrange(vocab) for _ in range(n - digits)]
@@ -253,10 +257,12 @@ def mooncake(path=None, page_size: int = 16, tokens_per_block: int = 16, vocab: 
         raise TraceError(f"limit must be None or an int of at least 1, got {limit!r}")
     path = MOONCAKE if path is None else path
     try:
-        lines = open(path).read().splitlines()
+        lines = open(path, encoding="utf-8").read().splitlines()
     except FileNotFoundError:
         raise FileNotFoundError(f"no trace at {path}: the lab ships Mooncake's conversation trace as "
                                 f"{MOONCAKE.relative_to(REPO_ROOT)}") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path} is not text (UTF-8): {e}") from None
     s, blocks, out = tokens_per_block / TRACE_BLOCK, {}, []
     for number, line in enumerate(lines[:limit], start=1):
         row = _trace_row(line, number, path)
@@ -267,6 +273,9 @@ def mooncake(path=None, page_size: int = 16, tokens_per_block: int = 16, vocab: 
                 blocks[h] = block_ids(h, tokens_per_block, vocab)
             ids += blocks[h]
         del ids[len(ids) - tokens_per_block + math.ceil(last * s):]        # the last block, cut to scale
+        if out and row["timestamp"] < out[-1].arrival_ms:
+            raise TraceError(f"{path}, line {number}: timestamp {row['timestamp']} comes before the line above's "
+                             f"({out[-1].arrival_ms}); a trace lists its requests in arrival order")
         out.append(TraceRequest(ids, row["timestamp"], max(1, round(row["output_length"] * s)), tuple(hashes)))
     return out
 

@@ -6,6 +6,7 @@ of every page-aligned prefix seen (a pool that never evicts) and a page-level po
 (LRU and LFU), request by request; for the replay, a fleet of such sets on a clock, written here.
 """
 
+import copy
 import json
 import math
 from collections import Counter, OrderedDict
@@ -119,6 +120,21 @@ def test_a_missing_file_and_a_bad_line_are_named(tmp_path):
     with pytest.raises(TraceError, match="line 2"):
         mooncake(bad)
     assert len(mooncake(bad, limit=1)) == 1
+
+
+def test_a_trace_out_of_arrival_order_or_not_text_is_refused(tmp_path):
+    """The loader promises arrival order: a file that is not in it is refused, not returned as it lies."""
+    late = tmp_path / "late.jsonl"
+    late.write_text('{"timestamp": 5000, "input_length": 10, "output_length": 3, "hash_ids": [0]}\n'
+                    '{"timestamp": 10, "input_length": 10, "output_length": 3, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match="line 2.*arrival order"):
+        mooncake(late)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(TraceError, match="not text"):
+        mooncake(binary)
+    with pytest.raises(TraceError, match="base below 2"):
+        spelled_digits(1)
 
 
 # ---- hit rates on the trace against oracles written here ------------------------------------------------------
@@ -285,3 +301,9 @@ def test_replay_refuses_bad_costs_and_traces_without_times(trace, model):
         replay(trace[:3], 2, "kv_aware", 300, prefill_s=-1, decode_s=0.1, model=model)
     with pytest.raises(FleetError, match="arrival_ms and output_tokens"):
         replay([list(r) for r in trace[:3]], 2, "kv_aware", 300, prefill_s=0.1, decode_s=0.1, model=model)
+    for field, bad in (("arrival_ms", float("nan")), ("arrival_ms", None), ("output_tokens", -1),
+                       ("output_tokens", True)):
+        broken = [copy.copy(r) for r in trace[:3]]
+        setattr(broken[1], field, bad)
+        with pytest.raises(FleetError, match="request 1"):
+            replay(broken, 2, "kv_aware", 300, prefill_s=0.1, decode_s=0.1, model=model)

@@ -8,7 +8,8 @@ when the document came later.
 
 A policy is a BlockManager whose `victim()` chooses otherwise; set it as a pool's manager before the first
 sequence (`backend.pool.manager = LFUBlockManager(num_pages, page_size)`, as `lab.workloads.hit_rate` does
-with eviction="lfu").
+with eviction="lfu"), on a backend without tiers: a backend with tiers hooks its eviction into the manager
+it made, and a manager swapped in afterwards would drop its evicted pages instead of keeping them.
 """
 
 import heapq

@@ -20,6 +20,7 @@ Restores here are synchronous: the copy happens before the forward that needs it
 would overlap the next page's copy with the forward of the current one.
 """
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -31,6 +32,7 @@ import torch
 from ..cache import CacheInputError
 
 REFUSED = object()          # what Tiers._load returns for a page file it will not serve
+DIGEST_BYTES = 32           # chapter 6's page names are sha256 digests
 
 
 def checksum(k: torch.Tensor, v: torch.Tensor) -> str:
@@ -61,7 +63,7 @@ class Tiers:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             for path in self.disk_dir.glob("*.page"):             # a warm restart: the files are the index
-                if digest := _digest(path.stem):                  # skip README.page and the like
+                if (digest := _digest(path.stem)) and path.is_file():   # skip README.page and the like
                     self.disk[digest] = (None, path)
 
     def __contains__(self, key) -> bool:
@@ -129,7 +131,8 @@ class Tiers:
             page = (k.clone(), v.clone()) if ok else REFUSED
         except Exception:                                           # truncated, not a page file, unreadable
             page = REFUSED
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):                          # gone already, or not a file after all
+            path.unlink(missing_ok=True)
         self.corrupt += page is REFUSED
         return page
 
@@ -139,8 +142,9 @@ class Tiers:
 
 
 def _digest(stem: str) -> bytes | None:
-    """The digest a page file's name spells (hex), or None for a name that spells none."""
+    """The digest a page file's name spells (sha256, 64 hex digits), or None for a name that spells none."""
     try:
-        return bytes.fromhex(stem) or None
+        digest = bytes.fromhex(stem)
     except ValueError:
         return None
+    return digest if len(digest) == DIGEST_BYTES else None
