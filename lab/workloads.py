@@ -213,7 +213,7 @@ def block_ids(hash_id: int, n: int, vocab: int) -> list:
     ids, on every machine."""
     digits = spelled_digits(vocab)
     if n < digits:
-        raise TraceError(f"a block of {n} ids cannot spell a hash id in base {vocab}: it needs {digits}")
+        raise TraceError(f"{n} ids cannot spell a hash id in base {vocab}: it needs {digits}")
     spelled = [hash_id // vocab**k % vocab for k in range(digits)]
     rng = random.Random(hash_id)
     return spelled + [rng.randrange(vocab) for _ in range(n - digits)]
