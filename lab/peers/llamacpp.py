@@ -8,8 +8,8 @@ idempotent: a finished build is not redone. `.llamacpp/build.json` records the v
 long the build took.
 
 Every program runs with an environment of its own (`clean_env`): `import lab` puts OMP_WAIT_POLICY=PASSIVE
-into this process's environment for torch, and llama.cpp, which also runs on OpenMP, would inherit it and
-lose half its speed (measured: `llama-bench` in f32 at 512 positions fell from 42 to 19 tok/s under it).
+into this process's environment for torch, and llama.cpp, which also runs on OpenMP, would inherit it and run
+with a wait policy chosen for torch on a shared machine instead of its own defaults.
 """
 
 import hashlib
