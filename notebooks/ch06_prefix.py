@@ -298,15 +298,15 @@ show(pd.DataFrame(rows).assign(hash_ids=[f"{r['hash_ids'][:5]} ... ({len(r['hash
      caption="the trace's first three requests")
 
 # %% [markdown]
-# The first request has 6,758 prompt tokens: 13 full blocks and a last one of 6,758 − 13 × 512 = 102 tokens,
-# so 14 hash ids. All three begin with block 0 (every request of the trace does: a system prompt), then go
+# The first request has 6,758 prompt tokens: 13 full blocks and a last one of $6758 - 13 \times 512 = 102$ tokens,
+# so 14 hash ids. All three begin with block 0 (every request of the trace does, presumably a system prompt), then go
 # their own ways.
 #
 # To serve the trace, each block becomes token ids: 16 per block (one page), at 1/32 of the service's
 # lengths. A block's ids are a function of its hash id alone, so equal ids give equal tokens. The first
 # four ids spell the hash id in base 320, least significant digit first, so two different hash ids differ
 # in their first page and can never pass for a shared prefix; the rest are drawn from a generator seeded
-# with the hash id. The last block is cut to scale: 102 tokens become ⌈102 / 32⌉ = 4 ids.
+# with the hash id. The last block is cut to scale: 102 tokens become $\lceil 102 / 32 \rceil = 4$ ids.
 
 # %%
 MS = mooncake.settings(QUICK)                            # the trace's sizes in this run
@@ -362,6 +362,17 @@ print(f"mean over requests of the share found cached, never evicting: {moon['unb
 beside("ch06", "mooncake.pool", values=mooncake.values({"pool": moon}), section="mooncake",
        why=f"your run serves the trace's first {len(trace):,} requests, the book all 12,031: the first minutes "
            "of the hour hold few second turns, so less of each prompt is found cached.")
+
+# %% [markdown]
+# ### llama.cpp's prompt cache
+#
+# `make results` sends one six-turn chat, a turn at a time, to llama-server and to the lab's server, each
+# with its prompt cache on and off (`lab.experiments.llamacpp`, with llama.cpp built by `make llamacpp`).
+# The book's verdicts, and yours where your results file holds that run:
+
+# %%
+beside("ch06", "llamacpp.prompt_cache",
+       why="the run needs llama.cpp built and both servers started; a notebook in quick mode does not start them.")
 
 # %% [markdown]
 # ### Time to first token: a hit against a miss

@@ -428,7 +428,7 @@ if llamacpp.available():
           f"one sequence after {SL['depths'][0]} positions")
 else:
     print("llama.cpp is not built here: `make llamacpp` builds it; the table above is the book's run")
-beside("ch08", "llamacpp.serving", "llamacpp.decode",
+beside("ch08", "llamacpp.serving", "llamacpp.decode", "llamacpp.weights", "llamacpp.agreement",
        why="the book's run times one sequence after 512 and 4,096 positions and serves 16 and 64 requests in "
            "flight; this cell times one sequence after a short context, in float32 only, or nothing where "
            "llama.cpp is not built.")
