@@ -27,6 +27,7 @@ def test_rope_rows_is_what_transformers_gguf_reader_undoes(heads):
     assert not np.array_equal(llamacpp.rope_rows(w, heads), w)
 
 
+@pytest.mark.slow                                                 # writes and reads 540 MB: about 13 s
 def test_the_float32_file_holds_the_dequantized_q4_1_weights_bit_for_bit(tmp_path):
     path = llamacpp.write_gguf(tmp_path / "f32.gguf", "float32")
     agree = llamacpp.weights_agree(path)
