@@ -18,6 +18,7 @@ written as float32 and bfloat16 GGUF files. Measured, in rounds that interleave 
 `python -m lab.experiments.llamacpp` (LAB_FULL=1 writes results/results.json).
 """
 
+import contextlib
 import statistics
 import time
 
@@ -149,7 +150,6 @@ def prompt_cache(files: dict, s: dict, vocab: int) -> dict:
                "lab_hit": (lab_server(cores=CORES, threads=THREADS, num_pages=1024), loadgen.LAB_FIELDS),
                "lab_miss": (lab_server(cores=CORES, threads=THREADS, num_pages=1024, prefix_caching=False),
                             loadgen.LAB_FIELDS)}
-    import contextlib
     ttft = {name: [[] for _ in turns] for name in servers}
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(srv)[1] for name, (srv, *_) in servers.items()}

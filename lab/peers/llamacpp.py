@@ -280,8 +280,6 @@ def bench(model_file, depth: int, new_tokens: int = 64, threads: int = 2, cores:
 def greedy(base_url: str, prompts: list, max_tokens: int) -> list:
     """llama-server's greedy answer (temperature 0) to each prompt of token ids, as token ids, without
     stopping at end of sequence: `[len(prompts)][max_tokens]`."""
-    import urllib.request
-
     out = []
     for ids in prompts:
         body = dict(prompt=ids, n_predict=max_tokens, temperature=0, ignore_eos=True, cache_prompt=False,
