@@ -10,7 +10,7 @@ READY := $(VENV)/.ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 LAB_READY := $(VENV)/.lab-ready-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTEBOOKS := $(wildcard notebooks/ch*.py)
 
-.PHONY: setup test test-slow test-peers test-all results lab lab-check book book-check notebooks lint clean vllm peers dynamo \
+.PHONY: setup test test-slow test-peers test-all results results-status lab lab-check book book-check notebooks lint clean vllm peers dynamo \
 	llamacpp
 
 setup: $(READY)
@@ -71,8 +71,11 @@ test-all: test test-slow test-peers
 # experiments measure a quiet machine with OpenMP's defaults (LAB_OMP_DEFAULT=1: threads spin between
 # operators, the fastest when nothing else wants the cores). Then the time of every notebook, run as a reader
 # runs it (quick mode, a temporary results file, the lab's setting for a shared machine: lab/threads.py;
-# chapter 3 measures both settings), into "notebooks".
+# chapter 3 measures both settings), into "notebooks". It refuses a working tree with uncommitted changes
+# (LAB_ALLOW_DIRTY=1 overrides that and marks the sections as work in progress); each section records its commit,
+# machine and wall time, which `make results-status` lists.
 results: setup vllm peers llamacpp
+	LAB_QUICK= LAB_FULL=1 $(PY) -c 'from lab.results import require_clean; require_clean()'
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.steps
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
@@ -81,6 +84,10 @@ results: setup vllm peers llamacpp
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.notebooks
 	$(PY) -m lab.book.readme
 	$(MAKE) book
+
+# Every section of results/results.json: its commit, whether the code it runs changed since, machine, mode, seconds.
+results-status: setup
+	$(PY) -m lab.campaign
 
 # build/book/: a page per chapter, index.html, glossary.html, next.html and print.html, from the committed results
 # (any mode).

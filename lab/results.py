@@ -23,6 +23,12 @@ fewer trials, and a temporary results file, so running a chapter never touches t
 mode is chosen on purpose with LAB_FULL=1 (`make results` sets it): the full sweeps, written to
 results/results.json and results/figures/. LAB_QUICK=1 forces quick mode; setting both is an error.
 LAB_RESULTS=PATH overrides where results go, in either mode.
+
+A full-mode run refuses a working tree with uncommitted changes (require_clean(), and again when it writes
+to its results file), so that every committed number names the commit that measured it; LAB_ALLOW_DIRTY=1
+overrides that for work in progress and marks the section `"work_in_progress": true`. Each section records
+its commit, its machine and its wall time. `python -m lab.results status` (`make results-status`) lists the
+sections: commit, whether the code the section runs changed since, machine, mode and duration.
 """
 
 import contextlib
@@ -35,6 +41,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -122,6 +129,25 @@ def _git() -> dict:
     return {"commit": commit, "dirty": dirty}
 
 
+def require_clean():
+    """In full mode, refuse (ResultsError) a working tree with uncommitted changes outside results/, unless
+    LAB_ALLOW_DIRTY=1: call it before a long measurement, so that the run fails in a second, not at its end."""
+    if quick() or _flag("LAB_ALLOW_DIRTY"):
+        return
+    if _git()["dirty"]:
+        raise ResultsError("the working tree has uncommitted changes (`git status`); full mode measures committed "
+                           "code only. Commit them, or set LAB_ALLOW_DIRTY=1 to record a work-in-progress section")
+
+
+_clock = time.monotonic()
+
+
+def start_clock():
+    """Start timing a section: provenance() records the seconds since (or since the import of this module)."""
+    global _clock
+    _clock = time.monotonic()
+
+
 def _processor() -> str:
     """The processor's model name ("AMD EPYC 7763 64-Core Processor"), as precise as the OS tells."""
     with contextlib.suppress(OSError):
@@ -146,9 +172,13 @@ def provenance(mode=None, manifest=None, **extra) -> dict:
     """
     import torch  # here, not at the top: reading results must not need torch
 
+    git = _git()
+    mode = mode or ("quick" if quick() else "full")
+    wip = {"work_in_progress": True} if mode == "full" and git["dirty"] and _flag("LAB_ALLOW_DIRTY") else {}
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git": _git(),
+        "wall_seconds": round(time.monotonic() - _clock, 1),
+        "git": git,
         "machine": {
             "arch": platform.machine(),
             "processor": _processor(),
@@ -164,7 +194,8 @@ def provenance(mode=None, manifest=None, **extra) -> dict:
             "transformers": _version("transformers"),
         },
         "manifest": manifest,
-        "mode": mode or ("quick" if quick() else "full"),
+        "mode": mode,
+        **wip,
         **extra,
     }
 
@@ -258,6 +289,14 @@ def _write_atomic(path: Path, text: str):
             os.close(dir_fd)
 
 
+def _refuse_dirty(name, provenance: dict, path):
+    """A full-mode section written to the run's results file (path None) must come from committed code."""
+    if path is None and provenance.get("mode") == "full" and provenance.get("git", {}).get("dirty") \
+            and not provenance.get("work_in_progress"):
+        raise ResultsError(f"section {name!r} was measured on a working tree with uncommitted changes; commit "
+                           f"them and measure again, or set LAB_ALLOW_DIRTY=1 to record it as work in progress")
+
+
 def _figure_path(p) -> str:
     """Figures inside the repository are recorded relative to its root, others as absolute paths."""
     p = Path(p).resolve()
@@ -270,6 +309,7 @@ def write_section(name, values: dict, provenance: dict, figures: dict | None = N
     values: nested dict whose leaves are value() / not_run() dicts.
     figures: {figure_name: {"path": png path, "caption": str}}.
     """
+    _refuse_dirty(name, provenance, path)
     path = Path(path or results_path())
     path.parent.mkdir(parents=True, exist_ok=True)
     section = {"provenance": provenance, "values": values}
@@ -290,6 +330,8 @@ def update_section(name, key, values, provenance_extra: dict | None = None, path
     """Set `key` of section `name`'s values to `values` (a leaf or a group), keeping the section's other
     values, its figures and its provenance, into which `provenance_extra` is merged: one part of a chapter
     measured again alone. ResultsError if the file has no such section yet."""
+    if path is None:
+        require_clean()
     path = Path(path or results_path())
     with _locked(path):
         doc = read(path)

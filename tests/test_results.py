@@ -434,3 +434,75 @@ def test_notebook_timings_are_recorded_in_quick_mode(tmp_path, monkeypatch):
     assert doc["sections"]["notebooks"]["provenance"]["notebook_mode"] == "quick"
     assert "ch01" in doc["sections"]  # the other sections stay
     assert (COMMITTED.read_bytes() if COMMITTED.exists() else None) == before
+
+
+# -----------------------------------------------------------------------------
+# a clean campaign: full mode measures committed code, and every section says where it stands
+
+
+def test_full_mode_refuses_a_dirty_tree_unless_told(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAB_FULL", "1")
+    monkeypatch.setenv("LAB_RESULTS", str(tmp_path / "results.json"))
+    monkeypatch.setattr(results, "_git", lambda: {"commit": "abc1234", "dirty": True})
+    with pytest.raises(ResultsError, match="uncommitted changes.*LAB_ALLOW_DIRTY=1"):
+        results.require_clean()
+    prov = results.provenance()
+    assert "work_in_progress" not in prov
+    with pytest.raises(ResultsError, match="uncommitted changes"):  # and again when it writes
+        write_section("ch01", ch01_values(), prov)
+    with pytest.raises(ResultsError, match="uncommitted changes"):
+        results.update_section("ch01", "speedup", value(2.0, "x"))
+    assert not (tmp_path / "results.json").exists()
+    monkeypatch.setenv("LAB_ALLOW_DIRTY", "1")
+    results.require_clean()
+    prov = results.provenance()
+    assert prov["work_in_progress"] is True
+    write_section("ch01", ch01_values(), prov)
+    assert read()["sections"]["ch01"]["provenance"]["work_in_progress"] is True
+
+
+def test_a_clean_tree_and_quick_mode_and_explicit_paths_are_not_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(results, "_git", lambda: {"commit": "abc1234", "dirty": True})
+    results.require_clean()  # quick mode: a reader's run on a tree they edit
+    monkeypatch.setenv("LAB_FULL", "1")
+    write_section("ch01", ch01_values(), results.provenance(), path=tmp_path / "r.json")  # a test's own file
+    monkeypatch.setattr(results, "_git", lambda: {"commit": "abc1234", "dirty": False})
+    monkeypatch.setenv("LAB_RESULTS", str(tmp_path / "results.json"))
+    results.require_clean()
+    prov = results.provenance()
+    assert "work_in_progress" not in prov
+    write_section("ch01", ch01_values(), prov)
+
+
+def test_provenance_records_the_wall_time_since_the_clock_started(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(results.time, "monotonic", lambda: now[0])
+    results.start_clock()
+    now[0] = 142.5
+    assert results.provenance(mode="quick")["wall_seconds"] == 42.5
+
+
+def test_campaign_status_flags_dirty_sections_and_commits_off_this_history(prov):
+    from lab import campaign
+
+    head = campaign._git("rev-parse", "--short", "HEAD").stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+
+    def section(commit, dirty, **extra):
+        return {"provenance": {**prov, "git": {"commit": commit, "dirty": dirty}, **extra},
+                "values": {"x": value(1, "x")}}
+
+    doc = {"schema_version": 1, "sections": {
+        "ch01": section(head, False), "ch02": section(head, True), "ch03": section("0123abc", False),
+        "ch04": section(head, False, work_in_progress=True), "ch05_gpu": section("unknown", None)}}
+    rows = {r["section"]: r for r in campaign.status(doc)}
+    assert rows["ch01"]["ancestor"] is True and rows["ch01"]["changed"] is False
+    assert rows["ch03"]["ancestor"] is False
+    found = campaign.problems(doc)
+    assert not any(p.startswith("ch01:") for p in found)
+    for name in ("ch02", "ch03", "ch04", "ch05_gpu"):
+        assert any(p.startswith(f"{name}:") for p in found), (name, found)
+    assert "lab/experiments/gpu.py" in campaign.sources("ch05_gpu")
+    assert "lab/experiments/ch02_build.py" in campaign.sources("ch02")
+    assert "notebooks" in campaign.sources("notebooks")

@@ -17,6 +17,8 @@ kvpress and vLLM run beside the lab).
 
 from importlib import import_module
 
+from ..results import start_clock
+
 CHAPTERS = {"ch01": "ch01_recompute", "ch02": "ch02_build", "ch03": "ch03_savings",
             "ch04": "ch04_identity", "ch05": "ch05_paged", "ch06": "ch06_prefix",
             "ch07": "ch07_compress", "ch08": "ch08_serving", "ch09": "ch09_speculation",
@@ -34,6 +36,7 @@ def run(name_or_module, quick_mode=None) -> dict:
     """Measure a chapter and record it in results.json (a temporary file in quick mode); returns the
     measurements. `run("ch02")` is `python -m lab.experiments ch02`."""
     module = chapter(name_or_module) if isinstance(name_or_module, str) else name_or_module
+    start_clock()
     m = module.measure(quick_mode)
     module.record(m)
     return m

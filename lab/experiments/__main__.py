@@ -7,10 +7,11 @@ runs the full sweeps and writes results/results.json and results/figures/.
 import sys
 import time
 
-from ..results import quick, results_path
+from ..results import quick, require_clean, results_path
 from . import CHAPTERS, run
 
 if __name__ == "__main__":
+    require_clean()
     for name in sys.argv[1:] or list(CHAPTERS):
         t0 = time.perf_counter()  # the chapter's wall time, measured once: a progress message, not a result
         print(f"== {name} ({'quick' if quick() else 'full'}) -> {results_path()}", flush=True)

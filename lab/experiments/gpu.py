@@ -52,7 +52,7 @@ import traceback
 
 import torch
 
-from .. import kernel_bench, memory, serving_bench, step_cost
+from .. import kernel_bench, memory, results, serving_bench, step_cost
 from ..bench import ratio_summary
 from ..loadgen import workload
 from ..models import load
@@ -447,6 +447,7 @@ def run(dry_run=False):
         section = s["sections"][part]
         if s["device"] == "cuda":
             torch.cuda.empty_cache()   # what the last part's tensors held, back to this part's processes
+        results.start_clock()
         try:
             m = measure(s, gpu)
         except Exception as e:  # a part that fails must not lose the others' measurements: record it, go on
@@ -467,4 +468,7 @@ def run(dry_run=False):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m lab.experiments.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (for tests)")
-    run(parser.parse_args().dry_run)
+    args = parser.parse_args()
+    if not args.dry_run:
+        results.require_clean()
+    run(args.dry_run)

@@ -29,7 +29,7 @@ from .. import data, loadgen
 from ..engine import ServingEngine
 from ..models import load
 from ..peers import llamacpp
-from ..results import not_run, provenance, quick, value, write_section
+from ..results import not_run, provenance, quick, require_clean, value, write_section
 from ..serve.process import lab_server
 from ..workloads import conversation
 
@@ -259,4 +259,5 @@ def run(quick_mode=None) -> dict:
 
 
 if __name__ == "__main__":
+    require_clean()
     run()

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..engine import PrefixCachingBackend
 from ..fleet import POLICIES, replay, simulate
-from ..results import figures_dir, provenance, quick, value, write_section
+from ..results import figures_dir, provenance, quick, require_clean, value, write_section
 from ..workloads import TRACE_BLOCK, bookkeeping_model, hit_rate, mooncake, shape
 from . import plots
 from .plots import finish
@@ -273,4 +273,5 @@ def record(m: dict, drawn: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    require_clean()
     record(measure())

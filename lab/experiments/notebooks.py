@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..results import REPO_ROOT, not_run, provenance, quick, read, results_path, value, write_section
+from ..results import REPO_ROOT, not_run, provenance, quick, read, require_clean, results_path, value, write_section
 
 LIMIT_S = 300  # a chapter notebook must run in quick mode in under five minutes on two cores
 CELL_TIMEOUT_S = 1800  # a cell stuck this long is stopped; the limit itself is only recorded, not enforced
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("chapters", nargs="*", help="e.g. ch01 ch03 (default: every notebook)")
     parser.add_argument("--notebooks", type=Path, default=REPO_ROOT / "notebooks", help="notebooks folder")
     args = parser.parse_args(argv)
+    require_clean()
     sources = sorted(args.notebooks.glob("ch*.py"))
     if args.chapters:
         sources = [s for s in sources if s.stem.split("_")[0] in args.chapters]

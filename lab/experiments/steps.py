@@ -25,7 +25,7 @@ import torch
 from ..engine import ServingEngine
 from ..models import load
 from ..models.retrofit import local_layers
-from ..results import provenance, quick, value, write_section
+from ..results import provenance, quick, require_clean, value, write_section
 from ..step_cost import engine_steps
 
 FULL = dict(batch=16, layers=6, window=1024, short=4096, long=8000, radix=1000, rounds=9)
@@ -109,6 +109,7 @@ def record(m: dict):
 
 
 if __name__ == "__main__":
+    require_clean()
     t0 = time.perf_counter()
     record(measure())
     print(f"steps: done in {time.perf_counter() - t0:.0f} s")
