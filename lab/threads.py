@@ -23,6 +23,8 @@ import sys
 SETTINGS = {"OMP_WAIT_POLICY": "PASSIVE"}  # what the lab runs torch with; chapter 3 measures the choice
 KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")  # what a benchmark setting may change
 TORCH_LOADED_FIRST = "torch" in sys.modules  # at `import lab`: then libgomp has read its settings already
+USER_SET = frozenset(k for k in KEYS if k in os.environ)  # exported before `import lab`: they always win
+WAIT_POLICIES = ("spin", "passive")
 
 
 def configure() -> None:
@@ -38,6 +40,23 @@ def peer_env(**extra) -> dict:
     PASSIVE (llama.cpp's decode falls to half under it), plus `extra`."""
     drop = KEYS + ("OMP_PROC_BIND", "OMP_PLACES")
     return {k: v for k, v in os.environ.items() if k not in drop} | {k: str(v) for k, v in extra.items()}
+
+
+def for_engines(policy: str) -> None:
+    """Set this process's environment for the engine processes it starts next (they inherit it): "spin",
+    OpenMP's defaults, threads spinning between operators, the fastest when the engine owns its cores, as
+    a server's engine does (chapter 8 measures both); or "passive", the notebooks' setting for a shared
+    laptop. An OMP_WAIT_POLICY exported before `import lab` wins over either."""
+    if policy not in WAIT_POLICIES:
+        raise ValueError(f"wait policy {policy!r}: one of {', '.join(WAIT_POLICIES)}")
+    if "OMP_WAIT_POLICY" in USER_SET:
+        return
+    if policy == "spin":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ["LAB_OMP_DEFAULT"] = "1"     # so that the child's own `import lab` leaves the defaults alone
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ.pop("LAB_OMP_DEFAULT", None)
 
 
 def describe() -> str:

@@ -75,3 +75,34 @@ def test_chapter_3_records_what_compare_returns():
     assert v["default"]["busy_ms"]["value"] == 800 and v["default"]["busy_slowdown"]["value"] == 40
     assert v["lab"]["one_ms"]["value"] == 50 and v["lab"]["setting"]["value"] == "OMP_WAIT_POLICY=PASSIVE"
     assert v["idle_cost"]["value"] == 2 and v["busy_gain"]["value"] == 4 and v["busy_programs"]["value"] == 4
+
+
+ENGINE = ("import os, sys; from lab import threads; threads.for_engines(sys.argv[1]); import subprocess; "
+          "print(subprocess.run([sys.executable, '-c', \"import os, lab; print(os.environ.get('OMP_WAIT_POLICY'))\"],"
+          " capture_output=True, text=True, check=True).stdout.strip())")
+
+
+@pytest.mark.parametrize("policy, child", [("spin", "None"), ("passive", "PASSIVE")])
+def test_a_server_starts_its_engine_processes_with_the_policy_it_chose(policy, child):
+    """`python -m lab.serve --wait-policy` (default spin): the engine processes it starts, which import lab
+    themselves, run with OpenMP's defaults or with PASSIVE; an OMP_WAIT_POLICY exported first wins."""
+    assert run(ENGINE.replace("sys.argv[1]", repr(policy))) == [child]
+    assert run(ENGINE.replace("sys.argv[1]", repr(policy)), OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE"]
+    with pytest.raises(ValueError, match="one of spin, passive"):
+        threads.for_engines("busy")
+
+
+def test_a_lab_server_is_started_as_a_user_starts_it(monkeypatch):
+    """lab_server's environment holds none of this process's OpenMP settings (nor LAB_OMP_DEFAULT=1, which
+    `make results` sets), and no --threads unless asked."""
+    from lab.serve import process
+
+    seen = {}
+    monkeypatch.setattr(process, "server_process", lambda command, env, port, timeout_s: seen.update(c=command, e=env))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("LAB_OMP_DEFAULT", "1")
+    process.lab_server(cores=None, wait_policy="passive")
+    assert not set(seen["e"]) & set(threads.KEYS + ("LAB_OMP_DEFAULT",))
+    assert "--threads" not in seen["c"] and seen["c"][-2:] == ["--wait-policy", "passive"]
+    process.lab_server(cores=None, threads=2)
+    assert seen["c"][-2:] == ["--threads", "2"]

@@ -158,11 +158,14 @@ def compared(s) -> tuple:
 def http(s) -> dict:
     """The lab's server and vLLM's, both on the same cores, sent the same loads in turns
     (`loadgen.compare_servers`): c requests of fixed length in flight, at the `compared` levels `rounds`
-    times, there also both servers in bfloat16 (full mode) and the lab's server with its engine stepped in
-    the server's own process (`lab_one_process`); one request at a time (the lab's sequential loop); each
-    offered rate (Poisson arrivals, ShareGPT-shaped lengths), in float32."""
-    lab = lambda **kw: (lab_server(cores=CORES, threads=2, num_pages=1024, **kw), loadgen.LAB_FIELDS)
-    servers, out = {"lab": lab(), "lab_one_process": lab(one_process=True)}, {}
+    times, there also both servers in bfloat16 (full mode), the lab's server with its engine stepped in
+    the server's own process (`lab_one_process`) and with its engine's threads sleeping between operators
+    (`lab_passive`, `--wait-policy passive`); one request at a time (the lab's sequential loop); each
+    offered rate (Poisson arrivals, ShareGPT-shaped lengths), in float32. The lab's server is started as
+    the README starts it: its own environment, torch's thread count, its default wait policy."""
+    lab = lambda **kw: (lab_server(cores=CORES, num_pages=1024, **kw), loadgen.LAB_FIELDS)
+    servers = {"lab": lab(), "lab_one_process": lab(one_process=True), "lab_passive": lab(wait_policy="passive")}
+    out = {}
     if not s["vllm"]:
         why = "quick mode: vLLM takes about a minute to start; `make results` runs the comparison"
         out = dict.fromkeys(("vllm", "lab_bf16", "vllm_bf16"), why)
@@ -174,7 +177,7 @@ def http(s) -> dict:
     out |= loadgen.compare_servers(servers, s["http_levels"], s["http_prompt"], s["http_output"], s["rates"],
                                    s["rate_requests"], s["max_prompt"], s["max_output"], s["sequential"],
                                    rounds=s["rounds"], compare_at=compared(s), timeout_s=s["timeout_s"],
-                                   compare_only=("lab_one_process", "lab_bf16", "vllm_bf16"))
+                                   compare_only=("lab_one_process", "lab_passive", "lab_bf16", "vllm_bf16"))
     if "vllm" in servers:
         out["agreement"] = agreement(out, s["http_levels"])
     return out
@@ -329,8 +332,8 @@ def http_values(h: dict | None, s: dict) -> dict:
     if h is None:
         return {"lab": not_run("run without the servers")}
     v = {}
-    for side in ("lab", "vllm", "lab_one_process", "lab_bf16", "vllm_bf16"):
-        r = h[side]
+    for side in ("lab", "vllm", "lab_one_process", "lab_passive", "lab_bf16", "vllm_bf16"):
+        r = h.get(side, "not run")
         v[side] = {"throughput": not_run(r, "tok/s")} if isinstance(r, str) else server_values(r)
     c16 = compared(s)[0]
     v["rate_requests"] = value(s["rate_requests"], "requests", note="at each offered rate")
@@ -344,6 +347,10 @@ def http_values(h: dict | None, s: dict) -> dict:
     if isinstance(h.get("lab_one_process"), dict):
         v["process_gain"] = ratio(h, "lab", "lab_one_process", c16, "engine in its own process over in the "
                                           f"server's, {c16} requests in flight")
+    if isinstance(h.get("lab_passive"), dict):
+        v["wait_policy_gain"] = {f"c{c}": ratio(h, "lab", "lab_passive", c, "the server's default wait policy "
+                                                f"(OpenMP's, spin) over --wait-policy passive, {c} requests in flight")
+                                 for c in compared(s)}
     return v
 
 
@@ -411,7 +418,6 @@ def ratios(out: dict, pairs: dict, levels) -> dict:
     def spread(r):
         return {"ratio": r, "low": value(r["low"], "x"), "high": value(r["high"], "x")}
     return {name: {f"c{c}": spread(ratio(out, a, b, c)) for c in levels} for name, (a, b) in pairs.items()}
-
 
 
 def server_values(r: dict) -> dict:

@@ -19,12 +19,14 @@ engine and exits 0.
 
 import argparse
 import math
+import os
 import signal
 import threading
 
 import torch
 import uvicorn
 
+from .. import threads
 from ..engine import ServingEngine
 from ..fleet import POLICIES
 from ..models import load
@@ -84,6 +86,10 @@ def main(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens in one step's forward, at most")
     p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--wait-policy", default="spin", choices=threads.WAIT_POLICIES, help="how the engine's OpenMP "
+                   "threads wait between operators (default spin, OpenMP's own: the fastest when the server owns "
+                   "its cores; passive: they sleep at once, kinder to a busy laptop; an OMP_WAIT_POLICY in the "
+                   "environment wins). With --one-process the process keeps the setting it started with")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger request bodies get 413 "
                    f"(default {MAX_BODY_BYTES:,}: 1 MiB, the default model's whole context is about 40 KB)")
     p.add_argument("--one-process", action="store_true", help="step the engine in this process's main thread "
@@ -107,6 +113,7 @@ def main(argv=None):
                                                          prefix_caching=not args.no_prefix_caching)))
     else:
         torch.set_num_threads(1)       # this process parses and detokenizes; the engines' have the threads
+        threads.for_engines(args.wait_policy)
         workers = [EngineClient(EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
                                               threads=args.threads, dtype=args.dtype)) for _ in range(args.workers)]
         client = workers[0] if args.workers == 1 else Fleet(workers, args.router, args.router_overlap_weight)
@@ -124,8 +131,12 @@ def main(argv=None):
         client.start()
     where = ("the engine in this process" if args.one_process else "the engine in a process of its own"
              if args.workers == 1 else f"{args.workers} engines, a process each, behind a {args.router} router")
+    policy = os.environ.get("OMP_WAIT_POLICY", "OpenMP's default")
+    n = torch.get_num_threads() if args.one_process else args.threads or "torch's default"
     print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}"
-          f"{' each' if args.workers > 1 else ''}, max_batch_tokens={args.max_batch_tokens}, {where}) on "
+          f"{' each' if args.workers > 1 else ''}, max_batch_tokens={args.max_batch_tokens}, {where}, "
+          f"{n} threads, "
+          f"wait policy {policy}) on "
           f"http://{args.host}:{args.port}",
           flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has

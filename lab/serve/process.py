@@ -19,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..threads import peer_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -89,15 +91,16 @@ def pinned(cores: str | None) -> list:
     return ["taskset", "-c", cores] if cores else []
 
 
-def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int = 2, port: int | None = None,
-               timeout_s: float = 120, **engine_args):
-    """`python -m lab.serve` on `cores` with `threads` torch threads, as a context manager yielding
-    (process, base_url). engine_args become its flags: num_pages=512, page_size=16, max_batch_tokens=256,
+def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int | None = None,
+               port: int | None = None, timeout_s: float = 120, **engine_args):
+    """`python -m lab.serve` on `cores`, as a context manager yielding (process, base_url), started as a
+    user starts it: the environment without this process's OpenMP settings, torch's own thread count unless
+    `threads`. engine_args become its flags: num_pages=512, page_size=16, max_batch_tokens=256,
     prefix_caching=False (--no-prefix-caching), one_process=True (--one-process: the engine stepped in the
-    server's own process, not in a process of its own)."""
+    server's own process, not in a process of its own), wait_policy="passive" (--wait-policy)."""
     port = port or free_port()
     command = pinned(cores) + [sys.executable, "-m", "lab.serve", "--model", model, "--host", "127.0.0.1",
-                               "--port", str(port), "--threads", str(threads)]
+                               "--port", str(port)] + (["--threads", str(threads)] if threads else [])
     for name, arg in engine_args.items():
         if name == "prefix_caching":
             command += [] if arg else ["--no-prefix-caching"]
@@ -105,5 +108,5 @@ def lab_server(model: str = "smollm2", cores: str | None = "0-1", threads: int =
             command += ["--one-process"] if arg else []
         else:
             command += ["--" + name.replace("_", "-"), str(arg)]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in peer_env(PYTHONPATH=ROOT).items() if k != "LAB_OMP_DEFAULT"}
     return server_process(command, env, port, timeout_s)
