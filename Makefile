@@ -78,6 +78,7 @@ results: setup vllm peers llamacpp
 	LAB_QUICK= LAB_FULL=1 $(PY) -c 'from lab.results import require_clean; require_clean()'
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.steps
+	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.roofline
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.gpu
 	LAB_QUICK= LAB_FULL=1 LAB_OMP_DEFAULT=1 $(PY) -m lab.experiments.llamacpp
 	LAB_QUICK= LAB_FULL=1 $(PY) -m lab.experiments.mooncake
