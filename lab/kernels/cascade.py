@@ -1,25 +1,17 @@
 """Decode attention for branches of one prompt (cascade attention): the shared pages read once for all.
 
-Parallel sampling and beam search decode B branches of one prompt. Their block tables start with the same
-pages, the prompt's, and a paged kernel reads those pages once per branch. Attention splits over any
-partition of the positions: attend over each part alone, keeping the log-sum-exp of its scores,
-lse = log sum_t exp(q . k_t * scale), and two parts' outputs merge exactly:
+Parallel sampling and beam search decode B branches whose block tables start with the same pages,
+the prompt's, which a paged kernel reads once per branch. Attention over two disjoint sets of
+positions merges exactly from each set's output and the log-sum-exp of its scores,
+lse = log sum_t exp(q . k_t * scale) (`merge_attention`). So the shared part is attended once, every
+branch's query against its keys while they are in cache, each branch's own part as usual, and the
+two merged: FlashInfer's cascade attention, Hydragen's prefix-shared attention. The reference, the
+Triton kernel (triton_paged.py) and C++ (cpu.py) take the same arguments:
 
-    m = max(lse_1, lse_2);  out = (exp(lse_1 - m) out_1 + exp(lse_2 - m) out_2) / (exp(lse_1 - m) + exp(lse_2 - m))
-
-So the shared part is attended once with every branch's queries as one matrix against its keys (the
-keys read once, their arithmetic done while they are in cache), each branch's own part as usual, and the
-two merged: FlashInfer's cascade attention, Hydragen's prefix-shared attention.
-
-    out = cascade_attention_reference(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths)
-    out = cascade_attention_triton(...)      # the Triton kernel of triton_paged.py: CUDA, or TRITON_INTERPRET=1
-    out = cascade_attention_cpu(...)         # C++ (cpu.py)
-    out, lse = merge_attention(out_1, lse_1, out_2, lse_2)
-
-q [B, H_q, D], one query per branch; pools [num_pages, page_size, H_kv, D]; shared_table int32 [S] the
-prompt's pages, holding positions 0 .. shared_length - 1 (the last page may be partial); block_tables int32
-[B, max_pages] and lengths int32 [B] (each >= 1) each branch's own pages, holding its positions
-shared_length .. shared_length + lengths[b] - 1. The result equals paged attention over the table
+q [B, H_q, D], one query per branch; pools [num_pages, page_size, H_kv, D]; shared_table int32 [S]
+the prompt's pages, holding positions 0 .. shared_length - 1 (the last page may be partial);
+block_tables int32 [B, max_pages] and lengths int32 [B] (each >= 1) each branch's own pages, holding
+its positions shared_length .. shared_length + lengths[b] - 1. The result is paged attention over
 shared_table + block_tables[b] when shared_length fills its pages (tests/test_cascade.py).
 """
 
@@ -35,11 +27,9 @@ SPLIT = 512   # shared positions per Triton program (whole pages): the shared pa
 
 
 def attention_lse(q, k, v, scale=None):
-    """Attention of queries over one set of positions, and the log-sum-exp of their scores, in float32.
-
-    q [N, H_q, D]; k, v [T, H_kv, D] (query head h reads kv head h // (H_q / H_kv); T may be 0).
-    Returns out [N, H_q, D] and lse [N, H_q]; over no positions, out 0 and lse -inf.
-    """
+    """Attention of queries over one set of positions, and the log-sum-exp of their scores, in
+    float32. q [N, H_q, D]; k, v [T, H_kv, D] (query head h reads kv head h // (H_q / H_kv); T may
+    be 0). Returns out [N, H_q, D] and lse [N, H_q]; over no positions, out 0 and lse -inf."""
     N, H_q, D = q.shape
     H_kv = k.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -51,11 +41,10 @@ def attention_lse(q, k, v, scale=None):
 
 
 def merge_attention(out_1, lse_1, out_2, lse_2):
-    """Attention over two disjoint sets of positions, from each set's out [..., D] and lse
-    [...] (float32). Each output is weighted by its share of the softmax's denominator,
-    exp(lse - m), m the larger lse (so that no exp overflows); a set of no positions (lse
-    -inf, out 0) weighs 0. Returns (out, lse).
-    """
+    """Attention over two disjoint sets of positions, from each set's out [..., D] and lse [...]
+    (float32). Each output is weighted by its share of the softmax's denominator, exp(lse - m), m
+    the larger lse (so that no exp overflows); a set of no positions (lse -inf, out 0) weighs 0.
+    Returns (out, lse)."""
     m = torch.maximum(lse_1, lse_2)                                    # [...]
     w_1, w_2 = torch.exp(lse_1 - m), torch.exp(lse_2 - m)              # [...]
     total = w_1 + w_2
@@ -66,9 +55,7 @@ def merge_attention(out_1, lse_1, out_2, lse_2):
 def cascade_attention_reference(q, k_pool, v_pool, shared_table, shared_length: int, block_tables, lengths,
                                 scale=None, check_values=True):
     """Cascade attention written plainly: the shared part for all branches, each own part, merged.
-
-    Arguments as in the module docstring. Returns [B, H_q, D] in q's dtype, computed in float32.
-    """
+    Arguments as in the module docstring. Returns [B, H_q, D] in q's dtype, computed in float32."""
     check_cascade_inputs(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, check_values)
     page_size = k_pool.shape[1]
     k_rows, v_rows = k_pool.flatten(0, 1), v_pool.flatten(0, 1)        # [num_pages * page_size, H_kv, D]
@@ -89,13 +76,11 @@ def cascade_attention_reference(q, k_pool, v_pool, shared_table, shared_length: 
 
 def cascade_attention_triton(q, k_pool, v_pool, shared_table, shared_length: int, block_tables, lengths,
                              scale=None, check_values=True):
-    """Cascade attention with the Triton kernel of triton_paged.py. Returns [B, H_q, D] in q's dtype.
-
-    The kernel runs twice. Over the shared pages, every branch's query heads of a kv head form the group the
-    kernel loads as one block ([B * G, D]), so each shared page is read once per kv head; the pages are cut
-    into splits of SPLIT positions, one program each, their partial results merged by log-sum-exp. Then over
-    the branches' own pages, as paged_attention; the two are merged. Arguments as in the module docstring.
-    """
+    """Cascade attention with the Triton kernel of triton_paged.py, run twice: [B, H_q, D] in q's
+    dtype. Over the shared pages, every branch's query heads of a kv head form the group the kernel
+    loads as one block ([B * G, D]), so each shared page is read once per kv head; the pages are cut
+    into splits of SPLIT positions, one program each, merged by log-sum-exp. Then over the branches'
+    own pages, as paged_attention; the two are merged."""
     check_cascade_inputs(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, check_values)
     triton_paged.require_triton("cascade_attention", q.device)
     B, H_q, D = q.shape

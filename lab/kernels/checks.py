@@ -1,22 +1,14 @@
-"""Argument checks shared by the paged-attention kernel and its references: shapes, dtypes, devices.
-
-Kept apart from the kernels so that a listed kernel shows the idea. Every check raises TypeError or
-ValueError naming the argument, before any work is done.
-"""
+"""Argument checks of the paged-attention kernels, kept apart so a listed kernel shows the idea."""
 
 import torch
 
 
 def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True, window=0, sinks=0) -> None:
-    """Raise TypeError or ValueError, naming the argument, for anything the kernels cannot serve.
-
-    Expected: q [batch, q_heads, head_dim], k_pool and v_pool [num_pages, page_size, kv_heads, head_dim]
-    of q's dtype, block_tables int32 [batch, max_pages], lengths int32 [batch] with
-    1 <= length <= max_pages * page_size, every block-table entry naming a page of the pool, all on one
-    device; window and sinks ints >= 0, sinks only with a window. With `values`, also reads the extremes
-    of `lengths` and `block_tables` on the host (a synchronisation on a GPU); a caller whose tables are
-    built by a block manager passes values=False.
-    """
+    """Raise TypeError or ValueError, naming the argument, for anything the kernels cannot serve: q
+    [batch, q_heads, head_dim], k_pool and v_pool [num_pages, page_size, kv_heads, head_dim] of q's
+    dtype, block_tables int32 [batch, max_pages], lengths int32 [batch], all on one device; window
+    and sinks ints >= 0, sinks only with a window. With `values` (a synchronisation on a GPU), also
+    1 <= length <= max_pages * page_size and every block-table entry naming a page of the pool."""
     for name, n in (("window", window), ("sinks", sinks)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
@@ -33,9 +25,8 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True, wi
                                   ("lengths", lengths, 1, "[batch]")]:
         if t.dim() != rank:
             raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
-    devices = {name: t.device for name, t in named.items()}
-    if len(set(devices.values())) > 1:
-        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+    if len({t.device for t in named.values()}) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in named.items())
         raise ValueError(f"all inputs must be on one device, got {where}")
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
@@ -56,14 +47,12 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True, wi
     if q_heads == 0 or q_heads % kv_heads != 0:
         raise ValueError(f"q_heads {q_heads} (q shape {tuple(q.shape)}) must be a positive multiple of kv_heads "
                          f"{kv_heads} (k_pool shape {tuple(k_pool.shape)}) for grouped-query attention")
-    if block_tables.dtype != torch.int32:
-        raise TypeError(f"block_tables must be int32, got {block_tables.dtype}")
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [batch={batch}, max_pages], got shape {tuple(block_tables.shape)}")
-    if lengths.dtype != torch.int32:
-        raise TypeError(f"lengths must be int32, got {lengths.dtype}")
-    if lengths.shape[0] != batch:
-        raise ValueError(f"lengths must be [batch={batch}], got shape {tuple(lengths.shape)}")
+    for name, t, layout in (("block_tables", block_tables, f"[batch={batch}, max_pages]"),
+                            ("lengths", lengths, f"[batch={batch}]")):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.shape[0] != batch:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
     if not values:
         return
     capacity = block_tables.shape[1] * page_size
@@ -83,15 +72,9 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values=True, wi
 
 
 def check_cascade_inputs(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, values=True) -> None:
-    """`check_paged_inputs` for a cascade: B branches of one prompt, whose first `shared_length` positions lie
-    in the pages `shared_table` and the rest in each branch's own pages. Raises TypeError or ValueError,
-    naming the argument.
-
-    Expected besides: shared_table int32 [S] on q's device, shared_length an int with
-    ceil(shared_length / page_size) == S (0 and an empty table: no shared part); block_tables and lengths
-    are the branches' own pages and positions (each length at least 1: a decode query's own position is
-    always its branch's), read with `values` as check_paged_inputs reads them, shared_table too.
-    """
+    """`check_paged_inputs` for a cascade (cascade.py), and besides: shared_table int32 [S] on q's
+    device, shared_length an int with ceil(shared_length / page_size) == S (0 and an empty table: no
+    shared part); with `values`, shared_table's page ids. Each branch's own length is at least 1."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, values)
     if not isinstance(shared_table, torch.Tensor):
         raise TypeError(f"shared_table must be a torch.Tensor, got {type(shared_table).__name__}")

@@ -1,30 +1,19 @@
 """Paged decode attention on the CPU that reads every page where it lies: a small C++ kernel.
 
-`paged_attention_gather` (reference.py) copies each sequence's pages end to end, then attends over the
-copy: that writes every byte of keys and values once more and reads it back. This kernel makes one pass
-over the pages instead. For each sequence it walks the block table page by page and keeps, per query
-head, an online softmax: the running maximum score m, the running sum l of exp(score - m) and the running
-weighted sum acc of the values, rescaled whenever m grows. A page holds its positions one after another,
-each position all its kv heads, so a page is one contiguous block of memory, read once. Within a page the
-kernel takes one kv head at a time: its rows are read once, as float32, for the query heads that share
-it (grouped-query attention), and each of those heads updates its softmax from that small block while it
-is in the core's nearest cache. When the head size is 64 or 128 the compiler knows it, and a head's acc
-stays in registers while the page's values are added.
+`paged_attention_gather` (reference.py) copies each sequence's pages end to end and attends over the
+copy, writing every byte of keys and values once more. This kernel makes one pass over the pages,
+keeping per query head an online softmax: the running maximum score m, the running sum l of
+exp(score - m) and the running weighted sum acc of the values, rescaled whenever m grows. A page
+holds its positions one after another, each all its kv heads: one contiguous block, read one kv head
+at a time, as float32, for the query heads that share it, while it is in the core's nearest cache.
+For a head size of 64 or 128 the compiler knows it, and a head's acc stays in registers.
 
-Work is split into tasks of one sequence and a run of up to CHUNK positions (whole pages), run on
-PyTorch's intra-op threads (`at::parallel_for`, so `torch.set_num_threads` applies); a long sequence
-alone still keeps every thread busy. Each task leaves its (m, l, acc); a second loop merges a sequence's
-tasks by log-sum-exp, as FlashDecoding does on a GPU.
-
-`cascade_attention_cpu` (branches of one prompt, kernels/cascade.py) runs the same task over the prompt's
-shared pages with N queries, one per branch: a kv head's rows are read once for the N * G query heads of all
-branches. Then each branch's own pages are read as a sequence's, and the same merge takes both sets of runs.
-
-The source is compiled at the first call with the system's C++ compiler (`c++`, or $CXX), against
-PyTorch's headers for its thread pool and its 16-bit float types only (a few seconds, not the half
-minute a full PyTorch extension takes), and cached under ~/.cache/lab/kernels (or $LAB_KERNEL_CACHE),
-keyed by the source, the flags, PyTorch's version and the processor. It is called through ctypes:
-pointers in, float32 out.
+Tasks of one sequence and a run of up to CHUNK positions (whole pages) run on PyTorch's intra-op
+threads (`at::parallel_for`: `torch.set_num_threads` applies), so a long sequence alone keeps every
+thread busy; a second loop merges a sequence's tasks by log-sum-exp, as FlashDecoding does on a GPU.
+`cascade_attention_cpu` (cascade.py) runs the same task over the prompt's shared pages with one
+query per branch, so that a kv head's rows are read once for all branches. `_library` compiles the
+source at the first call (a few seconds, not the half minute of a full PyTorch extension).
 """
 
 import ctypes
@@ -108,11 +97,7 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
 
 SOURCE += r"""
 template <typename T>
-using Run = void (*)(const float*, const T*, const T*, const int*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
-
-template <typename T>
-Run<T> run_for(int64_t D) { return D == 64 ? attend_run<T, 64> : D == 128 ? attend_run<T, 128> : attend_run<T, 0>; }
+auto run_for(int64_t D) { return D == 64 ? attend_run<T, 64> : D == 128 ? attend_run<T, 128> : attend_run<T, 0>; }
 
 // q [B, Hq, D] (strides sqb, sqh, its rows contiguous) as floats [B, Hq, D], times scale.
 template <typename T>
@@ -205,30 +190,9 @@ void cascade(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool,
             D, o.data(), out + bh * D);
   });
 }
-"""
 
-SOURCE += "".join(f"""
-extern "C" void attend_{name}(const void* q, int64_t sqb, int64_t sqh, float scale, const void* k, const void* v,
-                              const int* tables, const int* lengths, float* parts, void* out, int64_t B,
-                              int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t max_pages, int64_t runs,
-                              int64_t chunk, int64_t window, int64_t sinks) {{
-  attend((const {ctype}*)q, sqb, sqh, scale, (const {ctype}*)k, (const {ctype}*)v, tables, lengths, parts,
-         ({ctype}*)out, B, Hq, Hkv, D, P, max_pages, runs, chunk, window, sinks);
-}}
-extern "C" void cascade_{name}(const void* q, int64_t sqb, int64_t sqh, float scale, const void* k, const void* v,
-                               const int* shared, int64_t shared_length, const int* tables, const int* lengths,
-                               float* parts_s, float* parts, void* out, int64_t N, int64_t Hq, int64_t Hkv,
-                               int64_t D, int64_t P, int64_t max_pages, int64_t runs_s, int64_t chunk_s,
-                               int64_t runs, int64_t chunk) {{
-  cascade((const {ctype}*)q, sqb, sqh, scale, (const {ctype}*)k, (const {ctype}*)v, shared, shared_length, tables,
-          lengths, parts_s, parts, ({ctype}*)out, N, Hq, Hkv, D, P, max_pages, runs_s, chunk_s, runs, chunk);
-}}
-""" for name, ctype in ((str(t).removeprefix("torch."), c) for t, c in DTYPES.items()))
+// The fused operations of a decoder layer (fused.py), each rounding to T where the reference does.
 
-
-# The fused operations of a decoder layer (lab/kernels/fused.py): one call for what the reference makes
-# in several. Each rounds to T where the reference's operations round, so that bfloat16 stays close to it.
-SOURCE += r"""
 // Row n of x [N, D] (row stride sx) plus row n of add (stride sa), rounded to T, into sum [N, D] (with no
 // add: x itself, and sum is not written); out [N, D] = weight * T(sum / rms(sum)), statistics in float32.
 template <typename T>
@@ -285,34 +249,11 @@ void silu_mul(const T* gate, int64_t sg, const T* up, int64_t su, T* out, int64_
       }
   });
 }
-"""
 
-SOURCE += "".join(f"""
-extern "C" void add_rms_norm_{name}(const void* x, int64_t sx, const void* add, int64_t sa, const void* w,
-                                    void* sum, void* out, int64_t N, int64_t D, float eps) {{
-  add_rms_norm((const {ctype}*)x, sx, (const {ctype}*)add, sa, (const {ctype}*)w, ({ctype}*)sum,
-               ({ctype}*)out, N, D, eps);
-}}
-extern "C" void rope_{name}(void* x, int64_t sx, const void* cos, const void* sin, int64_t N, int64_t H,
-                            int64_t D) {{
-  rope(({ctype}*)x, sx, (const {ctype}*)cos, (const {ctype}*)sin, N, H, D);
-}}
-extern "C" void store_{name}(const void* x, int64_t sn, int64_t sh, void* pool, const int64_t* slots, int64_t N,
-                             int64_t H, int64_t D) {{
-  store((const {ctype}*)x, sn, sh, ({ctype}*)pool, slots, N, H, D);
-}}
-extern "C" void silu_mul_{name}(const void* gate, int64_t sg, const void* up, int64_t su, void* out,
-                                int64_t N, int64_t F) {{
-  silu_mul((const {ctype}*)gate, sg, (const {ctype}*)up, su, ({ctype}*)out, N, F);
-}}
-""" for name, ctype in ((str(t).removeprefix("torch."), c) for t, c in DTYPES.items()))
-
-
-# The weights' fingerprint (lab/models/checks.py) in one call: between two serving steps the weights have
-# left the processor's caches and the sampled runs lie megabytes apart, so each run is a miss of its own.
-SOURCE += r"""
-// From tensor i at addr[i]: runs[i] runs of run[i] bytes, step[i] bytes apart, copied one after another
-// into out. Every run is asked for first, so that their misses overlap; then they are copied.
+// The weights' fingerprint (lab/models/checks.py) in one call: from tensor i at addr[i], runs[i]
+// runs of run[i] bytes, step[i] bytes apart, copied one after another into out. Between two serving
+// steps the weights have left the processor's caches and the runs lie megabytes apart, each a miss
+// of its own: every run is asked for first, so that their misses overlap; then they are copied.
 extern "C" void sample_runs(const int64_t* addr, const int64_t* run, const int64_t* step, const int64_t* runs,
                             int64_t count, char* out) {
   for (int64_t i = 0; i < count; ++i)
@@ -322,14 +263,24 @@ extern "C" void sample_runs(const int64_t* addr, const int64_t* run, const int64
 }
 """
 
+# The entry points: under a C name per operation and dtype (attend_float32 = &attend<float>, ...),
+# the address of the template's instance, which `_library` reads and calls with these arguments.
+I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+SIGNATURES = {"attend": [PTR, I64, I64, F32] + [PTR] * 6 + [I64] * 10,
+              "cascade": [PTR, I64, I64, F32, PTR, PTR, PTR, I64] + [PTR] * 5 + [I64] * 10,
+              "add_rms_norm": [PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, F32],
+              "rope": [PTR, I64, PTR, PTR, I64, I64, I64],
+              "silu_mul": [PTR, I64, PTR, I64, PTR, I64, I64],
+              "store": [PTR, I64, I64, PTR, PTR, I64, I64, I64]}
+SOURCE += "".join(f'extern "C" {{ auto {op}_{str(t).removeprefix("torch.")} = &{op}<{c}>; }}\n'
+                  for op in SIGNATURES for t, c in DTYPES.items())
 
-# Compiler flags. -march=native: this processor's vector instructions (so a build is cached per
-# processor), 512-bit vectors where it has them. -ffast-math lets the compiler reorder the float sums
-# (to vectorize the dot products) and call the vectorized exp; it also assumes no infinities, so the
-# kernel starts its running maxima at the lowest finite float. It is given to the compile step only:
-# linked with it, GCC 12 adds start-up code that sets flush-to-zero for the whole process.
-# -fopenmp: at::parallel_for runs its loop on OpenMP threads only when compiled with OpenMP (without it, on
-# one thread); libgomp then resolves to the copy PyTorch has already loaded, so torch.set_num_threads applies
+# Compiler flags. -march=native: this processor's vector instructions (a build is cached per
+# processor), 512-bit vectors where it has them. -ffast-math lets the compiler reorder the float
+# sums (to vectorize the dot products) and call the vectorized exp. Given to the compile step only:
+# linked with it, GCC 12 adds start-up code that sets flush-to-zero for the whole process. -fopenmp:
+# at::parallel_for runs on OpenMP threads only when compiled with it (else on one thread); libgomp
+# then resolves to the copy PyTorch has already loaded, so torch.set_num_threads applies.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-DNDEBUG"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     FLAGS.append("-mprefer-vector-width=512")      # used only where the processor has AVX-512
@@ -363,7 +314,9 @@ def _run(cmd):
 
 @functools.cache
 def _library():
-    """Compile SOURCE (once per machine: the shared library is cached) and load it. Raises KernelBuildError."""
+    """Compile SOURCE with $CXX (default c++) against PyTorch's headers for its thread pool and
+    16-bit floats only, cache it under $LAB_KERNEL_CACHE (default ~/.cache/lab/kernels), and load
+    it. Raises KernelBuildError."""
     torch_dir = Path(torch.__file__).parent
     flags = FLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
     key = hashlib.sha256("\n".join([SOURCE, *flags, torch.__version__, _cpu_name()]).encode()).hexdigest()[:16]
@@ -381,22 +334,18 @@ def _library():
         tmp.replace(path)                             # atomic: another process never loads half a file
         src.unlink(), obj.unlink()
     lib = ctypes.CDLL(str(path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for dtype in DTYPES:
-        fn = getattr(lib, f"attend_{str(dtype).removeprefix('torch.')}")
-        fn.argtypes, fn.restype = [ptr, i64, i64, ctypes.c_float] + [ptr] * 6 + [i64] * 10, None
-        name = str(dtype).removeprefix('torch.')
-        fn = getattr(lib, f"cascade_{name}")
-        fn.argtypes = [ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, i64] + [ptr] * 5 + [i64] * 10
-        fn.restype = None
-        for op, args in (("add_rms_norm", [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]),
-                         ("rope", [ptr, i64, ptr, ptr, i64, i64, i64]),
-                         ("silu_mul", [ptr, i64, ptr, i64, ptr, i64, i64]),
-                         ("store", [ptr, i64, i64, ptr, ptr, i64, i64, i64])):
-            fn = getattr(lib, f"{op}_{name}")
-            fn.argtypes, fn.restype = args, None
-    lib.sample_runs.argtypes, lib.sample_runs.restype = [ptr] * 4 + [i64, ptr], None
+    for op, args in SIGNATURES.items():
+        for dtype in DTYPES:
+            name = f"{op}_{str(dtype).removeprefix('torch.')}"
+            setattr(lib, name, ctypes.CFUNCTYPE(None, *args)(PTR.in_dll(lib, name).value))
+    lib.sample_runs.argtypes, lib.sample_runs.restype = [PTR] * 4 + [I64, PTR], None
     return lib
+
+
+def _call(op: str, *args) -> None:
+    """Call the library's `op` for args[0]'s dtype (attend_float32, ...), tensors as addresses."""
+    fn = getattr(_library(), f"{op}_{str(args[0].dtype).removeprefix('torch.')}")
+    fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
 
 @functools.cache
@@ -411,63 +360,47 @@ def cpu_kernel_available() -> bool:
 
 def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
                         max_length=None, window: int = 0, sinks: int = 0):
-    """Decode attention over pages read in place, in C++ (see the module docstring). Returns [B, H_q, D].
-
-    q [B, H_q, D] (any strides, its last dimension contiguous) and the pools [num_pages, page_size, H_kv, D]
-    float32, bfloat16 or float16, on the CPU; block_tables int32 [B, max_pages]; lengths int32 [B];
-    max_length: the longest of lengths when the caller knows it on the host (else read from lengths).
-    window, sinks: a local layer's rule (chapter 10): only the last `window` positions and the first `sinks`
-    are read, pages wholly outside them never (window 0: every position).
-    Accumulates in float32 and returns q's dtype. Pools that are not contiguous are copied first (a
-    PagedCache's never are).
-    """
+    """Decode attention over pages read in place, in C++ (see the module docstring): q [B, H_q, D]
+    (any strides) and pools [num_pages, page_size, H_kv, D] float32, bfloat16 or float16 on the CPU,
+    block_tables int32 [B, max_pages], lengths int32 [B] -> [B, H_q, D] in q's dtype (float32
+    inside). max_length: the longest of lengths, if known on the host; window, sinks: a local
+    layer's rule (chapter 10), pages wholly outside it never read."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
-    _check_cpu("paged_attention_cpu", "decode_attention", q)
+    q, k_pool, v_pool, block_tables, lengths = _cpu_inputs(
+        "paged_attention_cpu", "decode_attention", q, k_pool, v_pool, block_tables, lengths)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
-    scale = D ** -0.5 if scale is None else scale
-    q = q if q.stride(-1) == 1 else q.contiguous()                  # rows of D values; the kernel scales them
-    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()       # no-ops for a cache's pools
-    block_tables, lengths = block_tables.contiguous(), lengths.contiguous()
+    scale = D ** -0.5 if scale is None else float(scale)
     chunk = max(CHUNK // page_size, 1) * page_size                  # whole pages per task
     runs = -(-int(lengths.max() if max_length is None else max_length) // chunk)   # tasks per sequence
     parts = torch.empty(B, runs, H_q * (D + 2))                     # each task's m [H_q], l [H_q], acc [H_q, D]
     out = torch.empty(B, H_q, D, dtype=q.dtype)                     # [B, H_q, D]
-    fn = getattr(_library(), f"attend_{str(q.dtype).removeprefix('torch.')}")
-    fn(q.data_ptr(), q.stride(0), q.stride(1), scale, k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
-       lengths.data_ptr(), parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, block_tables.shape[1],
-       runs, chunk, window, sinks)
+    _call("attend", q, q.stride(0), q.stride(1), scale, k_pool, v_pool, block_tables, lengths,
+          parts, out, B, H_q, H_kv, D, page_size, block_tables.shape[1], runs, chunk, window, sinks)
     return out
 
 
-def _check_cpu(name, chooser, q) -> None:
-    """Raise ValueError unless q is on the CPU, TypeError unless of a dtype the kernel `name` takes."""
+def _cpu_inputs(name, chooser, q, *tensors) -> tuple:
+    """q with contiguous rows and `tensors` contiguous (no-ops for a cache's pools and tables);
+    ValueError unless q is on the CPU, TypeError unless of a dtype the kernel `name` takes."""
     if q.device.type != "cpu":
         raise ValueError(f"{name} runs on CPU tensors, got {q.device}; {chooser} chooses a kernel for the device")
     if q.dtype not in DTYPES:
         raise TypeError(f"{name} takes {', '.join(map(str, DTYPES))}, got {q.dtype}")
+    return q if q.stride(-1) == 1 else q.contiguous(), *(t.contiguous() for t in tensors)
 
 
 def cascade_attention_cpu(q, k_pool, v_pool, shared_table, shared_length: int, block_tables, lengths, scale=None,
                           check_values=True, max_length=None):
-    """Decode attention for B branches of one prompt (kernels/cascade.py), in C++. Returns [B, H_q, D].
-
-    The shared pages are read once for all branches: a task takes a run of them and, one kv head at a time,
-    reads the head's rows once and scores them for the B * G query heads (of every branch) that read that head,
-    while the rows are in cache. The runs are cut so that every thread has some. Each branch's own pages are
-    read as paged_attention_cpu reads a sequence's, and a query head's partial results of both are merged by
-    log-sum-exp.
-    q [B, H_q, D]; pools [num_pages, page_size, H_kv, D] float32, bfloat16 or float16 on the CPU;
-    shared_table int32 [S]; block_tables int32 [B, max_pages] and lengths int32 [B] (each >= 1): the own pages
-    and positions; max_length: the longest of lengths, if known on the host.
-    """
+    """Decode attention for B branches of one prompt (arguments in cascade.py; max_length as for
+    `paged_attention_cpu`), in C++: the shared pages in runs cut so that every thread has some, each
+    read once for all branches, then each branch's own pages. Returns [B, H_q, D] in q's dtype."""
     check_cascade_inputs(q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, check_values)
-    _check_cpu("cascade_attention_cpu", "cascade_attention", q)
+    q, k_pool, v_pool, tables, lengths, shared_table = _cpu_inputs(
+        "cascade_attention_cpu", "cascade_attention", q, k_pool, v_pool, block_tables, lengths,
+        shared_table)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape
-    q = q if q.stride(-1) == 1 else q.contiguous()                  # rows of D values; the kernel scales them
-    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()       # no-ops for a cache's pools
-    tables, lengths, shared_table = block_tables.contiguous(), lengths.contiguous(), shared_table.contiguous()
     per_thread = -(-len(shared_table) // torch.get_num_threads())  # shared pages per thread
     chunk_s = max(min(CHUNK // page_size, per_thread), 1) * page_size     # whole pages per shared run
     chunk = max(CHUNK // page_size, 1) * page_size
@@ -476,30 +409,28 @@ def cascade_attention_cpu(q, k_pool, v_pool, shared_table, shared_length: int, b
     parts_s = torch.empty(runs_s, B * H_q * (D + 2))               # each shared run's m, l, acc for all B * H_q
     parts = torch.empty(B, runs, H_q * (D + 2))                    # each own run's m [H_q], l [H_q], acc [H_q, D]
     out = torch.empty(B, H_q, D, dtype=q.dtype)                     # [B, H_q, D]
-    fn = getattr(_library(), f"cascade_{str(q.dtype).removeprefix('torch.')}")
-    fn(q.data_ptr(), q.stride(0), q.stride(1), D ** -0.5 if scale is None else scale, k_pool.data_ptr(),
-       v_pool.data_ptr(), shared_table.data_ptr(), shared_length, tables.data_ptr(), lengths.data_ptr(),
-       parts_s.data_ptr(), parts.data_ptr(), out.data_ptr(), B, H_q, H_kv, D, page_size, tables.shape[1],
-       runs_s, chunk_s, runs, chunk)
+    scale = D ** -0.5 if scale is None else float(scale)
+    _call("cascade", q, q.stride(0), q.stride(1), scale, k_pool, v_pool, shared_table,
+          shared_length, tables, lengths, parts_s, parts, out, B, H_q, H_kv, D, page_size,
+          tables.shape[1], runs_s, chunk_s, runs, chunk)
     return out
 
 
 def sample_runs(tensors, samples: int, run: int) -> bytes | None:
-    """The raw bytes of `samples` elements of each tensor, in runs of `run` consecutive ones evenly spaced over
-    it (all of a tensor of at most `samples` elements), one tensor after another: the fingerprint's sample
-    (lab/models/checks.py) in one call. None when the kernel is not built or a tensor is not a contiguous
-    CPU tensor: the caller samples in PyTorch, to the same bytes."""
+    """The fingerprint's sample (lab/models/checks.py) in one call: the raw bytes of `samples`
+    elements of each tensor, in runs of `run` consecutive ones evenly spaced over it (all of a
+    smaller tensor), one tensor after another. None when the kernel is not built or a tensor is not
+    a contiguous CPU tensor: the caller samples in PyTorch, to the same bytes."""
     if not cpu_kernel_available():
         return None
-    addr, runs, sizes, steps = [], [], [], []
+    rows = []                                     # per tensor: address, run and step in bytes, runs
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
             return None
         n, size = t.numel(), t.element_size()
         k = 1 if n <= samples else samples // run                   # runs in this tensor
-        addr.append(t.data_ptr()), runs.append(k)
-        sizes.append(size * (n if k == 1 else run)), steps.append(size * (n // k))
-    table = torch.tensor([addr, sizes, steps, runs], dtype=torch.int64)     # [4, tensors]
+        rows.append((t.data_ptr(), size * (n if k == 1 else run), size * (n // k), k))
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).T.contiguous()  # [4, tensors]
     out = torch.empty(int((table[1] * table[3]).sum()), dtype=torch.uint8)
-    _library().sample_runs(*(row.data_ptr() for row in table), len(addr), out.data_ptr())
+    _library().sample_runs(*(row.data_ptr() for row in table), len(rows), out.data_ptr())
     return out.numpy().tobytes()

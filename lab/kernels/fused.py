@@ -1,26 +1,22 @@
 """A decoder layer's small operations fused, on the CPU: one call each where the reference makes several.
 
 In a decode step every matrix has a few dozen rows, so each PyTorch operation costs more in dispatch
-(microseconds: checks, an allocation, waking the threads) than in arithmetic. The reference layer
-(`lab.models.llama.block`) makes about forty such calls per layer besides its matrix products: RMSNorm
-alone is eight (upcast, square, mean, add, rsqrt, multiply, downcast, weight), RoPE five per tensor.
-These three do the same arithmetic in one C++ call each, compiled with the paged-attention kernel
-(lab/kernels/cpu.py), as vLLM's CPU backend does with its own custom operations:
+(microseconds: checks, an allocation, waking the threads) than in arithmetic; the reference layer
+(`llama.block`) makes about forty per layer besides its products (RMSNorm eight, RoPE five a
+tensor). These do the same in one C++ call each (cpu.py), as vLLM's CPU backend does:
 
     total, h = add_rms_norm(x, weight, eps, add)   # total = x + add; h = RMSNorm(total) * weight
     rope_(x, cos, sin, heads)                      # RoPE in place on x [B, T, heads * D]
     h = silu_mul(gate, up)                         # SiLU(gate) * up
     store_rows(pool, slots, x)                     # pool[slots] = x: a step's keys into their pages
 
-Each rounds to the tensors' dtype where the reference's operations round (in float32 nothing changes but
-the order of a sum), so a bfloat16 result stays within a rounding step of the reference's; the tests
-compare them (tests/test_fused.py). Tensors are `[B, T, width]` on the CPU, float32, bfloat16 or float16,
-their last dimension contiguous and their rows evenly spaced (a column slice of a merged product is fine).
+Each rounds to the tensors' dtype where the reference rounds, so a bfloat16 result stays within a
+rounding step of the reference's (tests/test_fused.py).
 """
 
 import torch
 
-from .cpu import DTYPES, _library, cpu_kernel_available
+from .cpu import DTYPES, _call, cpu_kernel_available
 
 
 def _rows(t, name):
@@ -31,10 +27,6 @@ def _rows(t, name):
     if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
         raise ValueError(f"{name}'s rows must be evenly spaced, got strides {t.stride()}")
     return t.shape[0] * t.shape[1], t.stride(1)
-
-
-def _fn(op, dtype):
-    return getattr(_library(), f"{op}_{str(dtype).removeprefix('torch.')}")
 
 
 def add_rms_norm(x, weight, eps: float, add=None):
@@ -49,12 +41,10 @@ def add_rms_norm(x, weight, eps: float, add=None):
     if weight.shape != x.shape[-1:] or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [{x.shape[-1]}] {x.dtype}, "
                          f"got {tuple(weight.shape)} {weight.dtype}")
-    total = x if add is None else torch.empty(x.shape, dtype=x.dtype)
+    total = None if add is None else torch.empty(x.shape, dtype=x.dtype)
     h = torch.empty(x.shape, dtype=x.dtype)
-    _fn("add_rms_norm", x.dtype)(x.data_ptr(), sx, add.data_ptr() if add is not None else None, sa,
-                                 weight.data_ptr(), total.data_ptr() if add is not None else None, h.data_ptr(),
-                                 N, x.shape[-1], eps)
-    return total, h
+    _call("add_rms_norm", x, sx, add, sa, weight, total, h, N, x.shape[-1], eps)
+    return x if add is None else total, h
 
 
 def rope_(x, cos, sin, heads: int):
@@ -68,7 +58,7 @@ def rope_(x, cos, sin, heads: int):
         if t.numel() != N * D or t.shape[-1] != D or t.dtype != x.dtype or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous [{x.shape[1]}, {D}] {x.dtype} (one row per position), "
                              f"got {tuple(t.shape)} {t.dtype}")
-    _fn("rope", x.dtype)(x.data_ptr(), sx, cos.data_ptr(), sin.data_ptr(), N, heads, D)
+    _call("rope", x, sx, cos, sin, N, heads, D)
     return x
 
 
@@ -78,16 +68,15 @@ def silu_mul(gate, up):
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"up must match gate {tuple(gate.shape)} {gate.dtype}, got {tuple(up.shape)} {up.dtype}")
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    _fn("silu_mul", gate.dtype)(gate.data_ptr(), sg, up.data_ptr(), _rows(up, "up")[1], out.data_ptr(), N,
-                                gate.shape[-1])
+    _call("silu_mul", gate, sg, up, _rows(up, "up")[1], out, N, gate.shape[-1])
     return out
 
 
 def store_rows(pool, slots, x, check_values=True):
-    """pool[slots] = x in one call: rows x `[N, H, D]` (any strides, D contiguous) into pool `[S, H, D]`
-    (contiguous) at slots int64 `[N]`, as a serving step writes its keys and values into their pages.
-    check_values reads the slots' range first; a caller whose slots come from a block manager passes False.
-    Falls back to PyTorch's indexed write off the CPU, for other dtypes, or without the C++ library."""
+    """pool[slots] = x in one call: rows x `[N, H, D]` (any strides, D contiguous) into pool
+    `[S, H, D]` (contiguous) at slots int64 `[N]`, a step's keys or values into their pages.
+    check_values reads the slots' range first (a block manager's slots need not). PyTorch's indexed
+    write serves off the CPU, for other dtypes, or without the C++ library."""
     if (pool.device.type != "cpu" or pool.dtype not in DTYPES or x.dtype != pool.dtype or not pool.is_contiguous()
             or x.stride(-1) != 1 or slots.dtype != torch.int64 or not cpu_kernel_available()):
         pool[slots] = x
@@ -98,6 +87,5 @@ def store_rows(pool, slots, x, check_values=True):
                          f"got slots {tuple(slots.shape)}")
     if check_values and N and not (0 <= int(slots.min()) and int(slots.max()) < pool.shape[0]):
         raise ValueError(f"slots must lie in 0..{pool.shape[0] - 1}")
-    slots = slots.contiguous()
-    _fn("store", x.dtype)(x.data_ptr(), x.stride(0), x.stride(1), pool.data_ptr(), slots.data_ptr(), N, H, D)
+    _call("store", x, x.stride(0), x.stride(1), pool, slots.contiguous(), N, H, D)
     return pool

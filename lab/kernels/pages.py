@@ -1,9 +1,5 @@
-"""Contiguous keys and values written into pages: the inputs every paged-attention function takes.
-
-`paged_copy` is the inverse of the gather in `paged_attention_reference`: it scatters each sequence's
-positions over pages of a pool, in random order, and returns the block tables that find them again.
-Chapter 5 and the GPU script time paged attention on its output against attention over the contiguous
-original.
+"""Contiguous keys and values written into pages (the inverse of `paged_attention_reference`'s
+gather): chapter 5 and the GPU script time paged attention on them against the contiguous original.
 """
 
 import math
@@ -13,13 +9,10 @@ import torch.nn.functional as F
 
 
 def paged_copy(k, v, page_size: int, generator=None):
-    """The same keys and values `[B, H_kv, L, D]` (CPU tensors), written into pages scattered at random
-    in a pool (`generator` seeds the order).
-
-    Sequence b's position t lands in page `tables[b, t // page_size]` at offset `t % page_size`; the
-    tail of each last page is zero. Returns pools `[B * P, page_size, H_kv, D]` (k's and v's dtype),
-    block tables int32 `[B, P]` and lengths int32 `[B]` (all L), with P = ceil(L / page_size).
-    """
+    """The same keys and values `[B, H_kv, L, D]` (CPU tensors) in pages scattered at random over a
+    pool (`generator` seeds the order), the tail of each last page zero. Returns pools
+    `[B * P, page_size, H_kv, D]` (k's and v's dtype), block tables int32 `[B, P]` and lengths int32
+    `[B]` (all L), with P = ceil(L / page_size)."""
     B, H, L, D = k.shape
     P = math.ceil(L / page_size)
     tables = torch.randperm(B * P, generator=generator).view(B, P).to(torch.int32)      # [B, P]

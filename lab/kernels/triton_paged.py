@@ -4,9 +4,10 @@ The kernel never gathers the pages into a contiguous copy, as the PyTorch refere
 sequence's block table, loads one page of keys and values at a time straight from the pool, and keeps
 an online softmax (a running maximum and sum, as in FlashAttention) so that only one page is in flight.
 
-`paged_attention` always launches this kernel. On a GPU Triton compiles it; on CPU tensors it runs only
-under Triton's interpreter (`TRITON_INTERPRET=1`), which executes the same code with NumPy: slow, but it
-lets the CPU test suite check the very kernel a GPU runs against `paged_attention_reference`.
+`paged_attention` always launches it: compiled on a GPU, or for CPU tensors run with NumPy by
+Triton's interpreter (slow, but the CPU tests check the very kernel a GPU runs). Triton reads
+TRITON_INTERPRET when `@triton.jit` decorates the kernel, as this module is imported: set it before
+(the tests and chapter 5's notebook do); importing `lab` never changes the environment.
 """
 
 import math
@@ -15,36 +16,29 @@ import torch
 
 from .checks import check_paged_inputs
 
-# Triton 3.9 reads TRITON_INTERPRET when `@triton.jit` decorates a function, i.e. while this module is
-# imported. Without a GPU the interpreter is the only way the kernel can run: set TRITON_INTERPRET=1 before
-# Python imports this module (the tests' configuration and chapter 5's notebook do); importing `lab` never
-# changes the environment of the process.
 # Known pitfall (torch 2.13, triton 3.9): once `torch._dynamo` is imported in a process (transformers'
 # `generate` imports it), the interpreter can no longer run Triton's own @jit helpers (tl.zeros, tl.sum,
 # ...) and the kernel fails with "Cannot call @triton.jit'd outside of the scope of a kernel". On a GPU
 # the compiled kernel is unaffected; on the CPU, run the interpreter in a process that has not imported it.
 try:
-    import triton  # noqa: E402
-    import triton.language as tl  # noqa: E402
+    import triton
+    import triton.language as tl
 except ImportError:  # Triton is optional: the `gpu` and `dev` extras install it
     triton = None
+INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1
 
 
-def _next_power_of_2(n: int, at_least: int = 16) -> int:
+def _next_power_of_2(n: int) -> int:
     # Triton blocks have power-of-two sizes, and tl.dot needs every dimension to be at least 16.
-    return max(at_least, 1 << (n - 1).bit_length())
+    return max(16, 1 << (n - 1).bit_length())
 
 
 if triton is not None:
-    INTERPRETED = bool(triton.knobs.runtime.interpret)  # how the kernel below is decorated
-
-    # One program per (sequence, kv head), not per (sequence, query head). Decode attention is bound by
-    # memory traffic: every key and value is used for one dot product per query head. A program that
-    # owns a kv head loads the GROUP query heads that share it as a [GROUP, D] block, so each page of
-    # K and V is read from memory once per kv head instead of once per query head (3x less traffic for
-    # SmolLM2's 9 query / 3 kv heads). The price is fewer programs (batch * kv_heads): at batch 1 a GPU
-    # is far from full. Splitting long sequences across programs (flash-decoding) would fix that; it is
-    # left out to keep the kernel short.
+    # One program per (sequence, kv head), not per (sequence, query head): decode attention is bound
+    # by memory traffic, and a program that owns a kv head loads the GROUP query heads that share it
+    # as one [GROUP, D] block, so each page of K and V is read once per kv head (3x less traffic for
+    # SmolLM2's 9 query / 3 kv heads). The price: at batch 1 a GPU is far from full; splitting long
+    # sequences across programs (flash-decoding) would fix that, left out to keep the kernel short.
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, lengths_ptr, out_ptr, lse_ptr,
@@ -128,8 +122,6 @@ if triton is not None:
         # endregion
         if LSE:                                             # log sum exp(s) = m + log sum exp(s - m)
             tl.store(lse_ptr + seq * stride_lb + q_heads * stride_lh, m_i + tl.log(l_i), mask=g_mask)
-else:
-    INTERPRETED = False
 
 
 def require_triton(name: str, device) -> None:
@@ -146,13 +138,10 @@ def require_triton(name: str, device) -> None:
 
 def paged_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
                     window: int = 0, sinks: int = 0):
-    """Decode attention over paged keys and values with the Triton kernel. Returns [B, H_q, D] in q's dtype.
-
-    Same arguments and result as `paged_attention_reference`: q [B, H_q, D]; k_pool, v_pool
-    [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages]; lengths int32 [B]; scale defaults
-    to 1/sqrt(D); window, sinks as there. Always launches the kernel: CUDA tensors, or any tensors under
-    TRITON_INTERPRET=1.
-    """
+    """Decode attention over paged keys and values with the Triton kernel, always launched: CUDA
+    tensors, or any under TRITON_INTERPRET=1. The arguments of `paged_attention_reference`: q
+    [B, H_q, D]; k_pool, v_pool [num_pages, page_size, H_kv, D]; block_tables int32 [B, max_pages];
+    lengths int32 [B]; scale defaults to 1/sqrt(D). Returns [B, H_q, D] in q's dtype."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     require_triton("paged_attention", q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, H_q, D]

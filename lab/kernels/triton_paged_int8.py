@@ -7,12 +7,8 @@ constant along the head dimension, so it leaves the dot product:
     q . (s_t * c_t) = s_t * (q . c_t)        keys: one multiply per score, after the dot product
     sum_t p_t * (s_t * c_t) = sum_t (p_t * s_t) * c_t    values: fold the scale into the probability
 
-Everything else is as for float pages: one program per (sequence, KV head), the query group loaded once,
-a walk over the block table, an online softmax. Only the loads and those two multiplies differ; the
-bytes read per position drop from 2 * D * 2 (float16 K and V) to 2 * (D + 4) (codes and float32 scales).
-
-`paged_attention_int8` always launches the kernel: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1,
-as for `paged_attention`.
+Everything else is as for float pages. Only the loads and those two multiplies differ; the bytes
+read per position drop from 2 * D * 2 (float16 K and V) to 2 * (D + 4) (codes and float32 scales).
 """
 
 import torch
@@ -53,9 +49,9 @@ def paged_attention_int8(q, k_pool, v_pool, k_scale, v_scale, block_tables, leng
     """Decode attention over INT8 pages with the Triton kernel. Returns float32 [B, H_q, D].
 
     q [B, H_q, D] float; k_pool, v_pool int8 [num_pages, page_size, H_kv, D]; k_scale, v_scale float
-    [num_pages, page_size, H_kv] (x ~ scale * code); block_tables int32 [B, max_pages]; lengths int32 [B];
-    scale defaults to 1/sqrt(D). The oracle is `paged_attention_int8_reference`.
-    """
+    [num_pages, page_size, H_kv] (x ~ scale * code); block_tables int32 [B, max_pages]; lengths
+    int32 [B]; scale defaults to 1/sqrt(D). Launches the kernel as `paged_attention` does; the
+    oracle is `paged_attention_int8_reference`."""
     check_int8_pages(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, check_values)
     require_triton("paged_attention_int8", q.device)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # [B, H_q, D]
@@ -63,13 +59,12 @@ def paged_attention_int8(q, k_pool, v_pool, k_scale, v_scale, block_tables, leng
 
 
 def quantize_pages(k_pool, v_pool, scale_dtype=torch.float32):
-    """Float pools [num_pages, page_size, H_kv, D] -> (k_codes, v_codes int8 [same shape],
-    k_scale, v_scale [num_pages, page_size, H_kv] in scale_dtype): one symmetric absmax scale per token
-    per kv head, codes in -127..127, |x - scale * code| <= scale / 2 per element.
-
-    The grid is QuantizedCache's 8-bit symmetric one (lab/cache/quant.py) with signed codes; written out
-    here because the kernels import nothing from the caches that call them."""
-    out = []
+    """Float pools [num_pages, page_size, H_kv, D] -> (k_codes, v_codes int8 [same shape], k_scale,
+    v_scale [num_pages, page_size, H_kv] in scale_dtype): one symmetric absmax scale per token per
+    kv head, codes in -127..127, |x - scale * code| <= scale / 2 per element. The grid is
+    QuantizedCache's 8-bit symmetric one (lab/cache/quant.py) with signed codes, written out here
+    because the kernels import nothing from the caches that call them."""
+    codes, scales = [], []
     for pool in (k_pool, v_pool):
         x = pool.to(torch.promote_types(pool.dtype, torch.float32))
         exact = x.abs().amax(-1) / 127                                   # [P, T, H]
@@ -77,7 +72,6 @@ def quantize_pages(k_pool, v_pool, scale_dtype=torch.float32):
         up = torch.nextafter(s, torch.full_like(s, float("inf")))         # rounded up, so no code clips
         s = torch.where(s.to(x.dtype) < exact, up, s)
         div = s.to(x.dtype)[..., None]
-        codes = torch.round(x / torch.where(div > 0, div, 1)).clamp_(-127, 127).to(torch.int8)
-        out.append((codes, s))
-    (k_codes, k_scale), (v_codes, v_scale) = out
-    return k_codes, v_codes, k_scale, v_scale
+        codes.append(torch.round(x / torch.where(div > 0, div, 1)).clamp_(-127, 127).to(torch.int8))
+        scales.append(s)
+    return (*codes, *scales)

@@ -19,10 +19,9 @@ def forward_cached(ids, weights, config, cache, last_only=False, positions=None,
     Prefill, chunked prefill and decode are one call, for both families: only `embed_at`, `block`
     and `head` belong to the architecture. The cache refuses another model's state
     (CacheMismatchError). `positions` `[T]` overrides where the model is told the tokens sit
-    (chapter 4's stale offset; a serving step's plan passes its own). `logits_at` `[K]` keeps
-    those tokens' logits only, `[B, K, V]`. `state`: `owner(weights, config)` when the caller
-    has just computed it (the serving engine, once per step), not read twice. The differences
-    from `forward` are marked NEW.
+    (chapter 4's stale offset; a serving step's plan passes its own); `logits_at` `[K]` keeps those
+    tokens' logits only, `[B, K, V]`; `state` is `owner(weights, config)` when the caller has just
+    computed it (the serving engine, once a step). The differences from `forward` are marked NEW.
     """
     family = gpt2 if config.arch == "gpt2" else llama
     cache.check_model(config, state or owner(weights, config))  # NEW: the cache holds its state
@@ -34,8 +33,7 @@ def forward_cached(ids, weights, config, cache, last_only=False, positions=None,
         check_positions(positions, config)
     x, at = family.embed_at(ids, weights, config, positions)  # NEW: tokens at their positions
     block = getattr(weights, "block", family.block)  # the engine's Prepacked brings its own (ch. 8)
-    if not config.as_trained:                        # a cache shaped by the architecture (ch. 10)
-        block = retrofit.block
+    block = block if config.as_trained else retrofit.block  # a retrofit reshapes the layer (ch. 10)
     for i in range(config.n_layers):
         x = block(x, weights, i, config, cache.attend, *at)  # NEW: k, v via the cache
     cache.advance(ids.shape[1])                          # NEW: commit the T positions

@@ -58,17 +58,11 @@ FINGERPRINT_RUN = 8        # consecutive elements per run: a run lies in one or 
 
 def fingerprint(weights: dict) -> bytes:
     """The exact bytes of a strided sample of every tensor: FINGERPRINT_SAMPLES elements, in runs of
-    FINGERPRINT_RUN consecutive ones evenly spaced over each tensor (all of a smaller one).
-
-    A write that changes every element (a new checkpoint copied in, a matrix scaled, an
-    optimizer step) changes the sample, however it was made: through `.data`, a NumPy view
-    or inside `torch.inference_mode()`, none of which moves the version counter. A write
-    that changes only elements between the runs (one row of the embedding table) does
-    not: the version counter sees that one when it is an ordinary in-place operation, and
-    nothing sees it otherwise. Runs, not single elements, because between two serving steps
-    the weights have left the processor's caches: each run costs one miss. Compared byte for
-    byte (NaN included); on a GPU, reading the sample back waits for the device. On the CPU
-    one C++ call reads every run (`sample_runs`); this loop is the same in PyTorch."""
+    FINGERPRINT_RUN consecutive ones evenly spaced over each tensor (all of a smaller one). A write
+    that changes every element changes the sample, however it was made; one that changes only
+    elements between the runs does not (chapter 4). Compared byte for byte (NaN included); on a GPU,
+    reading the sample back waits for the device. On the CPU one C++ call reads every run
+    (`sample_runs`); this loop is the same in PyTorch."""
     tensors = list(weights.values())
     fast = sample_runs(tensors, FINGERPRINT_SAMPLES, FINGERPRINT_RUN)
     if fast is not None:
@@ -94,14 +88,13 @@ def tensor_versions(weights: dict) -> tuple:
 
 
 def weights_state(weights: dict) -> tuple:
-    """Which tensors, in which state: their versions, and their fingerprint, which changes with a write
-    the version counters do not see (`.data`, a NumPy view, an inference tensor written in inference mode)."""
+    """Which tensors, in which state: `tensor_versions`, and the `fingerprint` that sees writes the
+    counters do not."""
     return tensor_versions(weights), fingerprint(weights)
 
 
 def owner(weights: dict, config) -> tuple:
-    """The identity a cache records for the model that fills it: its config and its weights' state (which
-    tensors, their version counters, their fingerprint). Equal owners: the same tensors, unchanged as far
-    as the counters and the fingerprint can tell. An identical copy of the weights (other tensors, equal
-    values) is another owner: proving it equal would mean hashing every weight, so it is not assumed."""
+    """The identity a cache records for the model that fills it: its config and its weights' state.
+    An identical copy of the weights (other tensors, equal values) is another owner: proving it
+    equal would mean hashing every weight, so it is not assumed."""
     return config, weights_state(weights)

@@ -64,10 +64,11 @@ class ModelConfig:
 
     @property
     def kv_layout(self) -> tuple:
-        """What a cache holds per position: (layers, heads, dim) of the key tensor, the value tensor alike.
-        As trained: (n_layers, n_kv_heads, head_dim). share_kv(every): one cache layer per `every` layers.
-        latent_kv(rank): the keys' latent (rank / 2 values) in the key slot and the values' in the value
-        slot, as one head: every cache design holds a latent model's cache as it holds any other."""
+        """What a cache holds per position: (layers, heads, dim) of the key tensor, the value tensor
+        alike. As trained: (n_layers, n_kv_heads, head_dim); share_kv(every): one cache layer per
+        `every` layers; latent_kv(rank): the keys' latent (rank / 2 values) in the key slot and the
+        values' in the value slot, as one head, so every cache holds a latent model's cache as it
+        holds any other."""
         layers = -(-self.n_layers // self.kv_share)
         return (layers, 1, self.kv_rank // 2) if self.kv_rank else (layers, self.n_kv_heads, self.head_dim)
 
@@ -84,17 +85,16 @@ class ModelConfig:
         return self.window, self.sinks
 
     def kv_bytes_per_position(self, dtype=None) -> int:
-        """Bytes one position occupies in a cache of `dtype` (the model's by default): 2 (K and V) x layers
-        x kv_heads x head_dim x bytes per element, as `kv_layout` counts them. SmolLM2 in bfloat16:
-        2 x 30 x 3 x 64 x 2 = 23,040. A local layer's cache holds every position here as well; a cache that
-        frees what left the window holds less (`kv_bytes`)."""
+        """Bytes a position occupies in a cache of `dtype` (the model's by default), as `kv_layout`
+        counts them: SmolLM2 in bfloat16, 2 (K and V) x 30 x 3 x 64 x 2 = 23,040. A local layer's
+        every position counts; `kv_bytes` counts a cache that frees what left the window."""
         size = torch.empty((), dtype=dtype or self.torch_dtype).element_size()
         layers, heads, dim = self.kv_layout
         return 2 * layers * heads * dim * size
 
     def kv_bytes(self, positions: int, dtype=None) -> int:
-        """Bytes of one sequence of `positions` in a cache that keeps, for a local layer, only its window and
-        sinks: global layers every position, local ones at most window + sinks."""
+        """Bytes of one sequence of `positions` in a cache that keeps, for a local layer, only its
+        window and sinks (at most window + sinks positions)."""
         layers, heads, dim = self.kv_layout
         per_layer = self.kv_bytes_per_position(dtype) // layers
         return sum(per_layer * (min(positions, w + s) if w else positions)
@@ -125,9 +125,8 @@ class ModelConfig:
                        d_ff=hf["intermediate_size"], max_positions=hf["max_position_embeddings"],
                        norm_eps=hf["rms_norm_eps"], rope_theta=float(theta),
                        tie_embeddings=hf.get("tie_word_embeddings", False), name=name)
-        raise NotImplementedError(
-            f"{name}: model_type {hf.get('model_type')!r} is not supported; "
-            "the book implements the GPT-2 and Llama/Qwen families")
+        raise NotImplementedError(f"{name}: model_type {hf.get('model_type')!r} is not supported; "
+                                  "the book implements the GPT-2 and Llama/Qwen families")
 
     def to_hf(self) -> dict:
         """The Hugging Face config.json for this config (used to build the transformers oracle)."""

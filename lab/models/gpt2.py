@@ -13,13 +13,11 @@ from .checks import check_ids
 
 
 def split_heads(x, n_heads):  # [B, T, H*D] -> [B, H, T, D]
-    B, T, _ = x.shape
-    return x.view(B, T, n_heads, -1).transpose(1, 2)
+    return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)
 
 
 def merge_heads(x):  # [B, H, T, D] -> [B, T, H*D]
-    B, H, T, D = x.shape
-    return x.transpose(1, 2).reshape(B, T, H * D)
+    return x.transpose(1, 2).flatten(2)
 
 
 def gelu_new(x):  # the tanh approximation GPT-2 was trained with

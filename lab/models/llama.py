@@ -106,9 +106,8 @@ def block(x, w, i, config, attend, rope_cs):
 
 
 def fused_block(x, w, i, config, attend, rope_cs):
-    """`block` as the serving engine runs it with `Prepacked` weights on the CPU: the same arithmetic in
-    fewer calls (lab/kernels/fused.py). RoPE turns q and k in place in the merged product, the residual add
-    and the second RMSNorm are one call, SiLU and the gate product one. rope_cs: cos, sin `[T, D]`."""
+    """`block` as the serving engine runs it with `Prepacked` weights on the CPU: the same
+    arithmetic in fewer calls (lab/kernels/fused.py). rope_cs: cos, sin `[T, D]`."""
     if x.shape[0] != 1 or rope_cs[0].dim() != 2:     # one row of tokens (a serving step); else the reference
         return block(x, w, i, config, attend, rope_cs)
     p, eps = f"model.layers.{i}.", config.norm_eps
@@ -148,9 +147,7 @@ def causal_attention(i, q, k, v):  # grouped-query: a KV head serves n_heads / n
 def forward(ids, w, config, last_only=False):
     """Uncached forward: logits `[B, T, V]` for ids `[B, T]` (`[B, 1, V]` with last_only)."""
     ids = check_ids(ids, config)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    x = embed(ids, w)
-    rope_cs = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)
+    x, (rope_cs,) = embed_at(ids, w, config, torch.arange(ids.shape[1], device=ids.device))
     for i in range(config.n_layers):
         x = block(x, w, i, config, causal_attention, rope_cs)
     return head(x[:, -1:] if last_only else x, w, config)

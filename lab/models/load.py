@@ -53,11 +53,10 @@ class Model:
 
     @property
     def manifest(self) -> str:
-        """sha256 of the weight files and the config; of the tensors and the config for random models, and
-        once any weight was changed in place (an optimizer step, `w.mul_(3)`) or replaced, when the files no
-        longer describe them. Every call compares the weights' state (`weights_state`: version counters,
-        storages and a sampled fingerprint; under a millisecond for SmolLM2, chapter 4 measures it) and hashes
-        the tensors again only when that changed."""
+        """sha256 of the weight files and the config; of the tensors and the config for random
+        models, and once a weight was changed in place (an optimizer step, `w.mul_(3)`) or replaced.
+        Every call compares the weights' state (`weights_state`, under a millisecond for SmolLM2:
+        chapter 4) and hashes the tensors again only when that changed."""
         state = weights_state(self.weights)
         if self.files and state == self._loaded:
             if self._manifest is None:
@@ -144,31 +143,24 @@ def locate(name: str) -> tuple[Path, str]:
 
 
 def scaled_copy(model: Model, name: str, factor: float) -> Model:
-    """A variant of `model` whose weight `name` is multiplied by `factor`, every shape kept: what a fine-tune,
-    an adapter swap or a requantization does to a model. The scaled weight is a new tensor; the others are
-    shared with `model`, not copied. The variant has no files, so its manifest is the hash of its own
-    tensors: another model, for every identity check."""
+    """A variant of `model` with weight `name` times `factor`, every shape kept (what a fine-tune,
+    an adapter swap or a requantization does), the other weights shared. It has no files, so its
+    manifest is the hash of its own tensors: another model, for every identity check."""
     if name not in model.weights:
         raise KeyError(f"{model.name} has no weight {name!r}; its weights include "
                        f"{', '.join(list(model.weights)[:4])}, ...")
-    weights = dict(model.weights)
-    weights[name] = weights[name] * factor
+    weights = {**model.weights, name: model.weights[name] * factor}
     return Model(f"{model.name}-{name}x{factor:g}", model.config, weights, model.tokenizer)
 
-
-# ---- folders in Hugging Face format ------------------------------------------------------------------
 
 def load_folder(folder: Path, name: str, dtype=torch.float32) -> Model:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    hf_config = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf(hf_config, name=name)
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), name=name)
     files = sorted(folder.glob("*.safetensors"))
-    weights = {}
     if files:
-        for f in files:
-            weights.update(load_file(str(f)))
+        weights = {k: v for f in files for k, v in load_file(str(f)).items()}
     elif (folder / "pytorch_model.bin").exists():
         files = [folder / "pytorch_model.bin"]
         weights = torch.load(files[0], map_location="cpu", weights_only=True)
@@ -181,9 +173,8 @@ def load_folder(folder: Path, name: str, dtype=torch.float32) -> Model:
 
 
 def hf_hub_cache() -> Path:
-    if "HF_HUB_CACHE" in os.environ:
-        return Path(os.environ["HF_HUB_CACHE"])
-    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    default = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    return Path(os.environ.get("HF_HUB_CACHE", default))
 
 
 def hf_cache_folder(repo_id: str) -> Path | None:
@@ -191,14 +182,10 @@ def hf_cache_folder(repo_id: str) -> Path | None:
     repo = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
     ref = repo / "refs" / "main"
     snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.exists() else []
-    snapshots += sorted((repo / "snapshots").glob("*")) if (repo / "snapshots").exists() else []
-    for s in snapshots:
-        if (s / "config.json").exists() and (any(s.glob("*.safetensors")) or (s / "pytorch_model.bin").exists()):
-            return s
-    return None
+    snapshots += sorted((repo / "snapshots").glob("*"))
+    return next((s for s in snapshots if (s / "config.json").exists()
+                 and (any(s.glob("*.safetensors")) or (s / "pytorch_model.bin").exists())), None)
 
-
-# ---- the default model: SmolLM2-135M-Instruct from the GGUF file in a PyPI wheel -----------------------
 
 def smollm2_folder() -> Path:
     """The dequantized SmolLM2 folder in the cache; converted from the wheel's GGUF file on first use."""
@@ -209,11 +196,9 @@ def smollm2_folder() -> Path:
 
 
 def convert_smollm2(out: Path):
-    """Dequantize the Q4_1 GGUF release to a float32 safetensors folder (once, about 20 s).
-
+    """Dequantize the Q4_1 GGUF release to a float32 safetensors folder (once, about 20 s):
     transformers' GGUF reader (with the `gguf` package) dequantizes the blocks and undoes the
-    query/key row permutation that llama.cpp's converter applies for its RoPE layout.
-    """
+    query/key row permutation that llama.cpp's converter applies for its RoPE layout."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,8 +221,6 @@ def convert_smollm2(out: Path):
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
-
-# ---- random weights, seeded -----------------------------------------------------------------------------
 
 def random_model(config: ModelConfig, seed: int = 0, dtype=torch.float32) -> Model:
     """A model with seeded random weights in Hugging Face naming, GPT-2's init scale (std 0.02)."""
@@ -271,12 +254,8 @@ def random_model(config: ModelConfig, seed: int = 0, dtype=torch.float32) -> Mod
         w["model.norm.weight"] = norm_w(D)
         if not config.tie_embeddings:
             w["lm_head.weight"] = normal(V, D)
-    w = {k: v.to(dtype) for k, v in w.items()}
-    return Model(config.name, dataclasses.replace(config, dtype=str(dtype).removeprefix("torch.")), w,
-                 ByteTokenizer())
+    return Model(config.name, config, {k: v.to(dtype) for k, v in w.items()}, ByteTokenizer())
 
-
-# ---- manifests --------------------------------------------------------------------------------------------
 
 def _hash_files(files) -> str:
     """sha256 over the files' names and bytes; remembered per (path, size, mtime) so a reload is instant."""

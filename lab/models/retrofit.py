@@ -1,15 +1,10 @@
 """Retrofits: a new Model from an old one, which every cache, backend and the engine accept.
 
 Chapter 10 shapes the cache from inside the model, without training: fewer key/value heads
-(`pool_kv_heads`), a latent per token instead of keys and values (`latent_kv`), layers that see only a
-window (`local_layers`) and layers that read a lower layer's cache (`share_kv`). Each sets fields of the
-config (`kv_rank`, `window`, `global_every`, `sinks`, `kv_share`) that the caches read through
-`config.kv_layout` and apply in their attention (lab/cache/base.py), so the same caches hold and read
-them. `block` is the layer every cached forward runs for a retrofitted model; `forward` is its uncached
-oracle, written apart.
-
-`with_outlier_channels` computes the same function with keys whose range is uneven (chapter 7's
-quantizers meet outlier channels this way).
+(`pool_kv_heads`), a latent per token instead of keys and values (`latent_kv`), layers that see only
+a window (`local_layers`) and layers that read a lower layer's cache (`share_kv`), each by setting
+fields of the config that the caches apply. `block` is the layer every cached forward runs for a
+retrofitted model; `forward` is its uncached oracle, written apart.
 """
 
 import dataclasses
@@ -19,7 +14,7 @@ import torch.nn.functional as F
 
 from .checks import check_ids
 from .gpt2 import merge_heads, split_heads
-from .llama import embed, head, project, rms_norm, rope, rope_tables
+from .llama import embed_at, head, project, rms_norm, rope, rope_tables
 from .load import Model
 
 OUTLIER_FACTOR, OUTLIER_PAIRS = 16.0, (3,)
@@ -29,7 +24,6 @@ class RetrofitError(ValueError):
     """A retrofit's setting that does not fit the model (a rank above the head dimensions, a window < 1)."""
 
 
-# region latent
 def bases(w, layer: int) -> tuple:
     """U_k, U_v `[kv_heads x head_dim, rank / 2]`: the orthonormal bases of cache layer `layer`'s latent."""
     return w[f"model.layers.{layer}.self_attn.k_latent"], w[f"model.layers.{layer}.self_attn.v_latent"]
@@ -63,15 +57,12 @@ def expand_output(o, U_v, config):
     H, D, r = config.n_kv_heads, config.head_dim, U_v.shape[1]
     per_head = U_v.view(H, D, r).repeat_interleave(config.group_size, dim=0)      # [H_q, D, r/2]
     return o @ per_head.transpose(1, 2)
-# endregion
 
 
-# region block
 def block(x, w, i, config, attend, rope_cs):
     """One decoder layer of a retrofitted model, as every cache runs it: layer i reads cache layer
-    config.kv_layer(i), and stores into it only when it is the lowest of the layers that share it. A latent
-    model attends in latent space (absorbed): each query turned into the latent's coordinates, the latent
-    itself both key and value, the output turned back into values. The cache applies the window."""
+    config.kv_layer(i), and stores into it only when it is the lowest of the layers that share it. A
+    latent model attends in latent space (absorbed); the cache applies the window."""
     p, eps = f"model.layers.{i}.", config.norm_eps
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
     j, stores = config.kv_layer(i), i % config.kv_share == 0
@@ -136,8 +127,7 @@ def forward(ids, w, config, last_only=False, held=None):
     `held`, a dict, receives each cache layer's keys (after RoPE) and values `[B, H_kv, T, D]`."""
     ids = check_ids(ids, config)
     T = ids.shape[1]
-    x = embed(ids, w)
-    rope_cs = rope_tables(torch.arange(T, device=ids.device), config.head_dim, config.rope_theta, x.dtype)
+    x, (rope_cs,) = embed_at(ids, w, config, torch.arange(T, device=ids.device))
     held = {} if held is None else held                     # cache layer -> (k, v) of this call
     for i in range(config.n_layers):
         p, eps = f"model.layers.{i}.", config.norm_eps
@@ -156,10 +146,8 @@ def forward(ids, w, config, last_only=False, held=None):
         gate, up = project(h, w, p + "mlp.gate_proj", p + "mlp.up_proj")
         x = x + project(F.silu(gate) * up, w, p + "mlp.down_proj")
     return head(x[:, -1:] if last_only else x, w, config)
-# endregion
 
 
-# region retrofits
 def retrofitted(model, name: str, weights: dict | None = None, **fields) -> Model:
     """A new Model: the same tokenizer, these weights (the model's by default), the config with `fields`."""
     config = dataclasses.replace(model.config, name=f"{model.config.name or model.name}-{name}", **fields)
@@ -186,9 +174,8 @@ def count(what, n, low, high):
 
 def pool_kv_heads(model, kv_heads: int) -> Model:
     """Fewer key/value heads by mean-pooling neighbouring ones (the GQA paper's conversion before
-    uptraining): each new head's key and value projections are the mean of the heads it replaces, and it
-    serves all their queries. kv_heads must divide the model's KV heads (and so its query heads);
-    the model's own count returns the same function."""
+    uptraining): each new head's key and value projections are the mean of the heads it replaces,
+    and it serves all their queries. The model's own count returns the same function."""
     cfg = llama_config(model)
     count("kv_heads", kv_heads, 1, cfg.n_kv_heads)
     if cfg.n_kv_heads % kv_heads:
@@ -197,13 +184,10 @@ def pool_kv_heads(model, kv_heads: int) -> Model:
     if cfg.kv_rank or cfg.kv_share > 1:
         raise RetrofitError("pool_kv_heads comes before latent_kv and share_kv")
     weights, m = dict(model.weights), cfg.n_kv_heads // kv_heads
-    for i in range(cfg.n_layers):
-        for x in "kv":
-            for part in ("weight", "bias"):
-                name = f"model.layers.{i}.self_attn.{x}_proj.{part}"
-                if name in weights:                              # [H_kv * D, d_model] (a bias: [H_kv * D])
-                    t = weights[name]
-                    weights[name] = t.view(kv_heads, m, cfg.head_dim, *t.shape[1:]).mean(1).flatten(0, 1)
+    kv = tuple(f"self_attn.{x}_proj.{part}" for x in "kv" for part in ("weight", "bias"))
+    for name, t in model.weights.items():
+        if name.endswith(kv):                       # [H_kv * D, d_model] (a bias: [H_kv * D])
+            weights[name] = t.view(kv_heads, m, cfg.head_dim, *t.shape[1:]).mean(1).flatten(0, 1)
     return retrofitted(model, f"kv{kv_heads}", weights, n_kv_heads=kv_heads)
 
 
@@ -261,8 +245,7 @@ def calibration_moments(model, calibration_ids, before_rope: bool = False) -> di
             held = {j: (rope(k, cos, -sin), v) for j, (k, v) in held.items()}
         for j, kv in held.items():
             x = [t[0].transpose(0, 1).flatten(1).double() for t in kv]          # [T, H_kv D] each
-            old = moments.get(j, (0, 0))
-            moments[j] = tuple(o + a.T @ a for o, a in zip(old, x, strict=True))
+            moments[j] = tuple(o + a.T @ a for o, a in zip(moments.get(j, (0, 0)), x, strict=True))
     return moments
 
 
@@ -298,7 +281,6 @@ def share_kv(model, every: int = 2) -> Model:
     if cfg.kv_share > 1 or cfg.kv_rank:
         raise RetrofitError("share_kv takes a model that does not share or hold a latent yet (apply it first)")
     return retrofitted(model, f"share{every}", kv_share=every)
-# endregion
 
 
 def with_outlier_channels(model, factor=OUTLIER_FACTOR, pairs=OUTLIER_PAIRS):
