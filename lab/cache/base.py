@@ -64,7 +64,7 @@ class KVCache:
     """What every design shares: the committed length, the positions pending in this step, the owner."""
 
     def __init__(self, config, batch_size: int = 1, dtype=None, device="cpu"):
-        checks.at_least_one("batch_size", batch_size)
+        checks.int_arg("batch_size", batch_size, low=1)
         dtype = config.torch_dtype if dtype is None else dtype  # the model's, unless told otherwise
         self.config, self.batch_size, self.dtype = config, batch_size, dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors say it

@@ -17,11 +17,10 @@ The free list is a queue in the order pages were freed, as vLLM's free block que
 front, returned at the back, and a cached page taken back from the middle (a prefix hit). An ordered
 dict does all three in O(1).
 
-Every operation checks everything first and changes nothing when it fails (the checks are the
-functions at the end of this file): an exhausted pool raises OutOfPagesError and the caller (a scheduler)
-may preempt a sequence and try again. Sequence ids are any hashable value the caller picks, except a bool
-(True would name sequence 1); a released id is never reused, so a stale handle fails loudly ("use after
-release").
+Every operation checks everything first (the functions at the end of this file) and changes nothing
+when it fails: an exhausted pool raises OutOfPagesError and the caller (a scheduler) may preempt a
+sequence and try again. Sequence ids are any hashable value but a bool (True would name sequence 1);
+a released id is never reused, so a stale id fails loudly ("use after release").
 
 A block-table entry may be NULL: the page was given back while the sequence lives on (`drop_pages`, which
 lab.cache.hybrid calls for a sliding window's past). Only drop_pages and adopt make such entries; every
@@ -29,6 +28,7 @@ method here skips them, and the partially filled last page, still being written,
 """
 
 from collections import OrderedDict
+from itertools import takewhile
 
 from .checks import int_arg
 from .errors import CacheInputError, CacheStateError, OutOfPagesError
@@ -119,12 +119,9 @@ class BlockManager:
 
     # region block_manager_reserve
     def reserve(self, seq, n: int) -> list[tuple[int, int]]:
-        """Make room for n more positions of `seq` (a new id starts empty).
-
-        Returns the copy-on-write copies to do on the pools before writing, as (src_page, dst_page)
-        pairs: at most one, the shared, partially filled last page. Raises OutOfPagesError, changing
-        nothing, when the free pages do not suffice.
-        """
+        """Make room for n more positions of `seq` (a new id starts empty). Returns the copies to do
+        on the pools before writing, (src_page, dst_page) pairs: at most one, the shared, partially
+        filled last page (copy on write). OutOfPagesError, changing nothing, if pages are short."""
         need = self.pages_needed(seq, n)                 # validates seq and n
         if need > self.num_free:
             raise OutOfPagesError(f"reserve({seq!r}, {n}) needs {need} free pages, the pool has "
@@ -162,7 +159,7 @@ class BlockManager:
         if page in self._keys:                # a cached page nobody holds: evict it, forget its digest
             if self.on_evict is not None:     # a lower tier keeps it first (lab/engine/tiers.py)
                 self.on_evict(page, self._keys[page])
-            del self._cached[self._keys.pop(page)[0]]
+            self._forget(page)
             self.evicted += 1
         self._refs[page] = 1
         return page
@@ -198,8 +195,7 @@ class BlockManager:
         for page in self._tables[src]:
             if page != NULL:
                 self._refs[page] += 1
-        self._tables[dst] = list(self._tables[src])
-        self._lengths[dst] = self._lengths[src]
+        self._tables[dst], self._lengths[dst] = list(self._tables[src]), self._lengths[src]
 
     def _forget(self, page):
         del self._cached[self._keys.pop(page)[0]]
@@ -232,7 +228,6 @@ class BlockManager:
         for i in indices:
             table[i] = NULL
         return self._drop(pages)
-
 
     # region block_manager_prefix
     def register(self, seq, index: int, digest: bytes, parent: bytes, tokens) -> bool:
@@ -271,13 +266,7 @@ class BlockManager:
 
     def _hits(self, keys) -> list[int]:
         """The pages named by the leading keys, up to the first miss."""
-        pages = []
-        for key in keys:
-            page = self.cached(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return list(takewhile(lambda page: page is not None, map(self.cached, keys)))
 
     def cached(self, key) -> int | None:
         """The page named by `key`, (digest, parent, tokens), owned or free; None for a miss or a
@@ -316,8 +305,6 @@ class BlockManager:
                 del self._free[page]
             self._refs[page] += 1
         self._tables[seq], self._lengths[seq] = pages, len(pages) * self.page_size
-
-
 
     # ---- checking ----
     def check(self):

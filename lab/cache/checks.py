@@ -10,21 +10,20 @@ import torch
 
 from .errors import CacheFullError, CacheInputError, CacheMismatchError, CacheStateError, OutOfPagesError
 
+
 # ---- contiguous caches: the checks KVCache (base.py), ConcatCache and StaticCache call
-
-
 def count(what, n):
     """A number of positions given to advance() or crop() is a whole number."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise CacheStateError(f"{what}() takes a whole number of positions, got {n!r}")
 
 
-def at_least_one(name, n):
-    """A constructor argument (batch_size, max_tokens) is an int of at least 1."""
+def int_arg(what, n, low=0):
+    """An int argument (a count, a page, a slot, a size) of at least `low` (None: any int)."""
     if isinstance(n, bool) or not isinstance(n, int):
-        raise CacheInputError(f"{name} must be an int, got {n!r}")
-    if n < 1:
-        raise CacheInputError(f"{name} must be at least 1, got {n}")
+        raise CacheInputError(f"{what} must be an int, got {n!r}")
+    if low is not None and n < low:
+        raise CacheInputError(f"{what} must be at least {low}, got {n}")
 
 
 def kv(cache, layer, k, v):
@@ -121,41 +120,30 @@ def shared_read(cache, layer, q):
                               f"{tuple(q.shape) if isinstance(q, torch.Tensor) else q!r}")
 
 
-def dtype(held, config, what):
-    """A cache stores keys and values in the dtype its model computes them in (`config.dtype`, the weights')."""
+def fits(what, holder, config):
+    """A cache (or pool) was built for a model of this shape (layers, kv_heads, head_dim), latent
+    and windows, and holds keys and values in the dtype the model computes them in."""
+    mine, theirs = (holder.n_layers, holder.n_kv_heads, holder.head_dim), config.kv_layout
+    if mine != theirs or not same_rules(holder.config, config):
+        raise CacheMismatchError(f"{what} built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}"
+                                 + ("" if mine != theirs else ", with another latent or other windows"))
+    held = holder.dtype
     if held != config.torch_dtype:
         raise CacheMismatchError(f"the {what} holds {held}, the model {config.name or config.arch} computes in "
                                  f"{config.torch_dtype}: build it with the model's dtype (the default)")
 
 
 def model(cache, config, owner):
-    """The cache was built for a model of this shape (layers, kv_heads, head_dim), and the positions it
-    holds were computed by `owner`."""
-    mine, theirs = (cache.n_layers, cache.n_kv_heads, cache.head_dim), config.kv_layout
-    if mine != theirs or not same_rules(cache.config, config):
-        raise CacheMismatchError(f"cache built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}"
-                                 + ("" if mine != theirs else ", with another latent or other windows"))
-    dtype(cache.dtype, config, "cache")
+    """The cache fits the model, and the positions it holds were computed by `owner`."""
+    fits("cache", cache, config)
     held = cache.max_length or any(cache.pending)
     if held and cache.owner is not None and owner != cache.owner:
         raise CacheMismatchError(f"the cache holds {cache.max_length} positions computed by another model (or by "
                                  "these weights before they changed): its keys and values are not this model's. "
                                  "reset() it, or use a new cache")
 
-# ---- end of contiguous caches
-
 
 # ---- pages: the checks PagedCache (paged.py) calls (the BlockManager's own live beside it)
-
-
-def int_arg(what, n, low=0):
-    """An int argument (a count, a page, a slot) of at least `low` (None: any int)."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise CacheInputError(f"{what} must be an int, got {n!r}")
-    if low is not None and n < low:
-        raise CacheInputError(f"{what} must be at least {low}, got {n}")
-
-
 def paged_sizes(max_tokens, page_size, max_seq_tokens):
     """PagedCache(config, max_tokens, page_size, max_seq_tokens=): ints of at least 1 (the last may be None)."""
     for name, v in (("max_tokens", max_tokens), ("page_size", page_size), ("max_seq_tokens", max_seq_tokens)):
@@ -192,12 +180,9 @@ def step_part(manager, seq, n) -> int:
 
 
 def step_model(step, config, owner):
-    """A planned step: the pool was built for this model's shape, and its pages hold `owner`'s keys."""
+    """A planned step: the pool fits the model, and its pages hold `owner`'s keys."""
     pool = step.pool
-    mine, theirs = (pool.n_layers, pool.n_kv_heads, pool.head_dim), config.kv_layout
-    if mine != theirs or not same_rules(pool.config, config):
-        raise CacheMismatchError(f"pool built for (layers, kv_heads, head_dim) = {mine}, model has {theirs}")
-    dtype(pool.dtype, config, "pool")
+    fits("pool", pool, config)
     if pool.owner is not None and owner != pool.owner:
         raise CacheMismatchError("the pool's pages hold keys and values of another model (or of these weights "
                                  "before they changed): use a new pool")
@@ -254,6 +239,3 @@ def step_query(q):
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise CacheInputError(f"q must be a tensor [1, H_q, N, D]: a planned step attends for the layer, "
                               f"got {q if q is None else type(q).__name__}")
-
-
-# ---- end of pages

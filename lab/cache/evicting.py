@@ -1,55 +1,43 @@
 """EvictingCache: keep at most `budget` positions per layer and KV head, and forget the rest.
 
-A full cache does not grow past the budget: after each forward step the cache chooses, for every layer and
-every KV head, which `budget` positions to keep. Four policies choose:
+After each forward step the cache keeps, for every layer and every KV head, `budget` positions,
+chosen by one of four policies:
 
 - "window": the last `budget` positions (a sliding window).
-- "sinks" (StreamingLLM, Xiao et al., 2023): the first `sinks` positions, which soak up attention the
-  model has nowhere else to put, plus the most recent `budget - sinks`.
+- "sinks" (StreamingLLM, Xiao et al., 2023): the first `sinks` positions, which soak up attention
+  the model has nowhere else to put, plus the most recent `budget - sinks`.
 - "h2o" (H2O, Zhang et al., 2023): a recent window (`window`, half the budget by default) plus the
-  "heavy hitters": the older positions that have received the most attention so far. A key's score is
-  the sum, over every query that has seen it, of the attention probability it received, summed over the
-  query heads that share its KV head. Scores are per layer and per KV head, so heads keep different
-  positions.
-- "snapkv" (SnapKV, Li et al., 2024): the last `observation` queries of the prompt vote. Their attention
-  to each earlier position is summed over the observation window, smoothed along positions by a pool of
-  width `pool` (avg or max, stride 1, padding pool // 2, summed over the group's query heads), and each
-  KV head keeps its `budget - observation` best-voted positions plus the observation window itself.
+  "heavy hitters": the older positions that have received the most attention so far, summed over
+  every query that has seen them and the query heads that share their KV head (heads differ).
+- "snapkv" (SnapKV, Li et al., 2024): the last `observation` queries of the prompt vote. Their
+  attention to each earlier position is summed over the observation window, smoothed along positions
+  by a pool of width `pool` (avg or max, stride 1, padding pool // 2, summed over the group's query
+  heads); each KV head keeps its `budget - observation` best-voted positions and the window itself.
 
-When eviction happens. Inside a forward step nothing is evicted: the T new positions are appended, and
-every query of the step attends causally to everything held plus the new keys before it, so a prefill
-longer than the budget is an ordinary causal prefill. `advance(T)`, which the forward calls once every
-layer has attended, commits the step and then trims each layer to the budget. A prompt fed in one step
-therefore differs from the same prompt fed token by token: the latter evicts as it goes.
+When eviction happens. Inside a forward step nothing is evicted: every query of the step attends
+causally to everything held plus the new keys before it, so a prefill longer than the budget is an
+ordinary causal prefill. `advance(T)` commits the step and then trims each layer to the budget, so
+a prompt fed in one step differs from the same prompt fed token by token, which evicts as it goes.
 
 SnapKV votes only in a step of several positions that overflows the budget (a prefill, or a chunk of
 one); its last min(observation, T) queries vote over every position held. Positions appended later
-(decode tokens, a chunk that fits) are protected like the observation window. When decoding overflows
-the budget, each head drops its worst-voted prompt position first; once only protected positions are
-left, it drops the oldest. A cache that never saw an overflowing multi-token step behaves as a window.
-
-Storage, per layer: `keys[i]`, `values[i]` `[B, H_kv, held, D]`, each head's positions in increasing
-order; `kept_positions[i]` `[B, H_kv, held]` the original position of every key (which token it was,
-0-based over everything the cache has seen); `scores[i]` `[B, H_kv, held]` float32, what the policy
-ranks by (h2o: accumulated attention; snapkv: pooled votes, inf for protected positions; None for window
-and sinks). Every head of a layer holds the same number of positions, `held = min(seen, budget)`.
+(decode tokens, a chunk that fits) are protected like the observation window. When decoding
+overflows the budget, each head drops its worst-voted prompt position first, then the oldest
+protected one. A cache that never saw an overflowing multi-token step behaves as a window.
 
 Positions and RoPE. Keys are stored after rotation. `length` counts every token the cache has seen,
-evicted or not, so the next token's position is its true position. With `rerotate=True` ("window" and
-"sinks" only, Llama-family models) the positions inside the cache are contiguous instead, as
-StreamingLLM does it: a new token is rotated at position `held`, and when positions are evicted the kept
-keys slide down to fill the gap and are turned back by the distance Delta they slid, R(p - Delta) =
-R(-Delta) R(p), a rotation computed in float64 and rounded once to the cache's dtype per eviction.
-Heads that keep different positions (h2o, snapkv) would each need their own renumbering, which the
-papers do not do: refused. GPT-2's positions are a learned table, not a rotation: refused.
+evicted or not, so the next token's position is its true position. With `rerotate=True` ("window"
+and "sinks" only, Llama-family models) the positions inside the cache are contiguous instead, as
+StreamingLLM does it: a new token is rotated at position `held`, and when positions are evicted the
+kept keys slide down to fill the gap and are turned back by the distance Delta they slid,
+R(p - Delta) = R(-Delta) R(p), computed in float64 and rounded once per eviction. Heads that keep
+different positions (h2o, snapkv) would each need their own renumbering, which the papers do not
+do, and GPT-2's positions are a learned table, not a rotation: both refused.
 
 crop(n) forgets the tokens from n on. Evicted positions cannot come back, so it drops only positions
-every head still holds: n = 0, or n at or after the oldest position of the recent run every head holds.
-The positions before n are the ones that survived; had the cache seen only n tokens it might have kept
-others. H2O scores keep the attention the dropped queries paid.
-
-nbytes() counts the keys and values, which a budget bounds; the positions and scores are 12 bytes per
-kept key per head on top.
+every head still holds: n = 0, or n from the oldest position of the recent run every head holds on.
+The positions before n are the ones that survived; had the cache seen only n tokens it might have
+kept others. H2O scores keep the attention the dropped queries paid.
 """
 
 import math
@@ -59,6 +47,7 @@ import torch.nn.functional as F
 
 from . import checks
 from .base import CacheInputError, CacheStateError, KVCache, offset_causal_mask
+from .concat import ConcatCache
 from .quantized import check_finite
 
 POLICIES = ("window", "sinks", "h2o", "snapkv")
@@ -70,7 +59,7 @@ def check_arguments(config, budget, policy, sinks, window, rerotate, observation
     """Every constructor argument of EvictingCache, checked before anything is built."""
     if policy not in POLICIES:
         raise CacheInputError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
-    checks.at_least_one("budget", budget)
+    checks.int_arg("budget", budget, low=1)
     if policy == "sinks":
         checks.int_arg("sinks", sinks)
         if budget <= sinks:
@@ -84,11 +73,11 @@ def check_arguments(config, budget, policy, sinks, window, rerotate, observation
         if window > budget:
             raise CacheInputError(f"window {window} must be at most the budget {budget}")
     if policy == "snapkv":
-        checks.at_least_one("observation", observation)
+        checks.int_arg("observation", observation, low=1)
         if observation > budget:
             raise CacheInputError(f"observation window {observation} must be at most the budget {budget}: the "
                                   "observation window is always kept")
-        checks.at_least_one("pool", pool)
+        checks.int_arg("pool", pool, low=1)
         if pool % 2 == 0:
             raise CacheInputError(f"pool must be odd (a window centred on each position), got {pool}")
         if pooling not in POOLINGS:
@@ -126,7 +115,7 @@ def gather(x, index):  # x [B, H, N, ...], index [B, H, n] -> x at those positio
     return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))           # [B, H, n, D]
 
 
-class EvictingCache(KVCache):
+class EvictingCache(ConcatCache):  # grows by concatenation, then evicts on advance
     def __init__(self, config, budget: int, policy: str = "window", batch_size: int = 1, dtype=None,
                  device="cpu", sinks: int = 4, window: int | None = None, rerotate: bool = False,
                  observation: int = 32, pool: int = 7, pooling: str = "avg"):
@@ -138,10 +127,8 @@ class EvictingCache(KVCache):
         self.sinks = sinks if policy == "sinks" else 0            # StreamingLLM keeps 4
         self.window = (budget // 2 if window is None else window) if policy == "h2o" else None  # H2O: half
         self.observation, self.pool, self.pooling = observation, pool, pooling  # SnapKV: 32 queries vote
-        L = self.n_layers
-        self.keys = [None] * L            # per layer [B, H_kv, held (+ T pending), D], None while empty
-        self.values = [None] * L
-        self.kept_positions = [None] * L  # per layer [B, H_kv, held] int64: which token each key belongs to
+        L = self.n_layers                 # keys, values: per layer [B, H_kv, held (+ T pending), D]
+        self.kept_positions = [None] * L  # per layer [B, H_kv, held] int64: each key's token, increasing
         self.scores = [None] * L          # per layer [B, H_kv, held] float32 (h2o, snapkv), else None
         self._step = [None] * L           # this step's statistics until advance: [B, H_kv, held + T] float32
         self._held = 0                    # committed positions each head holds
@@ -171,10 +158,9 @@ class EvictingCache(KVCache):
     def _attend_and_score(self, layer, q, k, v):
         keys, values = self.update(layer, k, v)                   # [B, H_kv, N, D], N = held + T
         B, H_q, T, D = q.shape
-        N = keys.shape[2]
         logits = self._grouped_logits(q, keys)                    # [B, H_kv, G, T, N]
         if T > 1:
-            logits = logits.masked_fill(~offset_causal_mask(N - T, T, q.device), -INF)
+            logits = logits.masked_fill(~offset_causal_mask(keys.shape[2] - T, T, q.device), -INF)
         probs = logits.float().softmax(dim=-1)                    # [B, H_kv, G, T, N]
         self._step[layer] = probs.sum(dim=(2, 3))                 # [B, H_kv, N]: received this step
         out = probs.to(values.dtype) @ values[:, :, None]         # [B, H_kv, G, T, D]
@@ -198,13 +184,7 @@ class EvictingCache(KVCache):
     # region design
     def _write(self, layer, k, v):
         check_finite(k, v)             # a NaN key would make every score it enters NaN, and the ranking noise
-        old_k, old_v = self.keys[layer], self.values[layer]
-        # the first store copies: k, v may be views into a larger tensor (GPT-2's fused q|k|v)
-        self.keys[layer] = k.clone() if old_k is None else torch.cat([old_k, k], dim=2)    # [B, H_kv, N, D]
-        self.values[layer] = v.clone() if old_v is None else torch.cat([old_v, v], dim=2)
-
-    def _read(self, layer):
-        return self.keys[layer], self.values[layer]               # [B, H_kv, held + T, D]
+        super()._write(layer, k, v)
 
     def _commit(self, t):
         """Commit the t new positions of every layer, then evict down to the budget."""
@@ -280,14 +260,7 @@ class EvictingCache(KVCache):
     def kept_map(self, layer: int, length: int, row: int = 0) -> torch.Tensor:
         """Which original positions each KV head of `layer` holds: bool `[H_kv, length]`."""
         kept = self.kept_positions[layer][row]                                    # [H_kv, held]
-        out = torch.zeros(kept.shape[0], length, dtype=torch.bool)
-        return out.scatter_(1, kept, True)
-
-    def nbytes(self) -> int:
-        """Bytes of the keys and values held (at most the budget's, between steps)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in self.keys + self.values if t is not None}
-        return sum(storages.values())
+        return torch.zeros(kept.shape[0], length, dtype=torch.bool).scatter_(1, kept, True)
     # endregion
 
     # region positions
@@ -316,12 +289,7 @@ class EvictingCache(KVCache):
         tails = [(p == run).sum(dim=-1).min().item() for p in self.kept_positions]  # positions are increasing
         return seen - min(tails)
 
-    @property
-    def length(self) -> int:
-        """Tokens seen: the position of the next token (held positions: `held`)."""
-        return KVCache.length.fget(self)
-
-    @length.setter
-    def length(self, n):
+    @KVCache.length.setter
+    def length(self, n):  # KVCache's getter: tokens seen (those held: `held`)
         raise CacheStateError("an evicting cache's length is the number of tokens it has seen; it cannot be set")
     # endregion

@@ -1,34 +1,29 @@
 """HybridBlockManager: page bookkeeping for a model whose layers keep different positions (host-side only).
 
-A hybrid model mixes global layers, whose queries read every earlier position, with local ones that read
-only the last `window` positions (Gemma 3, gpt-oss, Mistral), plus the first `sinks` (StreamingLLM's
-attention sinks). A global layer must keep every page; a local layer can give a page back once no query to
-come reads it. So the layers are grouped by their rule, as in vLLM's hybrid KV cache manager, and each group
-has its own pool of pages and its own BlockManager: page 3 of group "full" and page 3 of group "local" are
-different pages, in different tensors.
+A hybrid model mixes global layers, whose queries read every earlier position, with local ones that
+read only the last `window` positions (Gemma 3, gpt-oss, Mistral), plus the first `sinks`
+(StreamingLLM's attention sinks). A local layer can give a page back once no query to come reads
+it, so the layers are grouped by their rule, as in vLLM's hybrid KV cache manager, and each group
+has its own pool of pages and its own BlockManager (page 3 of "full" is not page 3 of "local").
 
-The window rule. The query at position p reads keys p - window + 1 .. p and the sinks 0 .. sinks - 1. A
-sequence of length L writes position L next, so a page whose every position is below L + 1 - window, and
-that holds no sink, is read by no query to come. Before a sequence grows, a local group gives such pages
-back (a page shared since a fork stays with the other sequence) and their block-table entries become NULL.
-A local group thus holds at most ceil((window - 1 + n) / page_size) + 1 pages per sequence, plus the
-sink pages, right after a step of n positions was reserved, however long the sequence grows (`most_pages`).
+The window rule. The query at position p reads keys p - window + 1 .. p and the sinks
+0 .. sinks - 1. A sequence of length L writes position L next, so a page whose every position is
+below L + 1 - window, and that holds no sink, is read by no query to come. Before a sequence grows,
+a local group gives such pages back (a page shared since a fork stays with the other sequence) and
+their block-table entries become NULL, so it holds a bounded number of pages per sequence however
+long it grows (`most_pages`). Positions reserved but not computed hold no query that has run: when
+one step reserves twice (an engine's decode, then its draft's lookahead), the second reservation
+passes `first_query`, the first query still to run, and the window is judged from there.
 
-A sequence's positions reserved but not yet computed hold no query that has run: when one step reserves
-twice (a serving engine's decode, then its draft's lookahead), the second reservation passes `first_query`,
-the position of the first query still to run, so that the window is judged from there, not from the length.
+What the window gave back is gone. crop may go back only to a length whose next query finds its
+window still held, and a prefix hit takes, in a local group, only the pages the first query after
+the prefix reads (vLLM's rule): the hit is shorter only when the group evicted the last window's.
 
-What the window gave back is gone. crop may go back only to a length whose next query finds its window
-still held, and a prefix hit takes, in a full group, every page of the prefix, and in a local group only
-the pages the first query after the prefix reads (vLLM's rule): the local group may have evicted the
-earlier ones, and the hit is shorter only when it evicted the last window's.
-
-Every operation applies to every group or to none: the groups hold the same sequences at the same lengths,
-so an id or a count that one group would refuse the first group refuses, and the page counts of every
-group are checked before any group changes.
+Every operation applies to every group or to none: the groups hold the same sequences at the same
+lengths, and the page counts of every group are checked before any group changes.
 """
 
-from .block_manager import NULL, BlockManager, pages_for
+from .block_manager import NULL, BlockManager, _sequence_crop, pages_for
 from .checks import int_arg
 from .errors import CacheInputError, CacheStateError, OutOfPagesError
 from .hashing import page_keys
@@ -97,8 +92,7 @@ class HybridBlockManager:
         return self._bms[self._name(group)]
 
     def block_table(self, seq, group=None) -> list[int]:
-        """A copy of the sequence's page ids in `group` (the first by default), NULL where the window gave a
-        page back."""
+        """A copy of the sequence's page ids in `group` (the first by default), NULL: given back."""
         return self.manager(group or self.groups[0]).block_table(seq)
 
     def slots(self, seq, start: int, n: int, group=None) -> list[int]:
@@ -136,9 +130,9 @@ class HybridBlockManager:
         return self._first.length(seq)
 
     def outside_window(self, group, length: int) -> range:
-        """Block-table indices that no query at position `length` or later reads in `group`:
-        every position of the page is below length + 1 - window, and it is no sink page. Empty
-        for a full group."""
+        """Block-table indices that no query at position `length` or later reads in `group`: every
+        position of the page is below length + 1 - window, and it is no sink page (none in a full
+        group)."""
         window, sinks = self.rule(group)
         if not window:
             return range(0)
@@ -155,8 +149,8 @@ class HybridBlockManager:
         return need
 
     def room(self, seq, first_query: int | None = None, spare: int = 0) -> int:
-        """The length `seq` (live, or new: 0) can grow to now, every group's free pages less `spare` each: the
-        most L such that reserve(seq, L - length) finds its pages in every group (a copy-on-write page aside)."""
+        """The most L that reserve(seq, L - length) finds pages for in every group now, `spare`
+        pages of each kept back (a copy-on-write page aside); `seq` live, or new (length 0)."""
         return min(self._rooms(seq, first_query, spare).values())
 
     def fit(self, seq, n: int, first_query: int | None = None, spare: int = 0) -> int:
@@ -191,11 +185,9 @@ class HybridBlockManager:
 
     # ---- changing: every group or none ----
     def reserve(self, seq, n: int, first_query: int | None = None) -> dict:
-        """Make room for n more positions of `seq` (a new id starts empty) in every group, once the window
-        has given back what no query to come reads (reserve(seq, 0) does only that). The queries to come
-        start at `first_query`, the length by default (see the module docstring). Returns group -> the
-        copy-on-write pairs (src, dst) to copy in that group's pools before writing. An OutOfPagesError
-        changes nothing in any group."""
+        """Make room for n more positions of `seq` (a new id starts empty) in every group, once the
+        window has given back what no query from `first_query` (the length by default) on reads.
+        Returns group -> the copy-on-write pairs (src, dst); OutOfPagesError changes nothing."""
         need = self.pages_needed(seq, n, first_query)
         for group, k in need.items():
             bm = self._bms[group]
@@ -212,11 +204,7 @@ class HybridBlockManager:
     def crop(self, seq, n: int) -> dict:
         """Keep the first n positions of `seq`; group -> the pages freed. Refused (CacheStateError, nothing
         changed) when a local group already gave back a page that the query at position n reads."""
-        length = self.length(seq)
-        int_arg("n", n, low=None)
-        if not 0 <= n <= length:
-            raise CacheStateError(f"crop({seq!r}, {n}): the sequence holds {length} positions; "
-                                  f"n must be in 0..{length}")
+        _sequence_crop(seq, n, self.length(seq))
         for group, bm in self._bms.items():
             table, past = bm.block_table(seq), self.outside_window(group, n)
             lost = [i for i in range(pages_for(n, self.page_size)) if table[i] == NULL and i not in past]
@@ -238,9 +226,8 @@ class HybridBlockManager:
 
     # ---- the prefix index: a strategy behind keys, lookup, publish and cached_prefix ----
     def keys(self, tokens, known=()) -> list:
-        """The index's keys for the full pages of `tokens` (a list): chapter 6's chain, (digest, parent,
-        tokens) per page under `extra` (`known`, the keys of a prefix already computed, is extended); the
-        tree's token ids, whole pages; none without an index."""
+        """The index's keys for the full pages of `tokens` (a list): the hash chain's (digest,
+        parent, tokens) per page (extending `known`), the tree's token ids, or none."""
         if self.index == "hash":
             return page_keys(tokens, self.page_size, self.extra, known[:len(tokens) // self.page_size])
         return tuple(tokens[:len(tokens) // self.page_size * self.page_size]) if self.index else []
@@ -261,8 +248,7 @@ class HybridBlockManager:
             self.register(seq, i, *key)
 
     def cached_prefix(self, keys) -> int:
-        """Positions a new sequence would take from the cache now for `keys` (lookup's), changing nothing:
-        what a scheduler or a router ranks by."""
+        """BlockManager.cached_prefix for the index's `keys` (lookup's), every group considered."""
         if self.index == "radix":
             return self._first.cached_prefix(keys, self.extra)
         return self._hit(keys)[0] * self.page_size
@@ -273,10 +259,9 @@ class HybridBlockManager:
         return {group: bm.register(seq, index, digest, parent, tokens) for group, bm in self._bms.items()}
 
     def reserve_prefix(self, seq, keys) -> int:
-        """Start the new sequence `seq` with the longest cached prefix of `keys` ((digest, parent, tokens)
-        per full page, as BlockManager.reserve_prefix takes): h pages such that every group holds what the
-        query at position h * page_size reads, a full group pages 0..h-1, a local group the pages of its
-        window and its sinks (NULL entries before the window). Returns h, in pages."""
+        """Start the new sequence `seq` with the longest cached prefix of `keys` (BlockManager's):
+        h pages such that every group holds what the query at position h * page_size reads, a local
+        group only its window's and sinks' pages (NULL before the window). Returns h."""
         h, found = self._hit(keys)
         for group, bm in self._bms.items():         # the first adopt refuses a bad id, changing nothing
             reads = set(self._reads(group, h))
@@ -295,9 +280,9 @@ class HybridBlockManager:
 
     # ---- checking ----
     def check(self):
-        """Raise AssertionError naming the first broken invariant: a group's own (BlockManager.check:
-        reference counts equal block-table entries, free + held = num_pages, names), the same sequences at
-        the same lengths in every group, and NULL entries only where the window allows."""
+        """Raise AssertionError naming the first broken invariant: a group's own
+        (BlockManager.check), the same sequences at the same lengths in every group, and NULL
+        entries only where the window allows."""
         for group, bm in self._bms.items():
             bm.check()
             assert bm.sequences() == self.sequences(), f"group {group!r} holds other sequences"

@@ -19,7 +19,7 @@ class LatentCache(KVCache):
             raise CacheInputError(f"LatentCache holds a latent model's cache (latent_kv); {config.name or config.arch} "
                                   "caches keys and values: use StaticCache")
         super().__init__(config, batch_size, dtype, device)
-        checks.at_least_one("max_tokens", max_tokens)
+        checks.int_arg("max_tokens", max_tokens, low=1)
         self.max_tokens, self.rank = max_tokens, config.kv_rank
         self.latent = torch.zeros(self.n_layers, batch_size, max_tokens, self.rank,
                                   dtype=self.dtype, device=self.device)      # [L, B, T_max, r]

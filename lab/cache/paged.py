@@ -1,26 +1,20 @@
 """PagedCache: keys and values in fixed-size pages from one pool per layer, as vLLM does.
 
-A sequence owns a block table: the list of its pages. Position p of a sequence lives in page
-`block_table[p // page_size]` at offset `p % page_size`; its slot in the flattened pool is
-`page * page_size + offset`. Growing, cropping, forking and releasing a sequence are list operations on
-the host (the BlockManager); the pool itself never moves, so there is no copy when a sequence grows.
+Position p of a sequence lives in page `block_table[p // page_size]` at offset `p % page_size`,
+slot `page * page_size + offset` of the flattened pool. Growing, cropping, forking and releasing a
+sequence are list operations on the host (the BlockManager); the pool never moves, so a growing
+sequence is never copied. The layout `[num_pages, page_size, kv_heads, head_dim]` per layer
+(FlashInfer's "NHD") makes one page of one layer one contiguous block: a kernel loads a whole page
+of keys at once, and writing a new position touches one `[kv_heads, head_dim]` row.
 
-The pool layout is `[num_pages, page_size, kv_heads, head_dim]` per layer (FlashInfer's "NHD"): one page
-of one layer is a single contiguous block of memory, so a decode kernel reads a whole page of keys with
-one coalesced load, and writing a new position touches one `[kv_heads, head_dim]` row.
+The block tables and lengths live in fixed-size int32 buffers (`[batch, max_pages]`, the width
+padded to a multiple of 16, and `[batch]`): their shapes never change, so a compiled kernel is not
+recompiled and a captured CUDA graph stays valid. A decode step changes them with device writes only
+and reads nothing back: no step waits for the device.
 
-The block tables and lengths live in fixed-size buffers (`[batch, max_pages]` int32, the width padded to
-a multiple of 16, and `[batch]` int32): their shapes never change from step to step, so a compiled
-kernel is not recompiled and a captured CUDA graph stays valid. A decode step changes them with device
-operations only (a length added, a table entry written when a sequence enters a new page), and reads
-nothing back: no step waits for the device.
-
-A serving engine runs several sequences of one pool in one forward, each with its own number of new
-tokens: `plan_step` lays them end to end as one row and works out, once per step, what every layer's
-attention needs (lab/cache/pool.py's StepBatch). The forward sees only the cache protocol.
-
-The pool itself is a PagePool of one group (lab/cache/pool.py), the one a serving engine keeps for every
-cache shape: a PagedCache is a view of its rows, with the batch-of-rows protocol of the other caches.
+The pool is a PagePool of one group (pool.py), the one a serving engine keeps for every cache shape:
+a PagedCache is a view of some of its sequences as rows, and `plan_step` plans an engine's step over
+them.
 """
 
 import math
@@ -33,10 +27,6 @@ from .base import CacheInputError, CacheStateError, KVCache
 from .hybrid import HybridBlockManager
 from .pool import PagePool, StepBatch, write_changed
 from .sizing import cache_bytes
-
-
-def round_up(n, multiple):
-    return -(-n // multiple) * multiple
 
 
 # region paged_cache_init
@@ -52,7 +42,7 @@ class PagedCache(KVCache):
         self.k_pool = self.pool.k_pools["full"]                # [L, pages, page, H_kv, D]
         self.v_pool = self.pool.v_pools["full"]
         longest = max_seq_tokens or max_tokens
-        self.max_pages = round_up(math.ceil(longest / page_size), 16)  # padded table width
+        self.max_pages = 16 * math.ceil(longest / (16 * page_size))  # padded: a multiple of 16
         self._rows([self.pool.new_id() for _ in range(batch_size)])
 
     def _rows(self, seqs):
@@ -80,9 +70,9 @@ class PagedCache(KVCache):
     def manager(self, bm):           # another policy's manager, before the first sequence (chapter 6)
         self.pool.manager._bms["full"] = bm
 
-    def _sharing_pool(self, seqs):
-        """A cache over sequences `seqs` of this cache's pool. Built explicitly: it shares the pool (pages,
-        manager, ids), and owns everything else."""
+    def view(self, seqs):
+        """A cache over the live sequences `seqs` of this pool (one per request, say). Built
+        explicitly: it shares the pool (pages, manager, ids), and owns everything else."""
         view = object.__new__(PagedCache)
         KVCache.__init__(view, self.config, len(seqs), self.dtype, self.device)
         view.page_size, view.num_pages, view.max_pages = self.page_size, self.num_pages, self.max_pages
@@ -103,8 +93,7 @@ class PagedCache(KVCache):
                 import psutil
 
                 available_bytes = psutil.virtual_memory().available
-        per_token = cache_bytes(config, 1, 1, dtype)
-        pages = int(fraction * available_bytes) // (per_token * page_size)
+        pages = int(fraction * available_bytes) // cache_bytes(config, page_size, 1, dtype)
         if pages < 1:
             raise CacheInputError(f"{fraction:.0%} of {available_bytes:,} bytes holds no page of {page_size} positions")
         return cls(config, pages * page_size, page_size, batch_size, dtype, device)
@@ -114,12 +103,8 @@ class PagedCache(KVCache):
         """Committed positions of each sequence (the manager also counts those reserved by a step in flight)."""
         return [self.manager.length(s) - self._step_T for s in self.seqs]
 
-    @property
-    def length(self) -> int:
-        return KVCache.length.fget(self)
-
-    @length.setter
-    def length(self, n):
+    @KVCache.length.setter
+    def length(self, n):                             # KVCache's getter; no setter
         raise CacheStateError("a paged cache's lengths live in its block manager: use crop(n) to shorten")
 
     def next_positions(self, T, device=None):
@@ -135,9 +120,8 @@ class PagedCache(KVCache):
         return min(self.max_pages, self.num_pages) * self.page_size
 
     def reserve(self, parts):
-        """Room for n more positions of every (seq, n) in `parts` (a new id starts empty), all or none:
-        OutOfPagesError changes nothing. A shared, partly filled last page is first copied in every layer's
-        pools (copy on write, PagePool.reserve): the one place a page is copied."""
+        """Room for n more positions of every (seq, n) in `parts`, all or none, copy on write
+        included (PagePool.reserve)."""
         self.pool.reserve(parts)
 
     # region paged_cache_step
@@ -195,8 +179,7 @@ class PagedCache(KVCache):
         return out[:, :, None]                           # [B, H_q, 1, D]
 
     def page(self, page: int) -> tuple:
-        """A copy of one page's keys and values in every layer, `[layers, page_size, H_kv, D]` each: what a
-        tier below the pool keeps of an evicted page (chapter 11)."""
+        """A copy of one page's keys and values in every layer, for a tier below (PagePool.page)."""
         return self.pool.page(page)
 
     def set_page(self, page: int, kv: tuple):
@@ -221,19 +204,15 @@ class PagedCache(KVCache):
     def select(self, rows):
         """A cache over some of this batch's sequences, sharing pool and pages (e.g. to prefill one row)."""
         checks.between_steps(self, "select")
-        return self._sharing_pool([self.seqs[r] for r in rows])
+        return self.view([self.seqs[r] for r in rows])
 
     def new_id(self):
         """A sequence id never used in this pool (for `manager.reserve` or `manager.reserve_prefix`)."""
         return self.pool.new_id()
 
-    def view(self, seqs):
-        """A cache over the live sequences `seqs` of this pool, sharing its pages (one per request, say)."""
-        return self._sharing_pool(seqs)
-
     def plan_step(self, parts) -> "StepBatch":
-        """One step over several sequences of this pool: `parts` is (seq, n) per sequence, whose n newest
-        reserved positions take this step's tokens, laid end to end in this order as one row `[1, N]`."""
+        """One step over several sequences of this pool, (seq, n) per sequence
+        (PagePool.plan_step)."""
         return self.pool.plan_step(parts)
 
     def fork(self):
@@ -247,7 +226,7 @@ class PagedCache(KVCache):
                 dst = self.pool.new_id()
                 self.manager.fork(src, dst)
                 made.append(dst)
-            return self._sharing_pool(made)
+            return self.view(made)
         except BaseException:
             for dst in made:
                 self.manager.release(dst)

@@ -1,19 +1,18 @@
 """PagePool and StepBatch: the pages of every cache shape, and one serving step planned over them.
 
-A PagePool holds a grouped manager (HybridBlockManager: a BlockManager per group of layers that keep the
-same positions) and one pool pair per group, `[layers in the group, pages, page_size, H_kv, D]`. A plain
-model has one group, "full", holding every layer; a model with local layers (chapter 10) adds a "local"
-group whose pages go back once they leave the window; a radix prefix index (chapter 11) keeps the full
-group's free and cached pages in a tree. The serving engine, chapter 5's PagedCache (a view of a
-one-group pool) and the hand-offs of chapter 11 all store their keys and values here.
+A PagePool holds a grouped manager (HybridBlockManager: a BlockManager per group of layers that
+keep the same positions) and one pool pair per group,
+`[layers in the group, pages, page_size, H_kv, D]`: "full" for a plain model, plus "local" for a
+model with sliding-window layers (chapter 10). The serving engine, chapter 5's PagedCache and the
+hand-offs of chapter 11 all store their keys and values here.
 
-`plan_step(parts)` lays the new tokens of several sequences end to end as one row `[1, N]` and works out,
-once per step, what every layer's attention needs, per group (vLLM's attention metadata): the pool slot of
-every token, the decode rows' block tables and lengths (read in place by the paged decode kernel under
-the layer's window and sinks), and for every prefill chunk the slots of the positions its queries read
-with their mask. The decode rows' block tables live on the device between steps, one row per sequence
-that decodes, and a step writes only the entries that changed (a page every page_size steps); the slots,
-positions and lengths are built on the host anew every step.
+`plan_step(parts)` lays the new tokens of several sequences end to end as one row `[1, N]` and works
+out, once per step, what every layer's attention needs, per group (vLLM's attention metadata): the
+pool slot of every token, the decode rows' block tables and lengths (read in place by the paged
+decode kernel under the layer's window and sinks), and for every prefill chunk the slots of the
+positions its queries read with their mask. The decode rows' block tables stay on the device between
+steps, and a step writes only the entries that changed; the slots, positions and lengths are built
+on the host anew every step.
 """
 
 import itertools
@@ -82,13 +81,11 @@ class PagePool:
         return self.manager.pages_needed(seq, n, self._first_query.get(seq))
 
     def room(self, seq, spare: int = 0) -> int:
-        """The length `seq` (live, or new) can grow to with every group's free pages, `spare` of each kept
-        back (a copy on write aside)."""
+        """HybridBlockManager.room, the window judged from the first query still to run."""
         return self.manager.room(seq, self._first_query.get(seq), spare)
 
     def fit(self, seq, n: int, spare: int = 0) -> int:
-        """How many of n more positions `seq` may reserve now, `spare` pages of each group kept back
-        (HybridBlockManager.fit: all or none in a full group, what a window's group holds)."""
+        """HybridBlockManager.fit, the window judged from the first query still to run."""
         return self.manager.fit(seq, n, self._first_query.get(seq), spare)
 
     def held_pages(self) -> dict:
@@ -96,9 +93,9 @@ class PagePool:
         return {g: self.manager.held_pages(g) for g in self.manager.groups}
 
     def reserve(self, parts):
-        """Room for n more positions of every (seq, n) in `parts` (a new id starts empty) in every group, all
-        or none: OutOfPagesError changes nothing. A shared, partly filled last page is first copied in its
-        group's pools (copy on write): the one place a page is copied. Returns the copies, (group, src, dst)."""
+        """Room for n more positions of every (seq, n) in `parts` (a new id starts empty) in every
+        group, all or none; a shared, partly filled last page is copied first (copy on write, the
+        one place a page is copied). Returns the copies, (group, src, dst)."""
         checks.pool_room(self, parts)               # checked first: a failure changes nothing
         copied = []
         for seq, n in parts:
@@ -113,8 +110,7 @@ class PagePool:
         return copied
 
     def fork(self, src):
-        """A new sequence sharing every page of `src` (reference counts: no copy until one of them writes a
-        shared, partly filled page); its id."""
+        """A new sequence sharing every page of `src` (copied on write only); its id."""
         dst = self.new_id()
         self.manager.fork(src, dst)
         return dst
@@ -146,13 +142,11 @@ class PagePool:
     # ---- the device block tables, kept between steps ----
     def _table_rows(self, seqs) -> torch.Tensor:
         """The rows of `seqs` in every group's device table `[rows, width]`, brought up to the manager's
-        block tables: only entries that changed are written, a page given back reads as page 0 (the kernel
-        never loads it). Rows of sequences no longer live are reused."""
+        block tables (write_changed). Rows of sequences no longer live are reused."""
         for seq in [s for s in self._rows if s not in self.manager]:
-            row = self._rows.pop(seq)
+            self._free_rows.append(self._rows.pop(seq))
             for known in self._known.values():
                 known.pop(seq, None)
-            self._free_rows.append(row)
         for seq in seqs:
             if seq not in self._rows:
                 self._rows[seq] = self._free_rows.pop() if self._free_rows else len(self._rows)
@@ -174,10 +168,9 @@ class PagePool:
 
 
 def write_changed(row, table: list, old: list) -> list:
-    """Bring a device block-table row, which holds `old`, up to the manager's `table`: only
-    the entries from the first difference on are written (a new page, a copy on write, a
-    crop), a page given back (NULL) as 0, which the kernel never loads. Returns what the row
-    holds now, a host copy."""
+    """Bring a device block-table row, which holds `old`, up to the manager's `table`: only the
+    entries from the first difference on are written (a new page, a copy on write, a crop), a page
+    given back (NULL) as 0, which the kernel never loads. Returns what the row holds now."""
     if table == old:
         return old                                   # the usual decode step: nothing to write
     first = common_length(table, old)
@@ -187,15 +180,8 @@ def write_changed(row, table: list, old: list) -> list:
 
 
 class StepBatch:
-    """The cache one serving step's forward sees: the new tokens of several sequences of a PagePool laid end
-    to end as one row `[1, N]`, each attending to what its sequence holds. Each layer stores its keys and
-    values at its group's slots; every decode (one token) attends in the paged decode kernel under the
-    layer's window and sinks, reading the pages in place; the queries of a prefill chunk attend to the
-    positions their group still holds, gathered slot by slot under the `visible` mask.
-
-    Planned once per step, read by every layer: the forward drives it through the protocol,
-    `check_model`, `attend` per layer, `advance`.
-    """
+    """The cache one serving step's forward sees (`plan_step` in the module docstring): planned
+    once, read by every layer through the protocol, `check_model`, `attend` per layer, `advance`."""
 
     def __init__(self, pool: PagePool, parts):
         # region step_plan
@@ -290,8 +276,11 @@ class StepBatch:
         if len(decode) < CASCADE_ROWS or any(pool.config.window_of(layer)[0] for layer in manager.layers(group)):
             return []
         tables = [manager.manager(group)._tables[seq] for _, seq, _ in decode]
+        by_first_page = {}                               # forks of one prompt start alike
+        for r, table in enumerate(tables):
+            by_first_page.setdefault(table[0], []).append(r)
         families, taken = [], []
-        for rows in _by_first_page(tables):
+        for rows in by_first_page.values():
             shared = min(min(common_length(tables[rows[0]], tables[r]), len(tables[r]) - 1) for r in rows)
             if len(rows) >= CASCADE_ROWS and shared * P >= CASCADE_SHARED:   # (never a row's own last page)
                 i = torch.tensor(rows, device=device)
@@ -319,19 +308,11 @@ class StepBatch:
         return self._masks[key]
 
     def advance(self, t: int):
-        """Commit the step: every layer stored its t = N tokens. The reserved positions now hold keys and
-        values: the next reservation judges a window from the length again. A plan runs once."""
+        """Commit the step (every layer stored its t = N tokens): the next reservation judges a
+        window from the length again. A plan runs once."""
         checks.advance(self, t)
         self.done, self.pool.version = True, self.pool.version + 1
         self.pool._first_query.clear()
-
-
-def _by_first_page(tables) -> list[list[int]]:
-    """Indices of the tables, grouped by their first page (forks of one prompt start alike)."""
-    groups = {}
-    for i, table in enumerate(tables):
-        groups.setdefault(table[0], []).append(i)
-    return list(groups.values())
 
 
 def _window_held(table, seq, group, start, lo, sinks, page_size):

@@ -17,17 +17,14 @@ Codes of 4 and 2 bits are packed two and four to a byte along the last dimension
 the element j of each run of 8/b sits in bits j*b .. j*b + b - 1.
 """
 
-import torch
+import functools
 
-BITS = (8, 4, 2)
+import torch
 
 
 def work_dtype(*dtypes):
     """The dtype the arithmetic runs in: float32 at least, float64 when any of `dtypes` is float64."""
-    out = torch.float32
-    for d in dtypes:
-        out = torch.promote_types(out, d)
-    return out
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def offset(bits: int) -> int:
@@ -41,17 +38,14 @@ def _round_up(x, dtype):
     return torch.where(y.to(x.dtype) < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
-def _round_down(x, dtype):
-    y = x.to(dtype)
-    return torch.where(y.to(x.dtype) > x, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+def _round_down(x, dtype):  # rounding to nearest is symmetric about zero
+    return -_round_up(-x, dtype)
 
 
 def quantize_symmetric(x, bits: int, dim, scale_dtype):
-    """x -> (codes uint8 shaped like x, scale with `dim` reduced to 1, in scale_dtype).
-
-    x ~ (codes - offset(bits)) * scale; |error| <= scale / 2 per element (plus float rounding).
-    A set of zeros gets scale 0 and is reproduced exactly.
-    """
+    """x -> (codes uint8 shaped like x, scale with `dim` reduced to 1, in scale_dtype), with
+    x ~ (codes - offset(bits)) * scale and |error| <= scale / 2 per element (plus float rounding).
+    A set of zeros gets scale 0 and is reproduced exactly."""
     work = work_dtype(x.dtype, scale_dtype)
     qmax = offset(bits) - 1                                       # 127, 7, 1
     xw = x.to(work)
@@ -67,11 +61,10 @@ def dequantize_symmetric(codes, scale, bits: int, dtype):
 
 
 def quantize_asymmetric(x, bits: int, dim, scale_dtype):
-    """x -> (codes uint8 shaped like x, scale, zero), scale and zero with `dim` reduced to 1, in scale_dtype.
-
-    x ~ codes * scale + zero; the zero point is the minimum (rounded down), so codes run 0 .. 2^bits - 1;
-    |error| <= scale / 2 per element (plus float rounding). A constant set gets scale 0 and is exact.
-    """
+    """x -> (codes uint8 shaped like x, scale, zero), scale and zero with `dim` reduced to 1, in
+    scale_dtype, with x ~ codes * scale + zero: the zero point is the minimum (rounded down), so
+    codes run 0 .. 2^bits - 1; |error| <= scale / 2 per element (plus float rounding). A constant
+    set gets scale 0 and is exact."""
     work = work_dtype(x.dtype, scale_dtype)
     top = 2 ** bits - 1                                           # 255, 15, 3
     xw = x.to(work)

@@ -1,61 +1,54 @@
 """QuantizedCache: keys and values kept in 8, 4 or 2 bits plus scales, attended without dequantizing.
 
-Where a position lives. Each layer holds a quantized prefix of `quantized` positions (packed codes and
-their scales) followed by a float tail: the newest positions, in the cache's dtype. A step's new
-positions join the tail and are attended in float, as the step computed them (prefill attends to its own
-keys exactly, as in KIVI and transformers' QuantizedCache); `advance` commits them and then quantizes
-every whole group that has left the residual window: the tail keeps at least `residual` positions, plus
-any group not yet full. The prefix always ends at a multiple of the group, and every layer has the same
-prefix length.
+Where a position lives. Each layer holds a quantized prefix of `quantized` positions (packed
+codes and their scales) followed by a float tail: the newest positions, in the cache's dtype. A
+step's new positions join the tail and are attended in float, as the step computed them (as in KIVI
+and transformers' QuantizedCache); `advance` commits them and then quantizes every whole group that
+has left the residual window: the tail keeps at least `residual` positions, plus any group not yet
+full. The prefix always ends at a multiple of the group, the same in every layer.
 
 Two schemes:
 
-- "per_token": keys and values get one scale per token per head, on the symmetric absmax grid by default:
-  x ~ s * k_int, zero is a code, and the fold below is one multiply per key. At 8 bits a 64-channel head
-  then takes 64 code bytes and one 16-bit scale, 0.516 of a 16-bit cache. A key vector's range is
-  lopsided, though: a few outlier channels carry large values of one sign, so the absmax grid spends up
-  to half its codes on values no channel takes. Two remedies. `zero_point=True` puts the grid on
-  [min, max] with a zero point per token (2 more bytes per vector at 16-bit scales). `smooth=True` takes
-  the outlier channels' offset out of every token instead, at no cost per token: each layer keeps the
-  per-channel mean mu `[B, H_kv, 1, D]` of the keys of its first committed step (the prefill), in float,
-  and quantizes k - mu. Queries need no change: q . (k - mu) = q . k - q . mu, and q . mu is the same for
-  every key of a query's row, so the softmax, which is invariant to adding one constant to a row, gives
-  the same weights. That is exact, not an approximation. (The tail holds raw keys, so `attend` adds the
-  row's q . mu back to the quantized scores to put both parts of the row in one frame: one dot product
-  per query, not per key.) A group is one position.
-- "kivi" (Liu et al., 2024, KIVI): keys per channel over groups of `group_size` tokens, values per token
-  (one scale per token per head, or per `value_group_size` channels), both with zero points. Per-channel
-  key scales follow the channels' outliers, so an outlier channel no longer widens every other channel's
-  grid; values have no such channels, and each output mixes whole value rows, so their error stays per
-  token. The residual window (`residual`, 128 in the paper) keeps the newest positions, the ones
-  attention weighs most, in float.
+- "per_token": keys and values get one scale per token per head, on the symmetric absmax grid by
+  default: x ~ s * k_int, zero is a code. At 8 bits a 64-channel head then takes 64 code bytes and
+  one 16-bit scale, 0.516 of a 16-bit cache. A key vector's range is lopsided, though: a few outlier
+  channels carry large values of one sign, so the absmax grid spends up to half its codes on values
+  no channel takes. Two remedies. `zero_point=True` puts the grid on [min, max] with a zero point
+  per token (2 more bytes per vector at 16-bit scales). `smooth=True` takes the outlier channels'
+  offset out of every token instead, at no cost per token: each layer keeps the per-channel mean mu
+  `[B, H_kv, 1, D]` of the keys of its first committed step (the prefill), and quantizes k - mu.
+  Queries need no change: q . (k - mu) = q . k - q . mu, and q . mu is the same for every key of a
+  query's row, so the softmax, invariant to adding one constant to a row, gives exactly the same
+  weights. (The tail holds raw keys, so `attend` adds the row's q . mu back to the quantized scores:
+  one dot product per query, not per key.)
+- "kivi" (Liu et al., 2024, KIVI): keys per channel over groups of `group_size` tokens, values per
+  token (one scale per token per head, or per `value_group_size` channels), both with zero points.
+  Per-channel key scales follow the channels' outliers, so an outlier channel no longer widens every
+  other channel's grid; values have no such channels, and each output mixes whole value rows, so
+  their error stays per token. The residual window (`residual`, 128 in the paper) keeps the newest
+  positions, the ones attention weighs most, in float.
 
-Attention with the scales folded in, q `[B, H_q, T, D]` viewed as `[B, H_kv, rep, T, D]` (rep query heads
-share a kv head, as SDPA's enable_gqa pairs them):
-- per_token keys: k = s * k_int with one scalar s per key vector, so q . (s * k_int) = s * (q . k_int):
-  scores are `(q @ k_int^T) * s^T`, `[B, H_kv, rep, T, Q] * [B, H_kv, 1, 1, Q]`. Exact up to float
-  rounding, because s multiplies the whole key vector and so leaves the dot product as a scalar factor.
-  With a zero point, k = s * k_int + z adds z * sum(q), `[B, H_kv, rep, T, 1] * [B, H_kv, 1, 1, Q]`.
-- kivi keys: s and z vary along the channels, so they cannot leave the dot product; they fold into the
-  query instead, once per group: q . (s_g * k_int + z_g) = (q * s_g) . k_int + q . z_g, with q * s_g
-  `[B, H_kv, rep, T, groups, D]` and q . z_g `[B, H_kv, rep, T, groups]`. Decoding, that is D multiplies
-  per group per query where dequantizing would be D per key (group_size times as many), and the
-  dequantized keys are never written to memory.
+Attention with the scales folded in, q `[B, H_q, T, D]` viewed as `[B, H_kv, rep, T, D]` (rep query
+heads share a kv head, as SDPA's enable_gqa pairs them):
+- per_token keys: one scalar s per key vector, so q . (s * k_int) = s * (q . k_int): scores are
+  `(q @ k_int^T) * s^T`, exact up to float rounding; a zero point, k = s * k_int + z, adds
+  z * sum(q).
+- kivi keys: s and z vary along the channels, so they fold into the query instead, once per group:
+  q . (s_g * k_int + z_g) = (q * s_g) . k_int + q . z_g. Decoding, that is D multiplies per group
+  per query where dequantizing would be D per key (group_size times as many), and the dequantized
+  keys are never written to memory.
 - values: out = sum_t p_t (s_t * v_int_t + z_t) = (p * s^T) @ v_int + p @ z: the scales scale the
   probabilities `[B, H_kv, rep, T, Q]`, not the values `[B, H_kv, Q, D]`.
-The codes are widened to float for the matmuls here (a GPU kernel would widen them in registers), and the
-arithmetic runs in float32 at least. While nothing is quantized (a prefill, or a residual window not yet
-full) attention is SDPA over the tail, the same call as ConcatCache's, so the logits are the same bits.
+The codes are widened to float for the matmuls here (a GPU kernel would widen them in registers),
+and the arithmetic runs in float32 at least. While nothing is quantized, attention is SDPA over the
+tail, the same call as ConcatCache's, so the logits are the same bits.
 
-Crop. Positions at or past the quantized prefix are float and are simply cut. A crop into the prefix keeps
-whole groups quantized and moves the kept positions of the cut group into the tail as the dequantized
-values the cache was serving, so everything attention sees over the kept positions is unchanged, bit for
-bit. When that group fills again it is quantized a second time: its positions then carry two rounding
-errors, at most s_1/2 + s_2/2, and each further crop into the same group adds one more. Per-token schemes
-never cut a group (a group is one position), so a crop there costs nothing.
-
-Bytes (`nbytes`, `bytes_per_position`): packed codes (bits/8 bytes per element), scales and zero points
-(in `scale_dtype`, the cache's dtype by default), the float tail, and the smoothing means.
+Crop. Positions at or past the quantized prefix are float and are simply cut. A crop into the prefix
+keeps whole groups quantized and moves the kept positions of the cut group into the tail as the
+dequantized values the cache was serving, so attention over the kept positions is unchanged, bit for
+bit. When that group fills again it is quantized a second time: its positions then carry two
+rounding errors, at most s_1/2 + s_2/2, and each further crop into the same group adds one more.
+Per-token schemes never cut a group (a group is one position), so a crop there costs nothing.
 """
 
 import torch
@@ -153,11 +146,6 @@ class QuantizedCache(KVCache):
 
     def _truncate(self, n):
         Q, G = self.quantized, self.group
-        if n == 0:
-            for name in self.STATE:
-                setattr(self, name, [None] * self.n_layers)
-            self.quantized = self._length = 0
-            return
         keep = n // G * G if n < Q else Q                        # quantized positions kept: whole groups
         for i in range(self.n_layers):
             if keep < n < Q:  # the cut group's kept positions move to the tail, as the values the cache served
@@ -171,6 +159,8 @@ class QuantizedCache(KVCache):
                 self.k_scale[i], self.k_zero[i] = cut(self.k_scale[i], keep // G), cut(self.k_zero[i], keep // G)
                 self.v_scale[i], self.v_zero[i] = cut(self.v_scale[i], keep), cut(self.v_zero[i], keep)
         self.quantized, self._length = keep, n
+        if n == 0:
+            self.k_mean = [None] * self.n_layers                 # the next first step sets mu again
 
     def fork(self):
         """An independent cache sharing the parent's tensors (neither ever writes into them)."""

@@ -1,28 +1,22 @@
 """RadixCache: token-granular prefix caching over a pool of KV slots (SGLang's RadixAttention idea).
 
-Chapter 6's BlockManager names whole pages by a hash chain, so a prefix is found page by page: two prompts
-sharing 37 tokens share 32 of them in pages of 16, and the last 5 are computed again. Here a prefix is
-found token by token. The cache is a radix tree whose edges are runs of token ids; each node holds the
-slots (positions of the pool flattened to `[num_slots, H_kv, D]`) of its run. A sequence is the path from
+Chapter 6's BlockManager names whole pages by a hash chain, so two prompts sharing 37 tokens
+share 32 of them in pages of 16, and the last 5 are computed again. Here a prefix is found token by
+token. The cache is a radix tree whose edges are runs of token ids; each node holds the slots
+(positions of the pool flattened to `[num_slots, H_kv, D]`) of its run. A sequence is the path from
 a root to a node. Where a new sequence leaves a run part way, the node is split in two.
 
-Why slots and not pages (`RadixCache(num_slots)`, i.e. pages of one position): a split may fall anywhere
-in a run, and the two halves must own their positions separately. With pages of P > 1 the half-page at a
-split would be shared by two nodes (or copied), which is the bookkeeping chapter 6 avoids by matching
-whole pages only. SGLang's radix cache works on single-token slots by default for the same reason.
-With pages of P > 1 (`RadixBlockManager(num_pages, P)`, as SGLang with `page_size` > 1), each token of
-the tree is a whole page's token ids (a tuple of P) and each slot a page: splits fall on page boundaries,
-a prefix is matched in whole pages, and a sequence's partly filled last page is never cached.
+Why slots and not pages: a split may fall anywhere in a run, and the two halves must own their
+positions separately; with pages of P > 1 the half-page at a split would be shared by two nodes (or
+copied). SGLang's radix cache works on single-token slots by default for the same reason;
+RadixBlockManager's pages of P are tokens of the tree, one page's ids each.
 
-Ownership: every slot is in exactly one place: the free queue, one node of the tree, or "out", taken by
-`allocate` for a request that computes it and later `insert`s it (or gives it back with `free`). A request
-holds its prefix with a handle (from `match` or `insert`) until `release`: a handle locks its node and
-every ancestor (each node counts the live handles at or below it), and a locked node is never evicted.
-Eviction takes unlocked leaves, least recently matched or inserted first, as `allocate` needs room.
-
-`extra` (the state identity and the salt, as in `block_hashes`) picks the root: one subtree per extra, so
-two models or two salts never share a node. Every operation checks its arguments first and changes
-nothing when it fails, raising a typed CacheError.
+A request holds its prefix with a handle (from `match` or `insert`) until `release`: a handle locks
+its node and every ancestor, and a locked node is never evicted. Eviction takes unlocked leaves,
+least recently matched or inserted first, as `allocate` needs room. `extra` (the state identity and
+the salt, as in `block_hashes`) picks the root: one subtree per extra, so two models or two salts
+never share a node. Every operation checks its arguments first and changes nothing when it fails,
+raising a typed CacheError.
 """
 
 import heapq
@@ -56,10 +50,8 @@ class RadixCache:
         h2 = cache.insert(ids, cached + new, extra) # cached for the next requests, locked by h2
         cache.release(h)                            # and release(h2) when the request ends
 
-    Invariants (`check`): every slot is free, out, or in exactly one node; a node's run is non-empty, with
-    one slot per token; a node's children start with distinct tokens; a node's lock is the number of live
-    handles at it or below it (so never negative, and a locked node's ancestors are locked); a node was
-    used no later than its parent; a stored root has a child.
+    Every slot is in exactly one place: the free queue, one node of the tree, or "out" (taken by
+    `allocate`, until `insert` or `free`). The other invariants are `check`'s.
     """
 
     def __init__(self, num_slots: int):
@@ -83,8 +75,8 @@ class RadixCache:
         return self._cached
 
     def evictable_tokens(self) -> int:
-        """Slots in unlocked nodes: an unlocked node's whole subtree is unlocked, so all can be evicted. A
-        running count (lock and release change it), so a scheduler may ask at every step."""
+        """Slots in unlocked nodes (an unlocked node's subtree is unlocked, so all can be evicted);
+        a running count, so a scheduler may ask at every step."""
         return self._evictable
 
     def is_out(self, slot: int) -> bool:
@@ -301,14 +293,13 @@ class RadixCache:
 
     def _lock(self, node) -> int:
         self._issued += 1
-        handle = self._issued
-        self._handles[handle] = node
+        self._handles[self._issued] = node
         while node.parent is not None:
             if node.lock == 0:
                 self._evictable -= len(node.slots)
             node.lock += 1
             node = node.parent
-        return handle
+        return self._issued
 
     def _node_of(self, handle):
         int_arg("handle", handle, low=None)
@@ -367,25 +358,18 @@ def _extra(extra) -> tuple:
 
 
 class RadixBlockManager(BlockManager):
-    """The serving engine's radix prefix cache (`ServingEngine(..., prefix_caching="radix")`): a BlockManager
-    whose free pages and cached prefixes a RadixCache (`tree`) keeps, each slot of the tree a page. With
-    pages of one position a prefix is found to the token; with pages of P it is found in whole pages, as
-    SGLang's tree does with page_size > 1, and the engine's block tables are as narrow as the hash chain's.
+    """The serving engine's radix prefix cache (`ServingEngine(..., prefix_caching="radix")`): a
+    BlockManager whose free pages and cached prefixes a RadixCache (`tree`) keeps, each slot of the
+    tree a page. With pages of P > 1 each token of the tree is a whole page's ids (as in SGLang):
+    splits fall on page boundaries, and a sequence's partly filled last page is never cached.
 
-    Every page is in one place: free (the tree's free queue), cached (a node of the tree holds it) or out
-    (allocated to a sequence and not cached yet). A sequence starts with `match` (the tree's pages of its
-    longest cached prefix, locked by a handle while it runs) and grows with `reserve` (pages out of the
-    tree's free queue, evicting its least recently used unlocked leaves when the queue is empty).
-    `cache(seq, ids)` puts the sequence's first len(ids) positions (whole pages) in the tree, so that later
-    requests find them: from the sequence's own node when it only adds to what it cached before, from the
-    root otherwise. Where the tree already held those tokens (two requests computed one prefix at once), the
-    sequence's page is swapped for the tree's (the same tokens at the same positions, under the same
-    identity: the same keys and values), in its table and its forks', and goes back free, so no prefix is
-    held twice. `release` gives back what the tree does not keep. Pages shared through the tree need no
-    copy on write: a tree page is always full and never written again.
-
-    `fork` shares every page, and locks the tree's for the new sequence too. Not here: chapter 6's page
-    names (`register`, `reserve_prefix`, `adopt`) and `drop_pages`.
+    Every page is in one place: free (the tree's free queue), cached (in a node of the tree) or out
+    (allocated to a sequence and not cached yet). A sequence starts with `match`, grows with
+    `reserve` and puts its full pages in the tree with `cache`; where the tree already held them
+    (two requests computed one prefix at once), the sequence's pages are swapped for the tree's, so
+    no prefix is held twice. Pages shared through the tree need no copy on write: a tree page is
+    always full and never written again. Not here: chapter 6's page names (`register`,
+    `reserve_prefix`, `adopt`) and `drop_pages`.
     """
 
     def __init__(self, num_pages: int, page_size: int = 1):
@@ -420,8 +404,7 @@ class RadixBlockManager(BlockManager):
         return n
 
     def reserve(self, seq, n: int) -> list:
-        """BlockManager.reserve, its pages from the tree's free queue: the tree evicts what the step needs
-        first, at once."""
+        """BlockManager.reserve, the tree first evicting what the step needs, at once."""
         need = self.pages_needed(seq, n)             # validates seq and n
         if need <= self.num_free:                    # else BlockManager.reserve refuses, changing nothing
             self.tree.evict(max(0, need - self.tree.num_free))

@@ -15,7 +15,7 @@ class StaticCache(KVCache):
     def __init__(self, config, max_tokens: int, batch_size: int = 1, dtype=None,
                  device="cpu"):                    # dtype None: the model's (config.dtype)
         super().__init__(config, batch_size, dtype, device)
-        checks.at_least_one("max_tokens", max_tokens)
+        checks.int_arg("max_tokens", max_tokens, low=1)
         self.max_tokens = max_tokens
         shape = (self.n_layers, batch_size, self.n_kv_heads, max_tokens, self.head_dim)
         like = dict(dtype=self.dtype, device=self.device)

@@ -11,20 +11,19 @@ from .identity import IdentityError, StateIdentity, identity_of, key_for, prefix
 from .prefix import PrefixCachingBackend
 from .serving import EngineStateError, ServingEngine, drive
 from .speculative import (
-                          EarlyExit,
-                          ModelDraft,
-                          PromptLookup,
-                          SelfDraft,
-                          SpecInputError,
-                          SpecResult,
-                          speculative_generate,
+           EarlyExit,
+           ModelDraft,
+           PromptLookup,
+           SelfDraft,
+           SpecInputError,
+           SpecResult,
+           speculative_generate,
 )
 
 __all__ = ["CachedBackend", "LibraryBackend", "RecomputeBackend", "as_ids", "Generation", "generate",
            "greedy_agreement", "positions_cached", "positions_uncached", "IdentityError", "StateIdentity",
            "identity_of", "key_for", "prefix_key", "block_hashes", "root_digest", "PrefixCachingBackend",
            "ChatSession", "common_prefix", "ServingEngine", "EngineStateError", "drive", "speculative_generate",
-           "SpecResult", "SpecInputError",
-           "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache"]
-__all__ += ["beam_search", "BeamResult"]
-__all__ += ["PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill", "WorkerError"]
+           "SpecResult", "SpecInputError", "PromptLookup", "SelfDraft", "EarlyExit", "ModelDraft", "RadixCache",
+           "beam_search", "BeamResult", "PageSet", "HandoffError", "PrefillEngine", "DecodeEngine", "prefill",
+           "WorkerError"]

@@ -9,7 +9,7 @@ import torch
 
 from ..cache import CacheStateError
 from ..cache.block_manager import common_length
-from ..models import forward
+from ..models import forward, forward_cached
 from ..models.checks import tensor_versions
 from .identity import check_salt, identity_of, key_for, model_identity, token_ids
 
@@ -39,27 +39,15 @@ class RecomputeBackend:
 
 
 class CachedBackend:
-    """Keeps a KV cache between calls, and serves from it only when it provably holds the right state.
+    """Keeps a KV cache between calls, serving from it only when it provably holds the right state (chapter 4).
 
-    On every call it computes the key of the state it would need — model manifest, tokenizer (with chat
-    template), compute and cache dtype, cache kind, position configuration, salt, and the exact ids
-    `ids[:-k]` for some k >= 1 — and compares it with the key of the state its cache holds. Equal: run
-    only the k new tokens (a hit). Different in any way (another model, tokenizer, dtype or salt;
-    identical ids; a diverging prefix): discard the cache and recompute (a miss). With
-    `longest_prefix=True`, a state of the same identity whose ids share a prefix with the request is
-    cropped to that prefix and only the rest is run (a hit after a crop); a cache that cannot go back
-    that far (an EvictingCache has dropped the positions) is a miss.
-
-    Which model: the identity's manifest says which weights (their content: a write the version
-    counters miss still changes their fingerprint, `lab.models.checks`), and the backend also records
-    which tensors it computed with (`tensor_versions`), as the cache itself does (`forward_cached` refuses
-    a cache filled by other tensors). An identical copy swapped in (`copy.deepcopy(model)`, a second
-    `load(name)`) has the same manifest but other tensors: proving their values equal would mean hashing
-    every weight on every call, so it is a miss that recomputes, never an error. A salt is a string or
-    None (`check_salt`).
-
-    The scores are the same either way; only the work differs. Counters: calls, hits, misses, crops,
-    positions (positions pushed through the model).
+    Each call compares the key the request needs (the state identity and the exact ids `ids[:-k]`, k >= 1) with the
+    key of the state the cache holds: equal, only the k new tokens run (a hit); different in any way (another
+    model, tokenizer, dtype or salt; identical ids; a diverging prefix), the cache is discarded and all is
+    recomputed (a miss). With `longest_prefix=True`, a state of the same identity sharing a prefix with the request
+    is cropped to it (a hit after a crop); a cache that cannot go back that far (an EvictingCache) is a miss. The
+    scores are the same either way. An identical copy of the model swapped in is a miss, never an error
+    (`tensor_versions`). Counters: calls, hits, misses, crops, positions (pushed through the model).
     """
 
     def __init__(self, model, cache_factory, longest_prefix=False, salt=None):
@@ -96,8 +84,6 @@ class CachedBackend:
 
     @torch.inference_mode()
     def next_logits(self, ids, salt=None) -> torch.Tensor:
-        from ..models import forward_cached
-
         t = as_ids(ids, self.model.config.vocab_size)       # [1, T]
         check_salt(salt)
         ids, salt = t[0].tolist(), self.salt if salt is None else salt
@@ -129,10 +115,8 @@ class CachedBackend:
 
 
 class LibraryBackend:
-    """The transformers model on the same weights, with its own cache (`use_cache=True`) or without.
-
-    With a cache it keeps `past_key_values` and reuses them when the ids extend the ids they hold.
-    """
+    """The transformers model on the same weights, with its own cache (`use_cache=True`: it keeps
+    `past_key_values` and reuses them when the ids extend the ids they hold) or without."""
 
     def __init__(self, model, use_cache=True):
         from ..models.hf import to_transformers

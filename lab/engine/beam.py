@@ -1,22 +1,14 @@
-"""Beam search on copy-on-write pages: the beams are sequences of one PagePool.
-
-The prompt is prefilled once, as one sequence. Each step scores every live beam's next token with one
-forward (every beam's last token, as decodes through `PagePool.plan_step`), keeps the best 2 * num_beams
-continuations of (beam score + log-prob) over beams x vocabulary, and moves the beams: a beam chosen c times
-is forked c - 1 times (its pages shared, counted), a beam not chosen is released. The pages of a prefix are
-never copied; only a shared, partly filled last page is, by `reserve`, when a beam first writes to it (copy
-on write). Transformers instead reorders every beam's whole cache with index_select at every step; `stats`
-counts both, to compare the bytes copied per step.
+"""Beam search on copy-on-write pages, the beams sequences of one PagePool (chapter 12 explains it).
 
 The choice of beams is transformers' `_beam_search` (generation/utils.py, v5.23.0) for one prompt:
 - candidates: top 2 * num_beams of beam score + log_softmax(logits), flattened beam-major (torch.topk);
-- a candidate ending in eos_id, or reaching max_new_tokens, is a finished hypothesis only if ranked among
-  the first num_beams; its score is its summed log-prob / n ** length_penalty, n its new tokens (the prompt
-  not counted, the eos counted); the best num_beams hypotheses are kept;
+- a candidate ending in eos_id, or reaching max_new_tokens, is a finished hypothesis only if ranked among the
+  first num_beams; its score is its summed log-prob / n ** length_penalty, n its new tokens (the eos counted);
+  the best num_beams hypotheses are kept;
 - the next beams are the num_beams best candidates that did not finish;
-- once num_beams hypotheses are kept, the search stops if early_stopping is True, or if the best running
-  beam's score / L ** length_penalty is no better than the worst hypothesis: L is the beams' current length,
-  or max_new_tokens with early_stopping="never" and length_penalty > 0.
+- once num_beams hypotheses are kept, the search stops if early_stopping is True, or if the best running beam's
+  score / L ** length_penalty is no better than the worst hypothesis: L is the beams' current length, or
+  max_new_tokens with early_stopping="never" and length_penalty > 0.
 """
 
 import math
@@ -28,6 +20,7 @@ import torch
 
 from ..cache.pool import PagePool
 from ..models import InputError, PositionLimitError, forward_cached, owner
+from .generate import check_counts
 from .identity import token_ids
 
 
@@ -44,12 +37,10 @@ def beam_search(model, ids, num_beams: int, max_new_tokens: int, length_penalty:
                 num_pages: int | None = None) -> BeamResult:
     """Beam search from `ids` (a list, `[T]` or `[1, T]`), as transformers' generate(num_beams=...,
     do_sample=False, num_return_sequences=num_beams). eos_id None: no token ends a hypothesis early
-    (transformers takes SmolLM2's from its config: 2). num_pages: enough for 2 * num_beams sequences of
-    the full length by default.
-
-    stats, one entry per decode step: held_pages (pages held during the step's forward), forks, copied_pages
-    and copied_bytes (copy on write), index_select_bytes (what reordering every beam's whole cache, as
-    transformers does, copies at the same step)."""
+    (transformers takes SmolLM2's from its config: 2). num_pages: by default enough for 2 * num_beams
+    sequences of the full length. stats, per decode step: held_pages (during the step's forward), forks,
+    copied_pages and copied_bytes (copy on write), index_select_bytes (what transformers' reordering of
+    every beam's whole cache copies at the same step)."""
     cfg = model.config
     prompt = token_ids(ids, cfg.vocab_size).tolist()
     P, k, T = len(prompt), num_beams, max_new_tokens
@@ -123,16 +114,10 @@ def _done(best_running, worst_kept, t, T, length_penalty, early_stopping) -> boo
     return not float(best_running / n ** length_penalty) > worst_kept
 
 
-def _count(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
-
-
 def _check(cfg, P, k, T, length_penalty, early_stopping, eos_id, page_size, num_pages):
     """Every argument, before anything is built."""
-    for name, n in (("num_beams", k), ("max_new_tokens", T), ("page_size", page_size),
-                    ("num_pages", 1 if num_pages is None else num_pages)):
-        if not _count(n):
-            raise InputError(f"{name} must be an int of at least 1, got {n!r}")
+    check_counts(InputError, num_beams=k, max_new_tokens=T, page_size=page_size,
+                 num_pages=1 if num_pages is None else num_pages)
     if 2 * k > cfg.vocab_size:
         raise InputError(f"num_beams={k}: 2 * num_beams candidates exceed the vocabulary of {cfg.vocab_size}")
     if (isinstance(length_penalty, bool) or not isinstance(length_penalty, numbers.Real)

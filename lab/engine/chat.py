@@ -1,9 +1,7 @@
-"""ChatSession: a conversation held on one backend, the chat template applied to every turn.
-
-A template renders the whole conversation again each turn, and may render earlier turns differently once
-a later one exists (a reply decoded to text and encoded again need not give the same ids). So what a cache
-can reuse of a turn's prompt is its longest common prefix with the sequence the backend saw last, not
-"everything before": each turn records both, and how much the backend actually reused.
+"""ChatSession: a conversation held on one backend, the chat template applied to every turn. A template may render
+earlier turns differently once a later one exists, so what a cache can reuse of a turn's prompt is its longest
+common prefix with the sequence the backend saw last (chapter 6): each turn records both, and how much the backend
+actually reused.
 """
 
 import torch

@@ -1,29 +1,7 @@
-"""Prefill apart from decode (chapter 11): one worker computes prompts, another generates, the KV moves between.
-
-A prompt's prefill is one large forward, bound by compute; a decode step is many small ones, bound by reading
-the weights and the cache. On one engine the two share every step: a long prompt's chunk lengthens the steps
-of every request decoding beside it (inter-token latency, ITL), and decodes delay a new prompt's first token
-(time to first token, TTFT). DistServe, Splitwise and vLLM's disaggregated prefill give each phase its own
-workers and move the prompt's keys and values from one to the other once, after the prefill.
-
-Here that is three pieces, small enough to read:
-
-1. `PageSet`: one request's hand-off. The prompt's pages, every cache layer's keys and values as raw bytes,
-   with everything the receiver must check before it trusts them: the state identity (chapter 4: which
-   weights, tokenizer, dtypes), the model's name and layout, the page size, the prompt, the first token the
-   prefill sampled, the page names (chapter 6's chained digests) and a sha256 over all of it. `to_bytes()`
-   and `PageSet.from_bytes()` carry it through a pipe, a socket or a file.
-2. `PrefillEngine`: a ServingEngine that stops every request at its first token and hands its pages over
-   (chunked prefill and prefix caching come with it); `prefill(engine, ids)` does one prompt.
-3. `DecodeEngine`: a ServingEngine with `add_prefilled(page_set, max_new_tokens)`, which checks the PageSet,
-   writes its bytes into fresh pages, names the full ones for prefix caching and puts the request straight
-   into `running`, its first token already in its output. From there it decodes as any request does.
-
-lab/serve/disagg.py runs the two in two engine processes (`Disaggregated`); lab/disagg_cost.py measures
-them against one ServingEngine over the same prompts and arrivals (TTFT, ITL, throughput, bytes moved).
-
-Only lab/cache touches a pool: pages are read with `PagePool.page` and written with `set_page`, as the tiers
-below the pool do (lab/engine/tiers.py). Models with local layers (two groups of pages) are not handed off here.
+"""Prefill apart from decode (chapter 11, section 6 explains it): a `PrefillEngine` hands each request over at its
+first token as a `PageSet` (its pages as bytes, with all a receiver checks), and a `DecodeEngine` takes it
+(`add_prefilled`) and decodes it as any request; lab/serve/disagg.py runs the two in two processes. Models with
+local layers (two groups of pages) are not handed off here.
 """
 
 import dataclasses
@@ -37,9 +15,11 @@ import torch
 
 from ..cache import CacheInputError, CacheMismatchError, CacheStateError, OutOfPagesError
 from ..models import InputError
+from .generate import check_counts
 from .hashing import page_keys
 from .identity import StateIdentity, identity_of, token_ids
 from .serving import ServingEngine, drive, per_prompt
+from .tiers import raw
 
 MAGIC = b"lab.PageSet/1\n"          # the first bytes of a serialised PageSet, with the format's version
 clock = time.monotonic               # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
@@ -58,7 +38,6 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")                 # torch.bfloat16 -> "bfloat16"
 
 
-# region pageset
 @dataclass(eq=True, repr=False)
 class PageSet:
     """One request's prompt KV, from a prefill worker to a decode worker, with what it was computed by."""
@@ -139,7 +118,6 @@ class PageSet:
     def __repr__(self):
         return (f"PageSet({self.model}, {len(self.prompt)} prompt tokens, {self.num_pages} pages of "
                 f"{self.page_size}, {self.dtype}, {self.nbytes():,} bytes)")
-# endregion
 
 
 def pageable(engine):
@@ -155,9 +133,8 @@ def pageable(engine):
 
 # ---- the prefill side ----
 class PrefillEngine(ServingEngine):
-    """A ServingEngine that stops every request at its first token: `step()` returns {request id: PageSet}
-    for each prompt whose first token it sampled, and those requests leave the engine (their pages go back
-    to the pool, the full ones still named for the next prompt that starts alike)."""
+    """A ServingEngine that stops every request at its first token: `step()` returns {request id:
+    PageSet} for each, and those requests leave the engine (their full pages stay named)."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True):
@@ -179,7 +156,6 @@ class PrefillEngine(ServingEngine):
         for rid in super().step():           # in this engine every token is a first token
             req = self.requests[rid]
             handed[rid] = self.export(req)
-            self.running.remove(req)
             self._release(req)
             req.state, req.events["finished"] = "finished", self.stats["steps"] - 1
         return handed
@@ -202,11 +178,6 @@ class PrefillEngine(ServingEngine):
         return ps
 
 
-def raw(t: torch.Tensor) -> bytes:
-    """A tensor's bytes, in memory order (any dtype, bfloat16 included)."""
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 def prefill(engine, ids, page_size: int = 16) -> PageSet:
     """The PageSet of one prompt. `engine`: an idle PrefillEngine (its cached pages are reused), or a Model,
     for which a PrefillEngine just big enough for `ids` is built (pages of `page_size`)."""
@@ -223,16 +194,12 @@ def prefill(engine, ids, page_size: int = 16) -> PageSet:
 
 # ---- the decode side ----
 class DecodeEngine(ServingEngine):
-    """A ServingEngine that also takes requests prefilled elsewhere: `add_prefilled(page_set, max_new_tokens)`.
-
-    stats adds handoffs (PageSets taken) and handoff_bytes (their `nbytes()`). A handed-off request is an
-    ordinary request from then on: batched, preempted and recomputed, named for prefix caching as any other.
-    """
+    """A ServingEngine that also takes requests prefilled elsewhere (`add_prefilled`), ordinary requests from then
+    on. stats adds handoffs (PageSets taken) and handoff_bytes (their `nbytes()`)."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True, draft=None, k: int = 4):
-        super().__init__(model, num_pages, page_size, max_batch_tokens, prefix_caching=prefix_caching, draft=draft,
-                         k=k)
+        super().__init__(model, num_pages, page_size, max_batch_tokens, prefix_caching, draft, k)
         pageable(self)
         self.stats |= dict(handoffs=0, handoff_bytes=0)
 
@@ -335,8 +302,7 @@ def checked(prompts, max_new_tokens, arrivals_s) -> tuple:
     prompts = [token_ids(p).tolist() for p in prompts]
     news, arrivals = per_prompt(len(prompts), max_new_tokens, arrivals_s, in_seconds=True)
     for m in news:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise InputError(f"max_new_tokens must be an int of at least 1, got {m!r}")
+        check_counts(InputError, max_new_tokens=m)
     return prompts, news, [float(a) for a in arrivals]
 
 

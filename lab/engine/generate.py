@@ -63,11 +63,16 @@ def check_count(name: str, n, low: int = 1):
         raise ValueError(f"{name} must be at least {low}, got {n}")
 
 
-def positions_uncached(prompt_len: int, new_tokens: int) -> int:
-    """Positions processed without a cache: step s (0-based) recomputes prompt_len + s positions.
+def check_counts(error, **counts):
+    """Each count (name=value) is an int of at least 1; else `error` names the first that is not."""
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise error(f"{name} must be an int of at least 1, got {n!r}")
 
-    sum_{s=0}^{n-1} (P + s) = n*P + n*(n-1)/2, quadratic in the number of new tokens.
-    """
+
+def positions_uncached(prompt_len: int, new_tokens: int) -> int:
+    """Positions processed without a cache: step s (0-based) recomputes prompt_len + s positions,
+    and sum_{s=0}^{n-1} (P + s) = n*P + n*(n-1)/2, quadratic in the number of new tokens."""
     P, n = prompt_len, new_tokens
     return n * P + n * (n - 1) // 2
 

@@ -1,11 +1,6 @@
-"""Names for pages of a prefix: one digest per full page, chained, as prefix-caching engines compute them.
-
-Page i of a sequence holds positions i*P .. i*P + P - 1. Its keys and values depend on every token before
-it and on everything chapter 4's state identity covers (model, tokenizer, dtypes, positions, salt), so its
-name must too. Chaining does that cheaply: digest i hashes digest i - 1 and page i's own tokens, and the
-chain starts from a root that hashes `extra` (the identity and the salt). Change a token in page i and
-digests i, i + 1, ... change, none before; change the salt or the model and every digest changes. A partial
-last page has no digest: its positions are not final, so it is never shared.
+"""Names for pages of a prefix (chapter 6 explains them): one digest per full page, chained, as engines name them.
+Digest i hashes digest i - 1 and page i's own tokens, from a root that hashes `extra` (the identity and the salt);
+a partial last page has no digest (its positions are not final, so it is never shared).
 """
 
 import torch
@@ -16,13 +11,10 @@ from .identity import token_ids
 
 
 def block_hashes(ids, page_size: int, extra=()) -> list[str]:
-    """One hex digest per full page of `ids` (a list, `[T]` or `[1, T]`): len(ids) // page_size
-    of them.
-
-    digest_i = page_digest(digest_{i-1}, ids of page i), digest_{-1} = root_digest(extra)
-    (lab.cache.hashing: sha256 of the parent and the ids as little-endian int64). The digests are
-    `page_keys`'s, written in hex to be read.
-    """
+    """One hex digest per full page of `ids` (a list, `[T]` or `[1, T]`): len(ids) // page_size of
+    them, `page_keys`'s digests in hex. digest_i = page_digest(digest_{i-1}, ids of page i),
+    digest_{-1} = root_digest(extra) (lab.cache.hashing: sha256 of the parent and the ids as
+    little-endian int64)."""
     checks.int_arg("page_size", page_size, low=1)
     if (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)) == 0:
         return []                                                 # no token, no page

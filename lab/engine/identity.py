@@ -1,7 +1,5 @@
-"""What a cached state is the state *of*: the model, the tokenizer, the cache, the positions, the ids.
-
-A KV cache is correct only for the exact computation that produced it. `prefix_key` hashes everything
-that computation depended on; two states are interchangeable only when their keys are equal.
+"""What a cached state is the state *of* (chapter 4): `prefix_key` hashes everything the computation depended on;
+two states are interchangeable only when their keys are equal.
 """
 
 import hashlib
@@ -56,13 +54,10 @@ def check_salt(salt):
 
 
 def token_ids(ids, vocab_size: int | None = None) -> torch.Tensor:
-    """One sequence of token ids, validated: a list of ints, a `[T]` or a `[1, T]` integer tensor -> int64 `[T]`.
-
-    Refuses floats and bools (1.7 is not token 1), a batch of several sequences, negative ids, ids past
-    int64 and, given `vocab_size`, ids outside the vocabulary; and containers that are not a sequence (a
-    set or a dict: their order is not the caller's) or are text (a string, bytes): each would otherwise name
-    another state than the caller's.
-    """
+    """One sequence of token ids, validated (a list of ints, `[T]` or `[1, T]` ints) -> int64 `[T]`. Refuses
+    floats and bools (1.7 is not token 1), a batch of several sequences, negative ids, ids past int64, ids outside
+    the vocabulary (given `vocab_size`), containers that are not a sequence (a set or a dict: their order is not
+    the caller's) and text (a string, bytes)."""
     if isinstance(ids, (Set, Mapping)):
         raise InputError(f"ids must be one sequence of token ids (a list, tuple or tensor), got a "
                          f"{type(ids).__name__}, whose order is not the caller's")

@@ -1,9 +1,5 @@
-"""PrefixCachingBackend: many requests served from one pool of pages, each full page computed once.
-
-Every full page of a request is named by `block_hashes` (chained over the state identity, the salt and the
-tokens). A request takes the cached pages of its longest named prefix from the BlockManager, computes only
-the rest, and names its own new full pages for the requests after it. When it ends, its pages go back to the
-pool still named: they are reused until a fresh page is needed, least recently freed first (LRU).
+"""PrefixCachingBackend (chapter 6): many requests served from one pool of pages, each full page
+computed once, its pages named for the requests after it and reused least recently freed first.
 """
 
 import weakref
@@ -13,40 +9,29 @@ import torch
 from ..cache import CacheInputError, CacheStateError, OutOfPagesError, PagedCache
 from ..models import check_ids, forward_cached
 from .backends import as_ids
+from .generate import check_counts
 from .hashing import page_keys
 from .identity import check_salt, identity_of, model_identity
 from .tiers import Tiers
 
 
 class PrefixCachingBackend:
-    """Ids in, scores out, like CachedBackend; the state lives in named pages shared by every request.
-
-    stats: running totals of calls, cached_tokens (positions taken from cached pages, restored ones
-    included), computed_tokens (positions run through the model), evicted_pages (cached pages reused for
-    other positions), host_hits and disk_hits (pages restored from the tiers).
-
-    Tiers (chapter 11): with host_pages > 0 or a disk_dir, an evicted page moves to a host tier of
-    host_pages pages, then to one file per page in disk_dir, and a later hit restores it (lab/engine/tiers.py).
-
-    Which model: pages are named under the state identity, whose manifest is a hash of the weights'
-    content. An identical copy of the model swapped in (`backend.model = load(name)` again) names the
-    same pages and is served from them, rightly: equal weights compute equal keys and values. Weights
-    changed in any way the manifest notices (version counters, fingerprint: `lab.models.checks`) name
-    other pages, and the request is computed anew. A salt is a string or None (`check_salt`).
-    """
+    """Ids in, scores out, like CachedBackend; the state lives in named pages shared by every request. Pages are
+    named under the state identity: an identical copy of the model swapped in is served from them, changed weights
+    name other pages. stats, running totals: calls, cached_tokens (positions taken from cached pages, restored
+    ones included), computed_tokens (run through the model), evicted_pages (cached pages reused for other
+    positions), host_hits and disk_hits (pages restored from the tiers of chapter 11, given host_pages or a
+    disk_dir)."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, salt=None, host_pages: int = 0, disk_dir=None):
         model_identity(model)  # refuse at once a model whose identity cannot be computed
-        for name, n in (("num_pages", num_pages), ("page_size", page_size)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise CacheInputError(f"{name} must be an int of at least 1, got {n!r}")
+        check_counts(CacheInputError, num_pages=num_pages, page_size=page_size)
         check_salt(salt)
         self.model, self.page_size, self.salt = model, page_size, salt
         self.pool = PagedCache(model.config, num_pages * page_size, page_size, dtype=model.dtype,
                                device=model.device)
         self.stats = dict(calls=0, cached_tokens=0, computed_tokens=0, evicted_pages=0, host_hits=0, disk_hits=0)
         self.dry = False                                            # set by dry_run: pages without keys
-        # chapter 11: evicted pages go down to a host tier, then to disk, and come back on a hit (tiers.py)
         self.tiers = Tiers(host_pages, disk_dir) if host_pages or disk_dir is not None else None
         if self.tiers is not None:     # a weak reference: the pool's manager must not keep its backend alive
             keep = weakref.WeakMethod(self._keep)

@@ -1,46 +1,8 @@
-"""ServingEngine: many requests decoded together over one pool of pages (continuous batching).
+"""ServingEngine: continuous batching over one pool of pages (chapter 8 explains its scheduler).
 
-The engine keeps a queue of waiting requests and a list of running ones, and moves them along one `step()`
-at a time, under a budget of `max_batch_tokens` tokens per step:
-
-1. Schedule the running requests: first every one with a single token left to compute (a decode), then
-   the next chunk of every prompt still being prefilled. A long prompt is prefilled a budget's worth per
-   step (chunked prefill), so it never holds the decodes up; a chunk shrinks to what the free pages hold,
-   and waits for a later step when they hold nothing while others run. A request whose pages cannot grow
-   otherwise takes them from the youngest running request, which is preempted:
-   its pages go back to the pool, and it waits at the head of the queue to be recomputed (its prompt and
-   the tokens it has generated so far).
-2. Admit waiting requests, first come first served, while the budget and the pages last (and no request
-   was preempted in this step), keeping a free page for every running request: admitting a request that
-   the next step's decodes would preempt at once only wastes its first chunk. `next_to_admit` chooses
-   the request to try (a policy overrides it). A new request first takes the cached pages of its longest
-   named prefix (chapter 6's page names), then reserves its first chunk.
-3. Run one forward over every token scheduled, laid end to end as one row `[1, N]`: the pool plans the
-   step once (`PagePool.plan_step`: slots, positions, the decode rows' block tables, the chunks' reads),
-   and each token attends to the pages of its own sequence. Append the greedy token of every request
-   whose last known token was in the step, name the pages that became full, and release the requests
-   that finished.
-
-Speculation (`draft=PromptLookup(3)`, or any chapter 9 draft; `k` tokens at most): after step 1, each
-decoding request's draft guesses up to k tokens, and their lookahead pages are reserved from the free
-pages only (speculation never preempts). The request then feeds its last token and the guesses as one
-chunk, the same step verifies them all, and the pages are cropped back to the accepted tokens: a page is
-named for prefix caching only once every token in it is accepted, so rejected guesses never reach a name.
-
-Every cache shape rides the same pool, step and kernel (lab/cache/pool.py), and the engine never asks
-which one it has: the pool's manager answers alike for all of them.
-- A radix tree (chapter 11: `prefix_caching="radix"`): instead of naming full pages by a hash chain, the
-  manager keeps every computed page in a RadixCache (lab/cache/radix.py) as soon as it is full, and a new
-  request takes the tree's pages of its longest cached prefix: to the token with pages of one position, in
-  whole pages otherwise (as SGLang does with page_size > 1). `schedule="lpm"` admits the waiting request
-  with the longest cached prefix first (SGLang's cache-aware policy) instead of the oldest.
-- Local layers (chapter 10: a model with `config.window_of(layer)` windows, from `local_layers`): one group
-  of pages for the global layers and one, of `local_pages` pages, for the local ones, whose pages go back
-  once they leave the window (lab/cache/hybrid.py). A chunk takes what every group's free pages hold, and
-  a prefix hit needs, in the local group, only the pages of the last window and the sinks.
-
-Time is counted in steps: a request's events (admitted, chunks, first token, preempted, finished) are step
-numbers, and `generate(..., arrivals=...)` takes arrival times in steps, so every run is deterministic.
+With a `draft` (chapter 9), a decode's guesses take lookahead pages from the free pages only (speculation never
+preempts) and are cropped back to the accepted tokens before a page is named. A radix tree (chapter 11) and local
+layers (chapter 10) ride the same pool, step and kernel. Time is counted in steps: every run is deterministic.
 """
 
 import copy
@@ -55,8 +17,10 @@ from ..cache import CacheInputError, CacheMismatchError, OutOfPagesError
 from ..cache.pool import PagePool, StepBatch
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
+from .backends import common_prefix
+from .generate import check_counts
 from .identity import identity_of, token_ids
-from .speculative import SpecInputError, check_guess, check_k
+from .speculative import SpecInputError, check_guess
 
 GREEDY_BELOW = 1e-5     # a temperature below this decodes greedily, as vLLM's (softmax(logits / T) overflows)
 
@@ -102,30 +66,18 @@ class Request:
 
 
 class ServingEngine:
-    """Greedy decoding of many requests at once over one pool of `num_pages` pages of `page_size` positions.
+    """Greedy decoding of many requests at once over one pool of `num_pages` pages of `page_size`.
 
-    `add_request(ids, max_new_tokens)` queues a request and returns its id; `step()` runs one scheduler
-    iteration; `generate(prompts, max_new_tokens)` does both until its requests finish; `cancel(id)` frees
-    a request's pages. `stats` holds running totals: steps, preemptions, cached_tokens (positions taken from
-    named pages), computed_tokens (positions run through the model, recomputation included), evicted_pages,
-    held_pages and peak_held_pages (pages running requests hold after the step, and the most over the steps,
-    per group: {"full": n}, and {"full": n, "local": m} for a model with local layers), and per step
-    batch_sizes (sequences in the forward) and batch_tokens (tokens in it). With a draft also proposed and
-    accepted (draft tokens), lookahead_pages (pages reserved for guesses) and rollback_pages (pages freed
-    again after verification).
+    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache: to the token with
+    page_size=1), or False. schedule: "fcfs" or, with prefix caching, "lpm" (the longest cached prefix first,
+    SGLang's cache-aware policy). local_pages: the local layers' pages (chapter 10; num_pages by default), which
+    must hold one sequence's step of one token; a chunk shrinks to what they hold.
 
-    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache over the pages: to the token
-    with page_size=1), or False. schedule: "fcfs" (first come, first served) or "lpm" (the longest cached prefix
-    first; with prefix caching).
-
-    A model with local layers gets two groups of pages: `num_pages` for its global layers and `local_pages`
-    for its local ones, num_pages by default. A sequence's local block table is its full one with the pages
-    behind the window given back, so it never holds more local pages than full ones: the default gives the
-    local group the full group's room, and saves no memory yet. What the window gives back shows in
-    `stats["held_pages"]` and `stats["peak_held_pages"]`; a smaller local_pages turns it into memory. Each
-    sequence in flight needs at most `manager.most_pages("local", n)` local pages, n the tokens of its step
-    (ceil((window - 1 + n) / page_size) + 1 + the sink pages); local_pages must hold that of one sequence
-    and one token, and a chunk shrinks to what the local group holds.
+    `stats`: totals of steps, preemptions, cached_tokens (taken from named pages), computed_tokens (run through
+    the model, recomputation included), evicted_pages; held_pages and peak_held_pages (held by running requests
+    after the step, and the most, per group: {"full": n, "local": m}); per step, batch_sizes (sequences),
+    batch_tokens, step_times; with a draft, proposed and accepted (draft tokens), lookahead_pages and
+    rollback_pages (reserved for guesses, and freed after verification).
     """
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
@@ -137,16 +89,15 @@ class ServingEngine:
                                   f"got {prefix_caching!r}")
         if schedule not in ("fcfs", "lpm") or (schedule == "lpm" and not prefix_caching):
             raise CacheInputError(f'schedule is "fcfs" or, with prefix caching, "lpm", got {schedule!r}')
-        for name, n in (("num_pages", num_pages), ("page_size", page_size), ("max_batch_tokens", max_batch_tokens),
-                        ("local_pages", 1 if local_pages is None else local_pages)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise CacheInputError(f"{name} must be an int of at least 1, got {n!r}")
+        check_counts(CacheInputError, num_pages=num_pages, page_size=page_size,
+                     max_batch_tokens=max_batch_tokens,
+                     local_pages=1 if local_pages is None else local_pages)
         if max_batch_tokens > cfg.max_positions:     # a step's tokens go through the forward as one row
             raise CacheInputError(f"max_batch_tokens {max_batch_tokens} exceeds the model's "
                                   f"{cfg.max_positions} positions")
         if draft is not None and not all(callable(getattr(draft, f, None)) for f in ("bind", "propose")):
             raise SpecInputError(f"a draft has bind(model, prompt) and propose(context, k), got {draft!r}")
-        check_k(k)
+        check_counts(SpecInputError, k=k)
         self.model, self.page_size, self.max_batch_tokens = model, page_size, max_batch_tokens
         self.draft, self.k = draft, k
         self.prefix_caching, self.schedule = bool(prefix_caching), schedule
@@ -154,7 +105,6 @@ class ServingEngine:
             raise CacheInputError("the reconstructing form rebuilds every key and value from one sequence's whole "
                                   "cache; the engine's pages serve the absorbed form of the same model (latent_kv)")
         index = "radix" if prefix_caching == "radix" else "hash" if prefix_caching else None
-        # a group of pages per rule (one, without local layers), and the prefix index
         self.pool = PagePool.for_model(cfg, num_pages, page_size, local_pages, index, model.dtype, model.device)
         self.manager = self.pool.manager             # which page holds which position, with reference counts
         self.owner = owner(model.weights, cfg)       # the weights' state the pages are computed with
@@ -181,14 +131,11 @@ class ServingEngine:
     # ---- requests in and out ----
     def add_request(self, ids, max_new_tokens: int, eos_id: int | None = None, n: int = 1,
                     temperature: float = 0.0, seed: int | None = None) -> int:
-        """Queue one request (ids: a list, `[T]` or `[1, T]`); returns its id. Checked before anything
-        changes: a bad request raises and leaves the engine as it was.
-
-        n > 1 asks for n answers to the prompt (parallel sampling): the requests rid .. rid + n - 1, of which
-        the first prefills the prompt once; at its first token the other n - 1 fork its pages (no copy but the
-        partly filled last page, on first write) and each goes on alone. temperature > 0 samples each token
-        from softmax(logits / temperature) (below GREEDY_BELOW, greedily), every answer with a generator of its
-        own, seeded seed + i when a seed is given. Cancelling the first before its first token cancels the n."""
+        """Queue one request (ids: a list, `[T]` or `[1, T]`); returns its id. A bad request raises and leaves the
+        engine as it was. n > 1 asks for n answers (parallel sampling, chapter 12): requests rid .. rid + n - 1,
+        forked from the first at its first token. temperature > 0 samples from softmax(logits / temperature)
+        (below GREEDY_BELOW, greedily), each answer with its own generator, seeded seed + i given a seed.
+        Cancelling the first before its first token cancels the n."""
         return self._add(self._check(ids, max_new_tokens, eos_id, n, temperature, seed))
 
     def cancel(self, rid: int) -> bool:
@@ -201,16 +148,14 @@ class ServingEngine:
         if req.done:
             return False
         if req.state == "running":
-            self.running.remove(req)
             self._release(req)
         elif req.state == "waiting":
             self.waiting.remove(req)
         elif req.state == "branch":                   # not forked yet: its first goes on without it
             req.parent.branches.remove(req)
-        for branch in req.branches:                   # the first, before its first token: its n go too
-            branch.state, branch.events["cancelled"] = "cancelled", self.stats["steps"]
+        for r in [req, *req.branches]:                # the first before its first token: its n too
+            r.state, r.events["cancelled"] = "cancelled", self.stats["steps"]
         req.branches = []
-        req.state, req.events["cancelled"] = "cancelled", self.stats["steps"]
         return True
 
     def output(self, rid: int) -> list:
@@ -219,9 +164,8 @@ class ServingEngine:
 
     @torch.inference_mode()
     def generate(self, prompts, max_new_tokens, arrivals=None, eos_id=None) -> list[list[int]]:
-        """Greedy continuations of `prompts` (a list of id lists), each up to `max_new_tokens` tokens (an int,
-        or one per prompt). `arrivals[i]` = s adds prompt i before the s-th step of this call (0: at once),
-        so requests can arrive while others decode. Steps until these requests finish; returns their tokens."""
+        """Greedy continuations of `prompts` (id lists), each up to `max_new_tokens` (an int, or one
+        per prompt); prompt i arrives before the `arrivals[i]`-th step of this call (`drive`)."""
         return [self.output(r) for r in drive(self, prompts, max_new_tokens, arrivals, eos_id)]
 
     def timeline(self) -> list[dict]:
@@ -248,8 +192,7 @@ class ServingEngine:
         if positions > cfg.max_positions:
             raise PositionLimitError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {positions} "
                                      f"positions; the model has {cfg.max_positions}")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InputError(f"n must be an int of at least 1, got {n!r}")
+        check_counts(InputError, n=n)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < 1e6:
             raise InputError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - n):
@@ -287,12 +230,10 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self) -> dict[int, list]:
         """One scheduler iteration: schedule, one forward, sample. Returns {request id: [its new tokens]}: one
-        token per request, or with a draft the accepted guesses and one more.
-
-        A step that raises (a draft's bad guess, a failed forward) has reserved slots it never filled: every
-        request then in flight is tainted, and later steps raise EngineStateError until each is cancelled or
-        finished. Their tokens so far are right, and cached pages hold only finished steps' keys and values,
-        so requests added afterwards run as in a fresh engine."""
+        token per request, or with a draft the accepted guesses and one more. A step that raises (a draft's bad
+        guess, a failed forward) taints every request then in flight: later steps raise EngineStateError until
+        each is cancelled or finished. Their tokens so far are right, and cached pages hold only finished steps'
+        keys and values, so requests added afterwards run as in a fresh engine."""
         if owner(self.model.weights, self.model.config) != self.owner:
             raise CacheMismatchError("the model's weights changed since this engine's pages were computed: "
                                      "its keys and values are not this model's; use a new engine")
@@ -379,10 +320,9 @@ class ServingEngine:
         return budget
 
     def next_to_admit(self) -> Request:
-        """The waiting request admission tries next: the head of the queue, first come first served (a
-        preempted request waits at the head). A policy overrides this; the engine never skips the one chosen.
-        With schedule="lpm" (SGLang's cache-aware policy), a preempted request still goes first; otherwise
-        the one with the longest cached prefix, the earliest among equals."""
+        """The waiting request admission tries next (a policy overrides this; the engine never skips
+        the one chosen): the head of the queue, or with schedule="lpm" and no preempted request at
+        the head, the one with the longest cached prefix, the earliest first."""
         head = self.waiting[0]
         if self.schedule == "fcfs" or head.events["preempted"]:
             return head
@@ -398,9 +338,8 @@ class ServingEngine:
         P, seq = self.page_size, self.pool.new_id()
         # its cached prefix (none without an index); one token at least is computed: its logits are sampled
         taken = self.manager.lookup(seq, self._index_keys(req, (req.num_tokens - 1) // P))
-        # headroom: after admission, a free page of every group for every running request, so that the
-        # decodes of the next step never preempt the request just admitted (which would throw its first chunk
-        # away); a local group may hold less than a chunk: the chunk shrinks to fit it
+        # headroom: a free page of every group for every running request (the next decodes would preempt
+        # a request admitted without, wasting its first chunk); a chunk shrinks to fit a local group
         n = self.pool.fit(seq, min(req.num_tokens - taken * P, budget), spare=len(self.running))
         if n < 1:
             self.manager.release(seq)                 # the cached pages taken go back, still named
@@ -414,7 +353,6 @@ class ServingEngine:
 
     def _preempt(self, req, now):
         """Recompute later: the pages go back to the pool and the request waits at the head of the queue."""
-        self.running.remove(req)
         self._release(req)
         req.state = "waiting"
         req.events["preempted"].append(now)
@@ -422,6 +360,7 @@ class ServingEngine:
         self.stats["preemptions"] += 1
 
     def _release(self, req):
+        self.running.remove(req)
         self._name_pages(req)                         # what it computed stays cached for later requests
         self.manager.release(req.seq)                 # named pages stay cached, free, least recent first
         req.seq, req.computed, req.named, req.guess, req.draft = None, 0, 0, [], None   # the draft's cache too
@@ -454,10 +393,8 @@ class ServingEngine:
             if req.temperature:                                       # sampled (a sampled request has no
                 g = [self._token(req, logits[0, at])]                 # guesses)
             row, at = logits[0, at], at + len(g)
-            a = 0
-            while a < len(guess) and guess[a] == g[a]:
-                a += 1
-            out = guess[:a] + g[a:a + 1]                              # the accepted guesses and one more
+            a = common_prefix(guess, g)                               # the guesses greedy agrees
+            out = guess[:a] + g[a:a + 1]                              # with, and one more
             req.computed += n - len(guess) + a                        # their keys and values are right
             if guess:                                                 # the rejected ones' are not: take
                 freed = sum(map(len, self.manager.crop(req.seq, req.computed).values()))   # their pages back
@@ -482,9 +419,9 @@ class ServingEngine:
         return int(torch.multinomial(probs, 1, generator=req.generator))
 
     def _fork(self, req, branch, row, now) -> int:
-        """`branch` takes every page of `req`, which has just computed its prompt (shared,
-        counted: the partly filled last page is copied on first write), and runs from here on
-        alone; its first token, drawn from the logits `row` [V] of the prompt's last position."""
+        """`branch` takes every page of `req`, which has just computed its prompt (shared, counted:
+        the partly filled last page is copied on first write), and runs from here on alone; its
+        first token, drawn from the logits `row` [V] of the prompt's last position."""
         branch.seq = self.pool.fork(req.seq)
         branch.computed, branch.named, branch.keys = req.computed, req.named, list(req.keys)
         branch.state, branch.parent = "running", None
@@ -502,7 +439,6 @@ class ServingEngine:
         if req.events["first_token"] is None:
             req.events["first_token"] = now
         if len(req.output) >= req.max_new_tokens or req.eos_id in out:
-            self.running.remove(req)
             self._release(req)
             req.state, req.events["finished"] = "finished", now
 
@@ -531,16 +467,13 @@ class ServingEngine:
 @torch.inference_mode()
 def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_seconds=False, on_step=None,
           max_steps=None, until=None, n=1, temperature=0.0, seed=None) -> list[int]:
-    """Serve `prompts` (id lists) through `engine` until they finish: the one loop that `generate`, the
-    experiments, the exercises and the workers run. `max_new_tokens`: an int, or one per prompt. Prompt i is
-    added before the first step at which arrivals[i] is due: a step number counted from this call (0, the
-    default: at once), or with in_seconds=True, seconds after the call began (an idle engine sleeps until
-    the next arrival). Every prompt is checked before any is added. After each step, on_step(engine, new),
-    `new` being step()'s {id: tokens}. Returns the requests' ids, in prompt order; each step's start and end
-    (time.perf_counter) are in engine.stats["step_times"]. RuntimeError after max_steps steps. until(engine):
-    stop after the first step at which it is true, the requests still in flight (a measurement's setup).
-    n, temperature, seed: as add_request's, for every prompt (seed + n * i for prompt i); the answers of
-    prompt i are the requests rids[i] .. rids[i] + n - 1."""
+    """Serve `prompts` (id lists) through `engine` until they finish; returns the requests' ids, in prompt order.
+    `max_new_tokens`: an int, or one per prompt. Prompt i is added before the first step at which arrivals[i] is
+    due: a step number counted from this call (0, the default: at once), or with in_seconds=True, seconds after
+    the call began. Every prompt is checked before any is added. After each step, on_step(engine, step()'s {id:
+    tokens}). RuntimeError after max_steps steps. until(engine): stop after the first step at which it is true,
+    the requests still in flight. n, temperature, seed: as add_request's (seed + n * i for prompt i); the answers
+    of prompt i are the requests rids[i] .. rids[i] + n - 1."""
     count = len(prompts)
     news, arrivals = per_prompt(count, max_new_tokens, arrivals, in_seconds)
     checked = [engine._check(p, m, eos_id, n, temperature, None if seed is None else seed + n * i)

@@ -1,20 +1,9 @@
-"""Speculative decoding: a draft guesses k tokens, the target checks them all in one forward through its
-cache, and the cache takes back what was rejected (chapter 9).
-
-One verify step, greedy:
-
-1. The draft proposes d_1 .. d_k after the context (prompt and tokens so far; the cache holds all of it
-   but the last token, t).
-2. The target runs t, d_1 .. d_k as one chunk through its cache (chapter 2's offset causal mask) and reads
-   k + 1 greedy predictions g_0 .. g_k: g_i is what plain greedy decoding would emit after t, d_1 .. d_i.
-3. It accepts d_1 .. d_a, the longest run with d_i = g_{i-1}, and g_a as a bonus: a + 1 new tokens for one
-   forward, and exactly the tokens plain greedy decoding would have produced.
-4. The cache now holds k - a positions nobody will ever attend to: `crop` takes them back (a paged cache
-   frees their pages), so the next step starts from t' = g_a after the accepted context.
+"""Speculative decoding (chapter 9 explains it): a draft guesses k tokens, the target checks them all in one
+forward through its cache, and the cache takes back what was rejected.
 
 Drafts (`bind(model, prompt)` once, then `propose(context, k) -> ids`) come from the context itself
-(`PromptLookup`) or from the target's own weights, cheaper: over a smaller cache (`SelfDraft`) or through
-its first layers only (`EarlyExit`). A draft that runs a model keeps its own cache and rolls it back too.
+(`PromptLookup`) or from the target's own weights, over a smaller cache (`SelfDraft`) or through its first layers
+(`EarlyExit`); a draft that runs a model rolls its own cache back too.
 """
 
 import dataclasses
@@ -26,7 +15,7 @@ import torch
 from ..cache import CacheStateError, EvictingCache, make_cache
 from ..models import forward_cached
 from .backends import common_prefix
-from .generate import check_count
+from .generate import check_count, check_counts
 from .identity import token_ids
 
 
@@ -53,11 +42,6 @@ class SpecResult:
         return (len(self.tokens) - 1) / (self.steps - 1) if self.steps > 1 else float("nan")
 
 
-def check_k(k):
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise SpecInputError(f"k must be an int of at least 1, got {k!r}")
-
-
 def check_guess(guess: list, vocab_size: int):
     """A draft's guesses are token ids the target reads."""
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in guess):
@@ -65,7 +49,6 @@ def check_guess(guess: list, vocab_size: int):
 
 
 # ---- drafts ------------------------------------------------------------------------------------------------
-
 class NoDraft:
     """Guesses nothing: speculative_generate then is plain decoding, one token per forward, through the same
     loop and cache (the baseline a speedup is measured against)."""
@@ -100,9 +83,8 @@ class PromptLookup:
 
 class ModelDraft:
     """A draft that decodes greedily with a model of its own cache: `model_for(target)` says which (the same
-    weights, or their first layers), `cache_factory()` the cache. Its cache holds a prefix of the context;
-    before each proposal it is cropped to the part the target accepted (its rollback), or, where it cannot go
-    back that far (an evicting cache has dropped the position), emptied and filled again."""
+    weights, or their first layers), `cache_factory()` the cache. Before each proposal its cache is cropped to the
+    part the target accepted or, where it cannot go back that far (an evicting cache), emptied and filled again."""
 
     def __init__(self, cache_factory):
         if not callable(cache_factory):
@@ -155,9 +137,8 @@ class ModelDraft:
 
 
 class SelfDraft(ModelDraft):
-    """The target's own weights over a smaller cache (chapter 7's window, sinks, SnapKV or KIVI): the draft
-    reads fewer bytes per token than the target, as MagicDec, TriForce and QuantSpec do. `cache_factory()`
-    makes the draft's cache for the target's config."""
+    """The target's own weights over a smaller cache from `cache_factory()` (chapter 7's window,
+    sinks, SnapKV or KIVI), as MagicDec, TriForce and QuantSpec draft."""
 
 
 class EarlyExit(ModelDraft):
@@ -181,7 +162,6 @@ class EarlyExit(ModelDraft):
 
 
 # ---- the verify loop ---------------------------------------------------------------------------------------
-
 # region accept_greedy
 def accept_greedy(logits, guess: list) -> list:
     """The guesses greedy decoding agrees with, and its own next token. logits `[len(guess) + 1, V]`
@@ -195,14 +175,12 @@ def accept_greedy(logits, guess: list) -> list:
 
 
 def accept_sampled(p, q, guess, generator=None) -> list:
-    """The rejection rule of speculative sampling (Leviathan et al. 2023): the tokens one verify step emits
-    when sampling, distributed exactly as sampling from the target one token at a time.
-
-    p `[k + 1, V]`: the target's probabilities after the context and after each guess; q `[k, V]`: the
-    draft's, from which `guess` (k ids) was drawn (a one-hot row for a draft that does not sample, such as
-    prompt lookup). Guess i is kept with probability min(1, p_i(x) / q_i(x)); the first one rejected is
-    replaced by a draw from the residual max(0, p_i - q_i), renormalised, and the step ends; if all k are
-    kept, a bonus token is drawn from p_k. Returns the kept guesses and the one drawn token."""
+    """The rejection rule of speculative sampling (Leviathan et al. 2023): the tokens one verify step emits,
+    distributed exactly as sampling from the target one token at a time. p `[k + 1, V]`: the target's
+    probabilities after the context and after each guess; q `[k, V]`: the draft's, from which `guess` (k ids) was
+    drawn (one-hot for a draft that does not sample). Guess i is kept with probability min(1, p_i(x) / q_i(x)); the
+    first one rejected is replaced by a draw from max(0, p_i - q_i) renormalised; if all are kept, a bonus token is
+    drawn from p_k."""
     out = []
     for i, x in enumerate(guess):
         if torch.rand((), generator=generator) * q[i, x] < p[i, x]:       # u < p/q, without dividing by 0
@@ -216,17 +194,12 @@ def accept_sampled(p, q, guess, generator=None) -> list:
 @torch.inference_mode()
 def speculative_generate(model, ids, max_new_tokens: int, draft, k: int = 4, cache="static",
                          temperature: float = 0.0, generator=None) -> SpecResult:
-    """Decoding of max_new_tokens after `ids`, k draft tokens checked per target forward. `cache`: a design
-    name for `make_cache` ("static", "paged", "concat") or a callable returning a cache (a QuantizedCache
-    too; an EvictingCache is refused, SpecInputError: see below).
-
-    Greedy (temperature 0): the same tokens as plain greedy decoding through the same cache design.
-    Sampling (temperature > 0, `generator` a torch.Generator for repeatable draws): the rejection rule,
-    `accept_sampled`, with the target's probabilities at that temperature; the drafts here guess
-    deterministically, so the draft's distribution q is one-hot at its guess, and the tokens are distributed
-    as sampling from the target one token at a time."""
+    """Decoding of max_new_tokens after `ids`, k draft tokens checked per target forward, through `cache`: a design
+    name for `make_cache` ("static", "paged", "concat") or a callable returning a cache (an EvictingCache is
+    refused). Greedy (temperature 0): the same tokens as plain greedy decoding through the same cache design.
+    Sampling (`generator` for repeatable draws): `accept_sampled`, q one-hot at the draft's guess."""
     check_count("max_new_tokens", max_new_tokens)
-    check_k(k)
+    check_counts(SpecInputError, k=k)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise SpecInputError(f"temperature must be a number of at least 0, got {temperature!r}")
     prompt, cfg = token_ids(ids).tolist(), model.config

@@ -1,23 +1,7 @@
-"""Tiers below the pool (chapter 11): pages evicted from a prefix cache's pool are kept, not forgotten.
-
-A full page's keys and values are named by chapter 6's chained digest, which covers the state identity
-(model, dtype, salt) and every token before and in it. That name stays the page's identity in every tier:
-the pool, a host tier (a second, larger pool of tensors in host memory) and a disk tier (one file per page in
-a folder). When the pool reuses a named page, the page moves to the host tier; when the host tier is full,
-its least recently stored page moves to disk; only then, or with no disk tier, is a page dropped. A later
-request whose prefix misses in the pool but hits a tier gets the page back, copied into a fresh pool page,
-instead of computing it. A page from another model or salt has another name, so it is never restored.
-
-A page file holds the name (digest, parent digest, tokens), the keys and values, and a sha256 of their bytes.
-A file that does not load, whose checksum or name does not match, is refused, deleted and recomputed, never
-served. Files outlive the process: a new backend on the same folder finds them (a warm restart), and files
-that are not page files are left alone. A page that cannot be written (a full disk, a folder that refuses
-writes) is dropped and counted (`write_failed`), its partial file removed: the pool above never notices. Each
-writer writes under a temporary name of its own, so processes that share a folder never replace each
-other's half-written file.
-
-Restores here are synchronous: the copy happens before the forward that needs it, where an engine on a GPU
-would overlap the next page's copy with the forward of the current one.
+"""Tiers below the pool (chapter 11, section 1 explains them): pages evicted from a prefix cache's pool go to host
+memory, then to disk, and come back by name instead of being computed. A page file that does not load or match is
+refused, deleted and recomputed; each writer writes under a temporary name of its own, so processes that share a
+folder never replace each other's half-written file.
 """
 
 import contextlib
@@ -35,21 +19,21 @@ REFUSED = object()          # what Tiers._load returns for a page file it will n
 DIGEST_BYTES = 32           # chapter 6's page names are sha256 digests
 
 
+def raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, in memory order (any dtype, bfloat16 included)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def checksum(k: torch.Tensor, v: torch.Tensor) -> str:
     """sha256 of the raw bytes of a page's keys and values."""
-    h = hashlib.sha256()
-    for t in (k, v):
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return hashlib.sha256(raw(k) + raw(v)).hexdigest()
 
 
 class Tiers:
-    """Pages by name below a pool: `host_pages` of them in host memory, then any number as files in `disk_dir`.
-
-    put(key, page) stores a page evicted from the pool (page: (k, v), each `[layers, page_size, H_kv, D]`,
-    or None for a dry run's bookkeeping); take(key) removes and returns (page, tier) for a name it holds
-    ("host" or "disk"), or None. key = (digest, parent digest, tokens), as BlockManager names pages.
-    """
+    """Pages by name below a pool: `host_pages` in host memory, then any number as files in `disk_dir`.
+    put(key, page) keeps a page evicted from the pool (page: (k, v), each `[layers, page_size, H_kv, D]`, or None
+    for a dry run); take(key) removes and returns (page, tier) for a name it holds, or None. key: (digest, parent
+    digest, tokens), as BlockManager names pages."""
 
     def __init__(self, host_pages: int = 0, disk_dir=None):
         if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
@@ -63,8 +47,9 @@ class Tiers:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             for path in self.disk_dir.glob("*.page"):             # a warm restart: the files are the index
-                if (digest := _digest(path.stem)) and path.is_file():   # skip README.page and the like
-                    self.disk[digest] = (None, path)
+                with contextlib.suppress(ValueError):             # not hex: README.page, say
+                    if len(digest := bytes.fromhex(path.stem)) == DIGEST_BYTES and path.is_file():
+                        self.disk[digest] = (None, path)
 
     def __contains__(self, key) -> bool:
         return key[0] in self.host or key[0] in self.disk
@@ -139,12 +124,3 @@ class Tiers:
     def stats(self) -> dict:
         return dict(host_held=len(self.host), disk_held=len(self.disk), dropped=self.dropped, corrupt=self.corrupt,
                     write_failed=self.write_failed)
-
-
-def _digest(stem: str) -> bytes | None:
-    """The digest a page file's name spells (sha256, 64 hex digits), or None for a name that spells none."""
-    try:
-        digest = bytes.fromhex(stem)
-    except ValueError:
-        return None
-    return digest if len(digest) == DIGEST_BYTES else None

@@ -1,8 +1,6 @@
-"""OpenAI's API as this server takes it: the request shapes, the error shape, reading and checking a body.
-
-A body over the server's limit is refused with 413 before it is read; one that is not JSON, nests too
-deeply, has an unknown field or a value out of range is refused with 400 naming the field, as OpenAI's API
-answers: `{"error": {"message", "type", "param", "code"}}`.
+"""OpenAI's API as this server takes it: the request shapes, the error shape, reading and checking a body (413 for
+a body over the limit, 400 naming the field for one that is not JSON, nests too deeply, has an unknown field or a
+value out of range).
 """
 
 import json
@@ -15,8 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: SmolLM2's whole context, 8,192 tokens, is about 40 KB of text, 60 KB of ids
 
 # ---- requests, as OpenAI's API shapes them ----
-
-
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field is an error, "5" is not 5
 

@@ -1,13 +1,9 @@
-"""The HTTP app: OpenAI's /v1/completions and /v1/chat/completions, /v1/models and /health (FastAPI), and
-/fleet in front of several engines (a Fleet: each worker's requests routed and in flight, its cache's hits).
+"""The HTTP app (FastAPI): OpenAI's /v1/completions, /v1/chat/completions, /v1/models, /health, and /fleet.
 
-A handler reads the body (at most `max_body_bytes`: 413 beyond), checks it against OpenAI's request shape
-(400 naming the field), tokenizes on a worker thread (a long prompt never stalls the streams of others),
-sends the ids to the engine's loop and awaits its tokens. Text is detokenized incrementally
-(lab/serve/detokenizer.py). A client that goes away, streaming or not, has its request cancelled, which
-frees its pages. When the engine fails, the requests in flight fail: a streamed one with an error event and
-[DONE], as vLLM does, another with a 500; once the engine's process ended, /health and every new request
-answer 503.
+A handler tokenizes on a worker thread (a long prompt never stalls the streams of others), sends the ids to the
+engine's loop and awaits its tokens. A client that goes away has its request cancelled, which frees its pages. When
+the engine fails, the requests in flight fail: a streamed one with an error event and [DONE], as vLLM does, another
+with a 500; once the engine's process ended, /health and every new request answer 503.
 """
 
 import asyncio
@@ -30,16 +26,13 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineThread
 from .fleet import Fleet
 
-# ---- the app ----
-
 
 def create_app(engine: "ServingEngine | EngineClient | Fleet", name: str | None = None, eos_id: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops
-    at `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. A ServingEngine
-    is stepped by an EngineThread that starts and stops with the app (its lifespan); an EngineClient or a
-    Fleet given instead is started by the caller, and the app's shutdown stops it.
-    `app.state.draining = True` refuses new requests (503)."""
+    """The HTTP app over `engine`, serving its model as `name` (default: the model's name). A request stops at
+    `eos_id` (default: the tokenizer's eos token, if it has one) or at its max_tokens. A ServingEngine is stepped
+    by an EngineThread that starts and stops with the app; an EngineClient or a Fleet given instead is started by
+    the caller, and the app's shutdown stops it. `app.state.draining = True` refuses new requests (503)."""
     client = EngineClient(EngineThread(engine)) if isinstance(engine, ServingEngine) else engine
     config, tok = client.config, client.tokenizer
     name = name or client.name

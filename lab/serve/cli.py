@@ -1,23 +1,18 @@
-"""`python -m lab.serve`: the command line. The engine runs in a process of its own unless `--one-process`.
+"""`python -m lab.serve`: the command line. The engine runs in a process of its own unless `--one-process`;
+`--workers N` runs N engines, a process each, behind one router (lab/serve/fleet.py).
 
-If the engine's process dies (killed, out of memory, a crash in native code), the requests in flight fail
-(a streamed one with an error event), /health answers 503, and the server exits with code 1. It does not
-restart the engine itself: a single-engine server has nothing to serve meanwhile, and a supervisor
-(systemd's Restart=on-failure, Kubernetes' restartPolicy and liveness probe on /health) already restarts a
-process that exits non-zero, with back-off, counting and logging the restarts where operators look. A
-server restarting its own engine would hide a crash loop from them.
+If an engine's process dies (killed, out of memory, a crash in native code), its requests in flight fail (a
+streamed one with an error event), /health and new requests get 503, the other workers' requests finish, and the
+server exits 1. It restarts nothing itself: a supervisor (systemd's Restart=on-failure, Kubernetes' restartPolicy
+and liveness probe on /health) already restarts a process that exits non-zero, with back-off, counting and logging
+the restarts where operators look; restarting in place, or serving on a worker short, would hide a crash loop.
 
-With `--workers N` (N > 1) it runs N engines, each in a process of its own, behind one router
-(lab/serve/fleet.py: `--router round_robin`, `least_loaded` or `kv_aware`). A worker whose process dies
-fails its own requests in flight, and the server stops and exits 1 as above: the others' requests in
-flight finish first, new ones get 503, and the supervisor restarts the whole server. Serving on with a
-worker short would hide the crash the same way a restart in place would.
-
-On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish, then stops the
-engine and exits 0.
+On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish, then stops the engine
+and exits 0.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -53,24 +48,18 @@ class Server(uvicorn.Server):
 
 def workers_arg(text: str) -> int:
     """--workers: an int of at least 1 (argparse says which argument, and exits 2)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = None
-    if n is None or n < 1:
-        raise argparse.ArgumentTypeError(f"the number of engine processes is an int of at least 1, got {text!r}")
-    return n
+    with contextlib.suppress(ValueError):
+        if (n := int(text)) >= 1:
+            return n
+    raise argparse.ArgumentTypeError(f"the number of engine processes is an int of at least 1, got {text!r}")
 
 
 def weight_arg(text: str) -> float:
     """--router-overlap-weight: a finite number >= 0."""
-    try:
-        w = float(text)
-    except ValueError:
-        w = None
-    if w is None or not math.isfinite(w) or w < 0:
-        raise argparse.ArgumentTypeError(f"a weight is a finite number >= 0, got {text!r}")
-    return w
+    with contextlib.suppress(ValueError):
+        if math.isfinite(w := float(text)) and w >= 0:
+            return w
+    raise argparse.ArgumentTypeError(f"a weight is a finite number >= 0, got {text!r}")
 
 
 def main(argv=None):
@@ -135,10 +124,7 @@ def main(argv=None):
     n = torch.get_num_threads() if args.one_process else args.threads or "torch's default"
     print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}"
           f"{' each' if args.workers > 1 else ''}, max_batch_tokens={args.max_batch_tokens}, {where}, "
-          f"{n} threads, "
-          f"wait policy {policy}) on "
-          f"http://{args.host}:{args.port}",
-          flush=True)
+          f"{n} threads, wait policy {policy}) on http://{args.host}:{args.port}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
         signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0
     if args.one_process:
@@ -152,9 +138,8 @@ def main(argv=None):
 
 
 def serve_beside(server, client: EngineClient):
-    """HTTP from a second thread, the engine stepped in the main thread: torch ran the engine's steps about
-    1.3 times slower from a second thread on the book's 2-core machine (chapter 8). Both share one
-    interpreter lock."""
+    """HTTP from a second thread, the engine stepped in the main thread: torch ran the engine's steps about 1.3
+    times slower from a second thread on the book's 2-core machine (chapter 8). Both share one interpreter lock."""
     def serve_http():                  # uvicorn installs no signal handlers off the main thread: ours did
         try:
             server.run()

@@ -1,11 +1,8 @@
 """The server's side of the engine: which request each message from the engine's loop belongs to.
 
-`EngineClient` sends requests through an EngineThread or EngineProcess (lab/serve/engine_loop.py), which
-hands it every answer of the loop, and puts each on the asyncio queue of the request it belongs to:
-admissions, every step's tokens, failures. It is the one place that knows request id -> stream, and the
-one place that fails them all when the engine fails or its process ends. It also keeps what a router in
-front of several engines reads (lab/serve/fleet.py): the prompt sizes of the requests in flight, and the
-digests of the pages the engine holds named, from the KV events each step's message carries.
+`EngineClient` puts each answer of the loop (admissions, tokens, failures) on the asyncio queue of its request,
+fails them all when the engine fails or its process ends, and keeps what a router (lab/serve/fleet.py) reads: the
+prompt sizes of the requests in flight, and the digests of the pages the engine holds named.
 """
 
 import asyncio
@@ -23,12 +20,9 @@ class RequestIdError(TypeError):
 
 
 class EngineClient:
-    """Requests in, (token, finish_reason) pairs out, each to its request's asyncio.Queue.
-
-    `engine`, an EngineThread or EngineProcess, runs the loop (`start`, `stop`) and describes it. `alive` turns
-    False for good once the engine failed or ended; why is in `failure`. `on_exit(why)`, if set, is called
-    when the engine's process ends unexpectedly (`python -m lab.serve` stops the server with it).
-    """
+    """Requests in, (token, finish_reason) pairs out on each request's asyncio.Queue. `engine` (an EngineThread or
+    EngineProcess) runs the loop (`start`, `stop`) and describes it. `alive` turns False for good once the engine
+    failed or ended (why: `failure`); `on_exit(why)` is called when its process ends unexpectedly."""
 
     def __init__(self, engine):
         self.engine, self.send, engine.deliver = engine, engine.send, self.receive
@@ -48,10 +42,9 @@ class EngineClient:
         return self.failure is None
 
     async def add(self, ids, max_new_tokens: int, eos_id: int | None, **sampling) -> tuple[int, asyncio.Queue]:
-        """Queue a request; its id and the queue its (token, finish_reason, index) triples (or an EngineFailed)
-        arrive on. `sampling`: add_request's n, temperature, seed; the n answers are the requests id .. id +
-        n - 1, their tokens on the one queue, each with its index. Raises what the engine's `add_request`
-        raises: a bad request changes nothing."""
+        """Queue a request; its id and the queue its (token, finish_reason, index) triples (or an
+        EngineFailed) arrive on. `sampling`: add_request's n, temperature, seed; the n answers are
+        the requests id .. id + n - 1. Raises what the engine's `add_request` raises."""
         if self.failure is not None:
             raise self.failure
         loop = asyncio.get_running_loop()
@@ -96,10 +89,10 @@ class EngineClient:
 
     def receive(self, message: tuple):
         """One message from the engine's loop: ("admitted", key, rid, error), ("tokens", [(rid, token,
-        finish_reason), ...], kv_events), ("snapshot", dict), ("failed", why), ("stopped",), or ("exited",
-        why) from an EngineProcess whose process ended without a word. kv_events: ("stored" or "removed",
-        digest) for each page the step named or evicted, in order; applied before the tokens are handed on,
-        so a client that has its answer finds its pages counted."""
+        finish_reason), ...], kv_events), ("beam", key, result, error), ("snapshot", dict), ("failed", why),
+        ("stopped",), or ("exited", why) from a process that ended without a word. kv_events (("stored" or
+        "removed", digest), in order) are applied first, so a client that has its answer finds its pages
+        counted."""
         kind, *args = message
         if kind == "admitted":
             key, rid, error = args
@@ -129,7 +122,7 @@ class EngineClient:
             with self.lock:
                 waiting = self.pending.pop(key, None)
             if waiting is not None:
-                waiting[0].call_soon_threadsafe(answer, waiting[1], result, error)
+                waiting[0].call_soon_threadsafe(settle, None, waiting[1], result, error)
         elif kind == "snapshot":
             self.replies.put(args[0])
         elif kind == "failed":                           # a bug in a step: these requests fail, the loop lives
@@ -154,21 +147,16 @@ class EngineClient:
             loop.call_soon_threadsafe(tokens.put_nowait, error)
 
 
-def settle(client: EngineClient, admitted: asyncio.Future, rid, error):
-    """On the event loop: answer the handler waiting in `add`, or cancel if it stopped waiting."""
-    if admitted.cancelled():                              # the client left before its request was in
-        if rid is not None:
-            client.cancel(rid)
+def settle(client: EngineClient | None, future: asyncio.Future, result, error):
+    """On the event loop: answer the handler waiting in `add` (its request id) or `beam` (client
+    None: its result); if it stopped waiting, cancel the request `add` admitted."""
+    if future.cancelled():                                # the client left before it was answered
+        if client is not None and result is not None:
+            client.cancel(result)
     elif error is not None:
-        admitted.set_exception(error)
+        future.set_exception(error)
     else:
-        admitted.set_result(rid)
-
-
-def answer(done: asyncio.Future, result, error):
-    """On the event loop: a beam search's result (or its error) to the handler waiting for it, if it still is."""
-    if not done.cancelled():
-        done.set_exception(error) if error is not None else done.set_result(result)
+        future.set_result(result)
 
 
 def deliver(items):

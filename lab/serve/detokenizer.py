@@ -1,22 +1,18 @@
 """Incremental detokenization: a reply's text, token by token, decoding only a short window each time.
 
-Decoding every token so far at every step costs O(n^2) over a reply of n tokens. vLLM's
-`detokenize_incrementally` keeps two offsets into the ids instead: `prefix_offset`, where a short window of
-context starts, and `read_offset`, where the ids not yet shown start. Each step decodes the window with and
-without the new ids, and shows what the new ids added. The window matters because a token's text can depend
-on its neighbours: a byte-level token may hold half of a multi-byte UTF-8 character, which decodes to
-"\ufffd" until the token with the rest arrives. Text ending in "\ufffd" is therefore held back, and shown
-once the character is complete (or when the reply ends, whatever it is then).
+Decoding every token so far at every step costs O(n^2) over a reply of n tokens. vLLM's `detokenize_incrementally`
+keeps two offsets into the ids instead: `prefix_offset`, where a short window of context starts, and `read_offset`,
+where the ids not yet shown start; each step decodes the window with and without the new ids and shows what they
+added. A byte-level token may hold half of a multi-byte UTF-8 character, which decodes to "\ufffd" until the rest
+arrives: text ending in "\ufffd" is held back until the character is complete (or the reply ends).
 """
 
 
 class IncrementalDetokenizer:
-    """One reply's text as its ids arrive: `add(ids)` returns the text they complete.
-
-    The concatenation of everything `add` and `flush` return equals `tokenizer.decode(all the ids)`, for a
-    tokenizer whose decoding of a sequence starts with its decoding of any prefix that does not end in
-    "\ufffd" (byte-level BPE and the byte tokenizer, whose UTF-8 decoder replaces invalid bytes).
-    """
+    """One reply's text as its ids arrive: `add(ids)` returns the text they complete. Everything `add` and `flush`
+    return, concatenated, equals `tokenizer.decode(all the ids)` for a tokenizer whose decoding of a sequence
+    starts with its decoding of any prefix not ending in "\ufffd" (byte-level BPE; the byte tokenizer, whose UTF-8
+    decoder replaces invalid bytes)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer

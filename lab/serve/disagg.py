@@ -1,19 +1,8 @@
-"""Disaggregated prefill and decode (chapter 11) in two engine processes: the engine loop of lab/serve,
-in two roles.
-
-The prefill worker runs a `PrefillEngine` under a `PrefillLoop`: each prompt is added as it arrives (the
-parent sends it then), and the PageSet of every prompt whose first token it sampled goes straight to the
-decode worker, over a one-way pipe between the two processes. The decode worker runs a `DecodeEngine`
-under a `DecodeLoop`: it takes the page sets in order, as its pages free up, decodes them with the others,
-and tells the parent each request's tokens and their times when it finishes. Both are `EngineProcess`es,
-started, stopped and read as the server's engines are (lab/serve/engine_loop.py); every message goes
-through the loop's transport.
-
-Transport: pipes. A pipe carries each PageSet as one message, in order, with backpressure (a full pipe makes
-the prefill worker wait), and needs no cleanup when a worker dies. It copies the bytes twice (into the
-kernel and out); shared memory would save those copies but needs a name per block, and an unlink that a
-crash skips. At this book's page sets (kilobytes for the tiny models, a few megabytes for SmolLM2's long
-prompts) the copies take far less time than the forward.
+"""Disaggregated prefill and decode (chapter 11): the engine loop in two roles, in two processes. A `PrefillLoop`
+sends each prompt's PageSet over a one-way pipe to a `DecodeLoop`, which takes them in order as its pages free up.
+A pipe carries each PageSet as one message, in order, with backpressure, and needs no cleanup when a worker dies;
+shared memory would save two copies but needs a name per block and an unlink that a crash skips, and at these page
+sets' sizes (kilobytes to a few megabytes) the copies take far less time than the forward.
 """
 
 import multiprocessing
@@ -21,16 +10,7 @@ import queue
 from collections import deque
 
 from ..cache import OutOfPagesError
-from ..engine.disagg import (
-    DecodeEngine,
-    PageSet,
-    PrefillEngine,
-    WorkerError,
-    checked,
-    clock,
-    entry,
-    warm_up,
-)
+from ..engine.disagg import DecodeEngine, PageSet, PrefillEngine, WorkerError, checked, clock, entry, warm_up
 from .engine_loop import EngineLoop, EngineProcess, PipeTransport
 
 
@@ -112,12 +92,9 @@ class DecodeLoop(EngineLoop):
 
 
 class Disaggregated:
-    """A prefill worker and a decode worker, each a process of its own with one thread, the prompts' KV moving
-    from the first to the second as PageSets (module docstring). `model`: a name `lab.models.load` knows (each
-    worker loads it). The prefill worker has `prefill_pages` pages, the decode worker `decode_pages`. Use it as
-    a context manager, or call `close()`: the workers end with it. A worker that fails raises WorkerError in
-    `generate` (with its message), one that dies or goes silent for `timeout_s` too: every wait has a timeout.
-    """
+    """A prefill worker and a decode worker (module docstring), each a process with one thread, loading `model` (a
+    name `lab.models.load` knows), with `prefill_pages` and `decode_pages` pages. Use it as a context manager, or
+    call `close()`. A worker that fails, dies or goes silent for `timeout_s` raises WorkerError in `generate`."""
 
     def __init__(self, model: str, prefill_pages: int, decode_pages: int, page_size: int = 16,
                  max_batch_tokens: int = 256, timeout_s: float = 120.0):

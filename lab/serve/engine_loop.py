@@ -1,23 +1,6 @@
-"""The engine's loop, and the two ways to run it: on a thread of this process, or in a process of its own.
-
-`EngineLoop` is the one piece of code that touches a ServingEngine: round after round it takes the
-messages that arrived (new requests, cancellations), steps the engine while any request waits or runs, and
-answers with each step's new tokens in one message; it sleeps while the engine has nothing to do. Whatever
-arrives while others decode joins the next step's batch (continuous batching). Each step's message also
-carries the step's KV events, the pages the engine named and evicted (`KVEvents`), from which the server's
-side knows which prefixes the engine holds (lab/serve/fleet.py routes on them). Its transport is the only
-difference between the two modes:
-
-- `EngineThread`: the loop on a thread of this process; messages go through a queue, answers are handed
-  to `deliver` directly. Server and engine then share one interpreter lock.
-- `EngineProcess`: the loop in a process of its own, as vLLM runs its engine core apart from its API
-  server; messages and answers go through a pipe, and a reader thread hands the answers to `deliver`.
-  Only the tokenizer and the config are loaded on the server's side; the engine's process loads the model.
-
-Both are the server's end of the loop, wrapped by an `EngineClient` (lab/serve/client.py), which sends
-through their `send` and is their `deliver`. They `start` and `stop` the loop, and describe the engine to
-the HTTP app (`name`, `config`, `tokenizer`, `num_pages`, `page_size`) and to a fleet's router (`extra`:
-what the engine's page names chain from, None without prefix caching).
+"""The engine's loop (`EngineLoop`, the one piece of code that touches a ServingEngine), run on a thread of this
+process (`EngineThread`: server and engine share one interpreter lock) or in a process of its own
+(`EngineProcess`, as vLLM runs its engine core apart from its API server); an `EngineClient` wraps either.
 """
 
 import contextlib
@@ -34,16 +17,15 @@ from ..engine import ServingEngine, beam_search
 from ..models import load
 from ..models.load import load_config
 
+
 # ---- the loop ----
-
-
 class EngineLoop:
-    """Adds, cancels and steps, in that order, round after round. `transport.receive(wait)` returns the
-    messages that arrived (with `wait`, at least one); `transport.send(message)` answers. A loop of another
-    role (lab/serve/disagg.py: prefill, decode) overrides `engine_class`, `connect`, `_handle`, `admit` and
-    `answer`."""
+    """Adds, cancels and steps, in that order, round after round. `transport.receive(wait)` returns the messages
+    that arrived (with `wait`, at least one); `transport.send(message)` answers. A loop of another role
+    (lab/serve/disagg.py: prefill, decode) overrides `engine_class`, `connect`, `_handle`, `admit` and `answer`."""
 
     engine_class = ServingEngine
+    warm_up = staticmethod(lambda engine: None)   # before "ready": a measured worker runs a request
 
     def __init__(self, engine: ServingEngine, transport):
         self.engine, self.transport = engine, transport
@@ -72,10 +54,6 @@ class EngineLoop:
             except Exception as e:                       # a bug: every request fails (500), none hangs
                 self._cancel_all()
                 self.transport.send(("failed", f"{type(e).__name__}: {e}"))
-
-    @staticmethod
-    def warm_up(engine):
-        """Before the process says it is ready: nothing here (a measured worker runs a throwaway request)."""
 
     def busy(self) -> bool:
         """Work to do without a new message: a request waits or runs."""
@@ -121,12 +99,9 @@ class EngineLoop:
 
 
 class KVEvents:
-    """The pages a BlockManager named ("stored", digest) and evicted ("removed", digest), in order, since the
-    last `take`: NVIDIA Dynamo's KV events (its workers publish BlockStored and BlockRemoved), sent with each
-    step. Together they give exactly the digests the manager holds named, owned or free: the manager's hooks
-    `on_name` and `on_evict` (chained to one already set) record them. A hybrid pool (chapter 10), whose hit
-    needs pages of every group, and a radix tree (chapter 11), which names no pages, report nothing: a fleet
-    then routes on load alone."""
+    """The pages a BlockManager named ("stored", digest) and evicted ("removed", digest) since the
+    last `take`, recorded by its hooks: Dynamo's KV events, sent with each step. A hybrid pool
+    (chapter 10) and a radix tree (chapter 11) report none: a fleet then routes on load alone."""
 
     def __init__(self, manager):
         self.events = []
@@ -161,8 +136,6 @@ def finished_tokens(engine: ServingEngine, new: dict) -> list:
 
 
 # ---- transports ----
-
-
 class QueueTransport:
     """The loop's side in a thread: messages from a queue, answers straight to `deliver` (the EngineClient's)."""
 
@@ -203,8 +176,6 @@ class PipeTransport:
 
 
 # ---- the two modes ----
-
-
 class EngineThread:
     """The loop on a thread of this process. `start` runs it on a thread of its own (an app served inside
     another program: the tests); `python -m lab.serve --one-process` calls `run` in its main thread."""
@@ -231,19 +202,16 @@ class EngineThread:
 
 
 class EngineProcess:
-    """The loop in a process of its own, over the model `load(model, dtype)` returns (a name or a folder).
-
-    The server's side loads only the tokenizer and the config (`load_config`); `extra` (the identity its
-    page names chain from) comes from the engine's process once it is ready. The engine's process ending
-    unexpectedly is delivered as ("exited", why), from the reader thread: its EngineClient fails every
-    request in flight and refuses every later one.
-    """
+    """The loop in a process of its own, over the model `load(model, dtype)` returns (a name or a folder); the
+    server's side loads only the tokenizer and the config. `extra` (what page names chain from, None without prefix
+    caching) comes from the process once it is ready. The process ending unexpectedly is delivered as ("exited",
+    why) from the reader thread: its EngineClient fails every request in flight and refuses every later one.
+    `loop`: the EngineLoop class the process runs (its engine_class builds the engine); `kv`: one end of a pipe to
+    another worker (lab/serve/disagg.py)."""
 
     def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True, threads: int | None = None, dtype: str = "float32",
                  loop=EngineLoop, kv=None, name: str = "lab-engine"):
-        """loop: the EngineLoop class the process runs (its engine_class builds the engine); kv: one end of a
-        pipe to another worker, handed to the process (lab/serve/disagg.py)."""
         self.config, self.tokenizer = load_config(model, dtype)       # DtypeError here, before a process starts
         self.name, self.num_pages, self.page_size = self.config.name, num_pages, page_size
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
@@ -265,11 +233,7 @@ class EngineProcess:
     def launch(self):
         """Start the engine's process; it loads its model meanwhile (`wait_ready` waits for it). A fleet
         launches every worker, then waits, so that they load at once."""
-        # The pages and the prepacked weights in 2 MiB pages, where the kernel lends them (transparent huge
-        # pages, "madvise"): reading them then misses the address cache (TLB) far less, which matters most
-        # in a virtual machine, where each miss walks two page tables. PyTorch's allocator asks for them
-        # when THP_MEM_ALLOC_ENABLE=1 at the process's first allocation; a value already set wins. The
-        # child inherits the environment as it starts; this process's is put back afterwards.
+        # the child's pages and packed weights in 2 MiB pages (chapter 8); a value already set wins
         before = os.environ.get("THP_MEM_ALLOC_ENABLE")
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         try:

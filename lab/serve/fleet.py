@@ -1,38 +1,14 @@
-"""Several engines behind one server: `python -m lab.serve --workers N --router kv_aware` (chapter 11, served).
+"""Several engines behind one server (chapter 11, section 5): `python -m lab.serve --workers N`.
 
-`Fleet` stands where one engine's EngineClient stood in front of the HTTP app, and has its face (`add`,
-`cancel`, `alive`, `start`, `stop`, the model's `name`, `config`, `tokenizer`): each request goes to one of
-N workers, each a ServingEngine in a process of its own, chosen before it is sent by `lab.fleet.choose`
-(as the chapter's in-process Router chooses) from a WorkerState per worker: the request's tokens it holds
-named (`cached_w`), its load, the requests routed to it, and their prompt tokens it held no page of.
-
-- "round_robin": the next worker in turn (the k-th request routed goes to worker k mod N).
-- "least_loaded": the lowest load: the pages of its requests in flight (sent, not yet finished, cancelled
-  or failed), ceil(T_r / page_size) for a prompt of T_r tokens (lab.fleet counts the same).
-- "kv_aware": NVIDIA Dynamo's KV router cost (lab.fleet's `kv_cost`), for a request of T tokens with
-  `cached_w` of them in pages worker w holds named:
-
-      cost_w = overlap_weight * ceil((T - cached_w) / page_size) + load_w + ceil(T / page_size)
-
-Ties: the lower load, then the fewer prompt tokens computed, then the lowest index.
-
-`cached_w` is exact, not guessed: every step's message from a worker's engine loop carries its KV events,
-the digests of the pages it named and evicted (lab/serve/engine_loop.py `KVEvents`, Dynamo's BlockStored
-and BlockRemoved), and each worker's EngineClient keeps the set they add up to. The router names the
-request's pages as the engine will, `page_keys` chained from the identity the worker reported when it
-started (its `extra`: model, tokenizer, dtypes, cache kind), and counts the leading ones in that set, at most
-(T - 1) // page_size of them (one token is always computed). A worker whose identity differs names every
-page otherwise, so its pages never count as hits for another's keys. The alternative, remembering the
-chains routed to each worker (SGLang's approximate tree), guesses wrong after evictions and preemptions;
-the events cost a few bytes per page named. What the set does not see: a prefix another request is
-still computing on a worker counts only from the step that fills and names its pages.
-
-A worker whose process dies fails its own requests in flight (as one engine's does); the fleet is then
-no longer `alive` (/health and new requests answer 503) and `on_exit` tells `python -m lab.serve`, which
-stops and exits 1 for its supervisor to restart it, as with one engine (lab/serve/cli.py says why).
+`Fleet` has the face of one engine's EngineClient and sends each request to one of N workers (a ServingEngine in
+a process of its own each) chosen by `lab.fleet.choose`; a worker's load counts its requests in flight. A worker
+whose process dies fails its own requests, and the fleet is no longer `alive`. A worker's `cached` tokens are
+exact, from the digests its engine's KV events name (`KVEvents`): remembering the chains routed to each worker
+(SGLang's approximate tree) guesses wrong after evictions and preemptions.
 """
 
 import math
+from itertools import takewhile
 
 from ..engine.hashing import page_keys
 from ..fleet import POLICIES, WorkerState, choose, kv_cost
@@ -122,7 +98,7 @@ class Fleet:
                             self.computed[i], w.page_size, len(ids)) for i, w in enumerate(self.workers)]
 
     def costs(self, ids) -> list[float]:
-        """kv_aware's cost of each worker for `ids` (module docstring)."""
+        """kv_aware's cost of each worker for `ids` (lab.fleet.kv_cost)."""
         return [kv_cost(s.tokens, s.cached, s.load, s.page_size, self.overlap_weight) for s in self.states(ids)]
 
     def cached_tokens(self, ids) -> list[int]:
@@ -137,12 +113,7 @@ class Fleet:
             group = (P, extra)
             if group not in keys_of:                     # workers of one identity name pages alike
                 keys_of[group] = [d for d, _, _ in page_keys(list(ids[:P * ((len(ids) - 1) // P)]), P, extra)]
-            n = 0
-            for digest in keys_of[group]:
-                if digest not in w.named:
-                    break
-                n += 1
-            out.append(n * P)
+            out.append(P * len(list(takewhile(w.named.__contains__, keys_of[group]))))
         return out
 
     # ---- looking at it ----

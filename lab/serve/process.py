@@ -44,7 +44,7 @@ def start_server(command: list, env: dict, base_url: str, timeout_s: float) -> s
         exited, late = proc.poll() is not None, time.monotonic() > deadline
         if exited or late:
             code = stop_server(proc)
-            tail = log_tail(proc)
+            tail = proc.log_path.read_text(errors="replace")[-3000:]
             proc.log_path.unlink(missing_ok=True)
             why = f"exited with code {code}" if exited else f"was not ready within {timeout_s} s"
             raise RuntimeError(f"the server {why}:\n{' '.join(command)}\n{tail}")
@@ -53,10 +53,6 @@ def start_server(command: list, env: dict, base_url: str, timeout_s: float) -> s
                 if resp.status == 200:
                     return proc
         time.sleep(0.2)
-
-
-def log_tail(proc, chars: int = 3000) -> str:
-    return proc.log_path.read_text(errors="replace")[-chars:]
 
 
 def stop_server(proc, timeout_s: float = 60) -> int:
