@@ -23,7 +23,8 @@
 # computation depended on. We build a minimal key in a few lines, compare it with `lab`'s `prefix_key`,
 # put the key in front of every call of a cached backend, and make the cache itself remember which model
 # filled it — weights changed in place included, as when a policy learns between rollouts. Then we break
-# the rule eight ways on purpose to measure what each break does to the scores.
+# the rule eight ways on purpose to measure what each break does to the scores, and swap a LoRA adapter in
+# under a cache the base model filled, at the size of a trained adapter.
 
 # %%
 import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
@@ -45,7 +46,7 @@ from lab.experiments.tables import show
 from lab.models import load, owner
 from lab.models.checks import FINGERPRINT_RUN, FINGERPRINT_SAMPLES, weights_state
 from lab.models.load import scaled_copy
-from lab.updates import optimizer_step, private_copy, step_signs
+from lab.updates import LORA_NORM, LORA_RANK, lora_factors, lora_merged, optimizer_step, private_copy, step_signs
 from lab.book.verdicts import beside
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -424,6 +425,75 @@ beside("ch04", "ch04.key_cost_us", "ch04.check_us", "ch04.weights_check", values
 # the writes in the table above that the counters miss would be served from a stale cache.
 
 # %% [markdown]
+# ## An adapter swapped in under a cache
+#
+# The 1.02 above changes one matrix by a rounding error's worth of a real adapter. A LoRA adapter (Hu et
+# al., 2021) adds a low-rank update $B A$ to chosen weight matrices: for a matrix $W$ of shape
+# `[out, in]`, $B$ is `[out, r]` and $A$ is `[r, in]`, so $W + BA$ has the same shape and $BA$ has rank
+# at most $r$. Build one by hand: rank 8, on the query and value projections of every layer. $A$ is drawn
+# as LoRA initializes it (Gaussian; here $\mathcal{N}(0, 1/r)$). $B$ starts at zero in training and ends
+# wherever training takes it; we draw it Gaussian and scale it so that $\lVert BA \rVert$ is a tenth of
+# $\lVert W \rVert$ (Frobenius norms): the lab's choice of a trained adapter's size, small beside the
+# weight and large enough to change what the model says (measured below).
+
+# %%
+r, rho = 8, 0.1                                            # rank; |B·A| / |W| of every adapted matrix
+g = torch.Generator().manual_seed(0)
+by_hand = dict(smol.weights)                               # every other weight shared, not copied
+for layer in range(smol.config.n_layers):
+    for proj in ("q_proj", "v_proj"):                      # the query and value projections
+        name = f"model.layers.{layer}.self_attn.{proj}.weight"
+        W = smol.weights[name]                             # [out, in]
+        A = torch.randn(r, W.shape[1], generator=g) / r**0.5   # [r, in]: LoRA's Gaussian start
+        B = torch.randn(W.shape[0], r, generator=g)        # [out, r]: where training took it ...
+        B *= rho * W.norm() / (B @ A).norm()               # ... scaled to a tenth of W's norm
+        by_hand[name] = W + B @ A                          # the adapter, merged into the weight
+
+# %% [markdown]
+# `lab.updates.lora_factors` draws the same adapter (it keeps $A$ and $B$ apart, as an adapter file does),
+# and `lora_merged` merges it into a model with a manifest of its own. Check the hand-built weights against
+# it, then ask what the adapter changed: which matrices, by how much, and the rank of each update.
+
+# %%
+adapted = lora_merged(smol, lora_factors(smol))
+assert (r, rho) == (LORA_RANK, LORA_NORM)
+assert all(torch.equal(by_hand[k], adapted.weights[k]) for k in smol.weights)   # bit for bit
+changed = [k for k in smol.weights if not torch.equal(adapted.weights[k], smol.weights[k])]
+rows = {}
+for name in [f"model.layers.{layer}.self_attn.{p}_proj.weight"   # the first and the last layer's q and v
+             for layer in (0, smol.config.n_layers - 1) for p in "qv"]:
+    delta = adapted.weights[name] - smol.weights[name]     # [out, in]
+    sv = torch.linalg.svdvals(delta)                       # singular values, largest first
+    rows[name.removeprefix("model.")] = {"shape": "x".join(map(str, delta.shape)),
+                                         "|ΔW| / |W|": (delta.norm() / smol.weights[name].norm()).item(),
+                                         "rank (σ > 1e-4 σ₁)": int((sv > 1e-4 * sv[0]).sum())}
+print(f"{len(changed)} of {len(smol.weights)} weight tensors changed: the q and v projections of "
+      f"{smol.config.n_layers} layers")
+assert len(changed) == 2 * smol.config.n_layers and all(v["rank (σ > 1e-4 σ₁)"] == r for v in rows.values())
+show(pd.DataFrame(rows).T)
+
+# %% [markdown]
+# Same shapes, other weights: another manifest. The cache refuses to be continued by the adapted model, and a
+# backend that holds the base model's state when the adapter is swapped in recomputes.
+
+# %%
+print("manifest: base", smol.manifest[:16], "... adapted", adapted.manifest[:16], "...")
+assert adapted.manifest != smol.manifest
+try:
+    ch04.step(adapted, ids[-1], ch04.prefill(smol, ids[:-1]))
+except CacheMismatchError:
+    print("refused: the adapted model continuing the base model's cache")
+b = CachedBackend(smol, ch04.static_for(smol, 64))
+b.next_logits(ids[:-1])
+b.model, b.cache_factory = adapted, ch04.static_for(adapted, 64)   # the adapter swap
+b.next_logits(ids)
+print(f"after the swap: hits {b.hits}, misses {b.misses} (the second call recomputed)")
+assert (b.hits, b.misses) == (0, 2)
+
+# %% [markdown]
+# What reusing the base model's cache would cost the adapted model is measured with the other hazards,
+# next.
+#
 # ## Eight ways to reuse a cache wrongly
 #
 # Each trial takes a prefix of held-out Shakespeare and the token that follows, builds a cache the wrong
@@ -438,6 +508,11 @@ beside("ch04", "ch04.key_cost_us", "ch04.check_us", "ch04.weights_check", values
 # then takes one optimizer step in place (`lab.updates.STEP_LR` per element, a small fraction of a
 # weight's size, as a real step is), and the next token is read through the stale cache; the backend
 # serves that same model object.
+#
+# The LoRA swap is measured beside them (`ch04.lora_hazard`): a backend serves a prefix with the base
+# model, the adapter built above is swapped in, and the adapted model reads the held-out tokens that follow
+# (`S["continuation"]` of them) through a copy of the base model's cache. Its first position makes a row of
+# the same table; the oracle is the adapted model recomputed from scratch.
 
 # %%
 show(pd.DataFrame({"what goes wrong": ch04.HAZARDS,
@@ -448,13 +523,14 @@ show(pd.DataFrame({"what goes wrong": ch04.HAZARDS,
 
 # %%
 haz = ch04.hazards(smol, S["trials"], S["prefix"])
+lora = ch04.lora_hazard(smol, S["trials"], S["prefix"], S["continuation"])
 table = pd.DataFrame({name: {"median |Δ logit|": r["delta_median"], "max |Δ logit|": r["delta_max"],
                              "same top token": f"{r['argmax_agree']}/{r['trials']}",
                              "KL, median (nats)": r["kl_median"],
                              "cache refuses": f"{r['refused_by_cache']}/{r['trials']}",
                              "backend refuses": f"{r['refused']}/{r['trials']}",
                              "backend correct": f"{r['backend_correct']}/{r['trials']}"}
-                      for name, r in haz.items()}).T
+                      for name, r in (haz | {"lora_adapter": lora}).items()}).T
 show(table, digits=2)
 
 # %% [markdown]
@@ -464,22 +540,53 @@ show(table, digits=2)
 # magnitude); the right one, in how many trials the top token is still the right one.
 
 # %%
-fig = ch04.plot_hazards(haz)
+fig = ch04.plot_hazards(haz | {"lora_adapter": lora})
 
 # %%
-for name, r in haz.items():
+for name, r in (haz | {"lora_adapter": lora}).items():
     kept = r["argmax_agree"] / r["trials"]
     print(f"{name:22s} top token kept in {r['argmax_agree']:2d}/{r['trials']}: "
           f"{'loud' if kept < 0.5 else 'quiet' if kept >= 0.9 else 'in between'}; "
           f"refused by the backend in {r['refused']}/{r['trials']}, by the cache in {r['refused_by_cache']}")
 print("the quietest, by the median KL:", min(haz, key=lambda n: haz[n]["kl_median"]))
 changed = [n for n in haz if ch04.IDENTITY_CHANGES[n]]
-every = all(haz[n]["refused"] == haz[n]["backend_correct"] == haz[n]["trials"] for n in changed)
+every = all(h["refused"] == h["backend_correct"] == h["trials"] for h in [haz[n] for n in changed] + [lora])
 print("every identity change refused by the backend, its scores then correct:", "yes" if every else "NO")
 
+# %% [markdown]
+# ### The LoRA swap, along the continuation
+#
+# One position says little about an adapter: its effect is on every token. Over the whole continuation, the
+# adapted model reading the base model's cache against the adapted model recomputed (the oracle), and, for
+# scale, the base model without the adapter against the same oracle:
+
 # %%
-m["hazards"] = haz
-beside("ch04", "ch04.hazards", values=ch04.values(m),
+n = lora["positions"]
+show(pd.DataFrame({
+    "adapted model, base model's cache": {"largest |Δ logit|": lora["cont_delta_max"],
+                                          "same top token": f"{lora['cont_argmax_agree']}/{n}",
+                                          "KL, mean (nats)": lora["cont_kl_mean"]},
+    "base model, no adapter": {"largest |Δ logit|": "-", "same top token": f"{lora['base_argmax_agree']}/{n}",
+                               "KL, mean (nats)": lora["base_kl_mean"]}}).T, digits=3)
+lora_fig = ch04.plot_lora(lora)
+
+# %%
+print(f"the stale cache keeps the oracle's top token at {lora['cont_argmax_agree'] / n:.0%} of positions "
+      f"(the base model: {lora['base_argmax_agree'] / n:.0%}); its KL is "
+      f"{lora['cont_kl_mean'] / lora['base_kl_mean']:.0%} of the adapter's own, "
+      f"{lora['kl_first_half'] / lora['base_kl_first_half']:.0%} over the first half of the continuation "
+      f"and {lora['kl_second_half'] / lora['base_kl_second_half']:.0%} over the second")
+
+# %% [markdown]
+# The stale cache undoes part of the adapter, not all of it: the continuation's own tokens are computed
+# with the adapted weights, and only the cached prefix is the base model's. The further the continuation
+# runs, the smaller the prefix's share of what attention reads, and the smaller the damage — here a
+# prefix of `S["prefix"]` tokens; a long system prompt served from a stale cache stays the larger share for
+# much longer.
+
+# %%
+m["hazards"], m["lora"] = haz, lora
+beside("ch04", "ch04.hazards", "ch04.lora", values=ch04.values(m),
        why=f"your run makes {S['trials']} trials of each hazard, the book {FULL['trials']}: one trial is "
            f"{100 / S['trials']:.0f}% of yours, so a trial or two decides the thresholds the sentences set (half "
            "the trials, nine in ten).")
@@ -487,15 +594,18 @@ beside("ch04", "ch04.hazards", values=ch04.values(m),
 # %% [markdown]
 # **Loud and quiet**, as the lines above classify them (loud: the top token moves in most trials).
 # Another prompt, a wrong position and draft tokens left behind move the top token in most trials: a
-# test that compares generated text catches them. The adapter, the in-place update and the bfloat16
-# cache move every score a little and leave the top token alone: greedy text looks right while every
-# probability is off, and sampling, beam search or anything that reads the probabilities inherits the
-# error. One optimizer step is the quietest of all, and a cache kept across several steps drifts
-# further with each.
+# test that compares generated text catches them. The MLP scaled by 1.02, the in-place update and the
+# bfloat16 cache move every score a little and leave the top token alone: greedy text looks right while
+# every probability is off, and sampling, beam search or anything that reads the probabilities inherits
+# the error. One optimizer step is the quietest of all, and a cache kept across several steps drifts
+# further with each. The LoRA swap, at a trained adapter's size, falls in between: over the continuation
+# it keeps the top token at most positions and moves it at the rest, too few for a glance at the text and
+# far too many for the probabilities to be trusted.
 #
 # Every hazard that changes the identity — the ids, the manifest, the dtypes — is refused by the
-# backend, and its scores are then the correct ones. The two that continue a cache with other weights are
-# refused by the cache itself too, before any key is computed. The bfloat16 hazard is not: its values were
+# backend, and its scores are then the correct ones. The three that continue a cache with other weights
+# (the MLP scaled by 1.02, the optimizer step, the LoRA swap) are refused by the cache itself too, before
+# any key is computed. The bfloat16 hazard is not: its values were
 # copied into a new cache, and a copy carries no record. The stale offset changes no identity: it is a
 # wrong call on the right state, and the backend never makes it, because it takes the position from the
 # cache's own length.
@@ -521,7 +631,7 @@ beside("ch04", "ch04.refusal", values=ch04.values(m),
 # saved, not drawn again.
 
 # %%
-ch04.record(m, hazards_figure=fig)
+ch04.record(m, hazards_figure=fig, lora_figure=lora_fig)
 print("wrote section ch04 to", results.results_path())
 
 # %% [markdown]

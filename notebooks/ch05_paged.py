@@ -21,8 +21,8 @@
 #
 # This notebook first builds a block table and a slot mapping by hand, for two sequences, and checks
 # them against `lab`'s `BlockManager` and `PagedCache`. Then it reads the Triton kernel's inner loop,
-# line by line. Only then does it measure: how much reserved memory holds real tokens, and what the
-# indirection costs on this CPU.
+# line by line. Only then does it measure: how much reserved memory holds real tokens, where the rest of
+# it goes while a pool serves requests, and what the indirection costs on this CPU.
 
 # %%
 import lab  # first, before torch: it sets OpenMP's wait policy, which torch reads once, when it loads
@@ -337,6 +337,114 @@ show(pd.DataFrame(conc).T.rename(columns=lambda k: k.replace("paged_", "pages of
      .rename_axis("trace (synthetic)"), caption="requests that fit at once in 1 GiB")
 
 # %% [markdown]
+# ### Where reserved memory goes
+#
+# The table above counts each request once, at its end. A server holds memory all along: a request
+# admitted a moment ago holds its whole reservation and has written little of it. The vLLM paper (Kwon
+# et al. 2023, Figure 2) splits the KV memory of a running system into four parts. Take each position of
+# the pool at one decode step:
+#
+# 1. **token states**: it holds a token's keys and values;
+# 2. **reserved for future tokens**: its request holds it now and will write it later;
+# 3. **internal fragmentation**: its request holds it and will never write it (a reservation past the
+#    request's final length; with pages, the unused tail of the last page);
+# 4. **external fragmentation**: it is free, and as many positions are free in all as the waiting
+#    request needs, but no run of them is long enough for it.
+#
+# What is left is plainly **free**: fewer positions free in all than the next request needs.
+#
+# First one moment, by hand, on a pool of 24 positions. Three requests arrived in this order: A (prompt 3,
+# 5 positions in the end) has written all 5; B (prompt 2, 7 in the end) has written 3; C (prompt 4, 7 in
+# the end) has just been admitted and has written 5. Capital letters are tokens, small letters reserved
+# for future tokens, `_` internal fragmentation, `.` a free position.
+
+# %%
+import re
+
+
+def draw(pool, placed):
+    """placed: {name: (start, held, written, final)} -> one character per position of the pool."""
+    cells = ["."] * pool
+    for name, (start, held, written, final) in placed.items():
+        for p in range(held):
+            cells[start + p] = name if p < written else name.lower() if p < final else "_"
+    return "".join(cells)
+
+
+def parts(cells, waiting=None):
+    """Count a drawn pool's positions. The free ones are external fragmentation when a request waits for
+    `waiting` positions, that many are free in all, and no run of free positions is that long."""
+    free, longest = cells.count("."), max(map(len, re.findall(r"\.+", cells)), default=0)
+    stuck = waiting is not None and free >= waiting > longest
+    return dict(tokens=sum(ch.isupper() for ch in cells), future=sum(ch.islower() for ch in cells),
+                internal=cells.count("_"), external=free if stuck else 0, free=0 if stuck else free)
+
+
+moment = {
+    "contiguous, 8 each": (draw(24, {"A": (0, 8, 5, 5), "B": (8, 8, 3, 7), "C": (16, 8, 5, 7)}), None),
+    "contiguous, prompt + 3": (draw(24, {"A": (0, 6, 5, 5), "B": (11, 7, 3, 7)}), 7),   # C waits for 4 + 3
+    "pages of 4": (draw(24, {"A": (0, 8, 5, 5), "B": (8, 4, 3, 7), "C": (12, 8, 5, 7)}), None),
+}
+for name, (cells, _) in moment.items():
+    print(f"{name:>22}  {cells}")
+show(pd.DataFrame({name: parts(cells, waiting) for name, (cells, waiting) in moment.items()}).T,
+     caption="one moment of a pool of 24 positions, by hand: positions per part")
+
+# %% [markdown]
+# Reserving 8 each, A's three positions past its end and one each of B's and C's are internal
+# fragmentation, and B's four and C's two unwritten positions are reserved for their future tokens.
+# Reserving the prompt plus 3 (B takes its 7, longer than 2 + 3), A and B fit, but a request that left
+# between them opened a hole of 5; with the 6 at the end, 11 positions are free, C needs 7, and no run is
+# that long: all 11 are external fragmentation. Pages hold only what has been written, rounded up to a
+# page: A's last page has 3 unused positions (less than a page), C got the two pages its first step needs,
+# and the 4 positions left are a page any request can use.
+#
+# A moment is not the whole story: `ch05.serve` runs a pool over time, one decode step after another,
+# and adds up each step. Requests wait from the start and are admitted first come, first served; a
+# step counts while one waits (the pool is then what limits). Two requests on a pool of 8 with a
+# reservation of 8: A (prompt 2, 3 new tokens) runs three steps while B waits, so by hand the steps hold
+# 3, 4 and 5 tokens, 2, 1 and 0 positions reserved for A's future tokens, and 3 positions of internal
+# fragmentation each.
+
+# %%
+import numpy as np
+
+by_hand = dict(tokens=3 + 4 + 5, future=2 + 1 + 0, internal=3 * 3, external=0, free=0)
+served = ch05.serve(np.array([2, 1]), np.array([3, 2]), "contiguous_max", pool=8, max_len=8)
+print("by hand:", by_hand)
+print("ch05.serve:", {k: served[k] for k in ch05.PARTS}, "over", served["steps"], "steps")
+assert {k: served[k] for k in ch05.PARTS} == by_hand
+
+# %% [markdown]
+# `serve` does the same for four allocators: contiguous runs of the maximum length and of the prompt plus
+# the answer budget, placed first fit; the budget rounded up to a power of two and placed at an aligned
+# start, as a buddy allocator does; and pages of 16, taken when a request's last page is full, the newest
+# request preempted when too few are free. The pool is 1 GiB of 16-bit SmolLM2 cache (whole pages), the
+# lengths the synthetic ones above. Each part is its share of the pool, averaged over the steps in which a
+# request waits.
+
+# %%
+pool = budget - budget % 16
+traffic = {d: data.synthetic_lengths(d, S["served"][d], seed=i) for i, d in enumerate(data.REQUEST_DATASETS)}
+bd = {d: ch05.breakdown(i, o, pool) for d, (i, o) in traffic.items()}
+rows = {(d, ch05.SCHEME_LABEL[k]): {ch05.PART_STYLE[p][0]: r[p] for p in ch05.PARTS}
+        | {"live requests": r["live"], "preemptions": r["preemptions"]} for d, b in bd.items() for k, r in b.items()}
+bd_table = pd.DataFrame(rows).T.rename_axis(["trace (synthetic)", "allocator"])
+display(show(bd_table, percent=[ch05.PART_STYLE[p][0] for p in ch05.PARTS],
+             caption=f"where a pool of {pool:,} positions goes, averaged over the steps a request waits"))
+for d, b in bd.items():
+    print(f"{d}: the requests pages hold at once would need {b['paged']['bound_max']:.2f} pools reserved at "
+          f"{data.MAX_REQUEST_LEN:,} each, {b['paged']['bound_budget']:.2f} at prompt + {ch05.ANSWER_BUDGET}")
+
+# %%
+fig_bd = ch05.plot_breakdown(bd)
+m |= dict(breakdown=bd, pool_positions=pool)
+beside("ch05", "ch05.breakdown", values=ch05.values(m),
+       why=f"your run serves {S['served']['ShareGPT']:,} ShareGPT- and {S['served']['Alpaca']:,} Alpaca-shaped "
+           f"requests, the book {FULL['served']['ShareGPT']:,} and {FULL['served']['Alpaca']:,}: fewer pass "
+           "through the pool, so the start (every request admitted at once) weighs more.")
+
+# %% [markdown]
 # ### What reading pages costs on the CPU
 #
 # Decode attention moves many bytes and does little arithmetic on each, so its time follows the bytes.
@@ -393,7 +501,8 @@ beside("ch05", "ch05.speed", values=ch05.values(m),
 
 # %%
 m |= dict(agreement=agree, ragged=ragged)
-ch05.record(m, drawn={"block_tables": fig_tables, "utilization": fig_util, "speed": fig_speed})
+ch05.record(m, drawn={"block_tables": fig_tables, "utilization": fig_util, "breakdown": fig_bd,
+                      "speed": fig_speed})
 print("wrote section ch05 to", results.results_path())
 
 # %% [markdown]

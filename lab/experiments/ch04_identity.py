@@ -7,6 +7,10 @@ weights are tried that way first (is the wrong call refused?), then the record i
 measure the damage the wrong reuse would do without it. Then the same situation is put to a
 CachedBackend, which must refuse the reuse (a miss) or handle it, and still return the correct scores.
 
+The adapter swap is also measured at a realistic size (`lora_hazard`): a LoRA adapter of rank 8 on the
+query and value projections of every layer (`lab.updates.lora_factors`), swapped in over a cache the base
+weights filled, and read over a continuation of held-out text against the adapted model recomputed.
+
 The checks' costs are measured by `lab.identity_cost`; the in-place update is `lab.updates`.
 """
 
@@ -15,7 +19,7 @@ import statistics
 import torch
 from tqdm.auto import tqdm
 
-from .. import data
+from .. import data, updates
 from ..cache import CacheMismatchError, StaticCache
 from ..engine import CachedBackend, RecomputeBackend, greedy_agreement
 from ..identity_cost import key_cost, refusal_cost, weights_check_cost
@@ -54,6 +58,7 @@ ADAPTER_WEIGHT = "model.layers.{layer}.mlp.down_proj.weight"
 
 def settings(quick_mode: bool) -> dict:
     return dict(trials=5 if quick_mode else 20, prefix=24, prompt=17,
+                continuation=16 if quick_mode else 32,   # held-out tokens read through the LoRA hazard's cache
                 requests=3 if quick_mode else 5, new_tokens=16 if quick_mode else 32,
                 key_lengths=(16, 512, 4096),          # ids hashed per key: a short prompt to a long context
                 key_reps=50 if quick_mode else 400,   # key timings are microseconds: many repetitions
@@ -83,8 +88,19 @@ def step_at_wrong_position(model, token, cache, position=0):
                           positions=torch.tensor([position]))[0, -1].float()
 
 
+def continue_through(model, tokens, cache):
+    """Scores `[C, V]` after feeding `tokens` (C of them) through the cache: row i scores the token after
+    tokens[i]. One call, as a chunked prefill does: the same scores as C decode steps."""
+    return forward_cached(torch.tensor([tokens]), model.weights, model.config, cache)[0].float()
+
+
 def unguarded_step(model, token, cache):
-    """(next-token scores, refused): `step`, even where the cache refuses it.
+    """(next-token scores, refused): `step`, even where the cache refuses it (see `unguarded`)."""
+    return unguarded(lambda: step(model, token, cache), cache)
+
+
+def unguarded(call, cache):
+    """(call(), refused): a call that reads `cache`, made even where the cache refuses it.
 
     The cache records which model filled it (`cache.owner`: the config, every weight's storage and version,
     and their fingerprint), and `forward_cached` refuses another model with CacheMismatchError. To measure
@@ -92,10 +108,10 @@ def unguarded_step(model, token, cache):
     identity record (as in any implementation that checks only shapes) would take the call at once.
     `refused` says whether the cache refused it first."""
     try:
-        return step(model, token, cache), False
+        return call(), False
     except CacheMismatchError:   # a failed call leaves the cache as it was
         cache.owner = None       # erased on purpose: what a cache without an identity record allows
-        return step(model, token, cache), True
+        return call(), True
 
 
 def variants_of(model, names=None) -> dict:
@@ -212,6 +228,67 @@ def hazards(model, trials=20, prefix_len=24, progress=True) -> dict:
     return out
 
 
+@torch.inference_mode()
+def lora_trial(model, adapted, prefix, continuation) -> dict:
+    """The adapter swap on one passage. A CachedBackend serves `prefix` with the base `model`: its cache holds
+    the base state when the `adapted` model is swapped in. Read through a fork of that cache, the adapted model
+    scores `continuation` (the held-out tokens that follow, fed as they are): `wrong` `[C, V]`. The oracle,
+    `right`, is the adapted model recomputed from scratch on prefix + continuation; `base`, the base model
+    continuing its own state, measures what the adapter itself changes. The backend, asked for the first
+    continuation token after the swap, must refuse its cache (a miss) and serve the oracle's first scores."""
+    ids, n = torch.tensor([prefix + continuation]), len(prefix)
+    backend = CachedBackend(model, static_for(model, ids.shape[1]))
+    backend.next_logits(prefix)                                   # the server's cache, filled by the base model
+    stale, own = backend.cache.fork(), backend.cache.fork()       # copies: the backend's cache stays as it was
+    wrong, by_cache = unguarded(lambda: continue_through(adapted, continuation, stale), stale)   # [C, V]
+    base = continue_through(model, continuation, own)                                             # [C, V]
+    right = forward(ids, adapted.weights, adapted.config)[0, n:].float()                          # [C, V]
+    backend.model, backend.cache_factory = adapted, static_for(adapted, ids.shape[1])   # the adapter swap
+    served = backend.next_logits(prefix + continuation[:1]).float()
+    correct = (served - right[0]).abs().max().item() <= 1e-4 * right[0].abs().max().item()   # as in `trial`
+    return dict(wrong=wrong, right=right, base=base, refused_by_cache=by_cache, refused=backend.misses == 2,
+                correct=correct)
+
+
+def lora_hazard(model, trials=20, prefix_len=24, continuation=32, progress=True) -> dict:
+    """The LoRA adapter swap on `trials` held-out passages: the first continuation position as a row of the
+    hazards table (the next token after prefix_len + 1 tokens, as `hazards` measures), and the whole
+    continuation: the largest |Δ logit|, the positions whose top token survives, the mean KL; beside them
+    the adapter's own effect (adapted against base, no cache)."""
+    adapted = updates.lora_merged(model, updates.lora_factors(model))
+    passages = data.passages(model.tokenizer, prefix_len + continuation, count=trials, seed=7)
+    kl0, d0_med, d0_max, agree0, kls, base_kls, d_max, agree, base_agree = [], [], [], 0, [], [], 0.0, 0, 0
+    counts = dict(refused_by_cache=0, refused=0, backend_correct=0)
+    for p in tqdm(passages, desc="LoRA swap", disable=not progress):
+        r = lora_trial(model, adapted, p[:prefix_len], p[prefix_len:])
+        d = (r["wrong"] - r["right"]).abs()                                        # [C, V]
+        d0_med.append(d[0].median().item()), d0_max.append(d[0].max().item())
+        kl = kl_divergence(r["right"], r["wrong"])                                 # [C]
+        kl0.append(kl[0].item()), kls.append(kl), base_kls.append(kl_divergence(r["right"], r["base"]))
+        top = r["right"].argmax(-1)
+        agree0 += int(top[0] == r["wrong"][0].argmax())
+        agree += (top == r["wrong"].argmax(-1)).sum().item()
+        base_agree += (top == r["base"].argmax(-1)).sum().item()
+        d_max = max(d_max, d.max().item())
+        for k, was in (("refused_by_cache",) * 2, ("refused",) * 2, ("backend_correct", "correct")):
+            counts[k] += int(r[was])
+    kls, base_kls = torch.stack(kls), torch.stack(base_kls)                        # [trials, C]
+    half = continuation // 2
+    changed = [k for k in model.weights if adapted.weights[k] is not model.weights[k]
+               and not torch.equal(adapted.weights[k], model.weights[k])]
+    return dict(delta_median=statistics.median(d0_med), delta_max=max(d0_max), argmax_agree=agree0,
+                kl_median=statistics.median(kl0), kl_max=max(kl0), trials=trials, **counts,
+                continuation=continuation, positions=kls.numel(), cont_delta_max=d_max, cont_argmax_agree=agree,
+                cont_kl_mean=kls.mean().item(), base_kl_mean=base_kls.mean().item(),
+                kl_first_half=kls[:, :half].mean().item(), kl_second_half=kls[:, half:].mean().item(),
+                base_kl_first_half=base_kls[:, :half].mean().item(),
+                base_kl_second_half=base_kls[:, half:].mean().item(),
+                kl_by_position=kls.mean(0).tolist(), base_kl_by_position=base_kls.mean(0).tolist(),
+                base_argmax_agree=base_agree, rank=updates.LORA_RANK, targets=list(updates.LORA_TARGETS),
+                relative_norm=updates.LORA_NORM, matrices=len(changed), layers=model.config.n_layers,
+                manifest_changed=adapted.manifest != model.manifest)
+
+
 def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
     """Several greedy requests through one CachedBackend: hits, misses, positions, same tokens as recompute."""
     prompts = data.passages(model.tokenizer, prompt, count=requests, seed=11)
@@ -222,7 +299,8 @@ def engine_check(model, requests=5, new_tokens=32, prompt=17) -> dict:
 
 LABELS = {"other_prompt": "another prompt", "stale_offset": "stale offset", "static_not_reset": "not reset",
           "rollback_not_cropped": "not cropped", "adapter_weights": "MLP × 1.02",
-          "weights_in_place": "weights in place", "bf16_cache": "bfloat16 cache", "system_prompt": "system prompt"}
+          "weights_in_place": "weights in place", "bf16_cache": "bfloat16 cache", "system_prompt": "system prompt",
+          "lora_adapter": "LoRA swap, r = 8"}
 
 
 def plot_hazards(h: dict, path=None):
@@ -250,10 +328,26 @@ def plot_hazards(h: dict, path=None):
     return finish(fig, path)
 
 
+def plot_lora(r: dict, path=None):
+    """The LoRA swap along the continuation: the mean KL from the adapted model recomputed, position by
+    position, of the stale cache's scores and of the base model's (the adapter's own effect)."""
+    from . import plots
+
+    fig, ax = plots.figure()
+    x = range(1, len(r["kl_by_position"]) + 1)
+    ax.plot(x, r["base_kl_by_position"], "--", color="tab:gray", label="base model, no adapter")
+    ax.plot(x, r["kl_by_position"], "o-", color="tab:red", ms=3, label="adapted model on the base model's cache")
+    ax.set(xlabel="continuation token (after the cached prefix)", ylabel="KL from the adapted model (nats)",
+           title=f"LoRA swap (rank {r['rank']}, q and v): mean over {r['trials']} passages", ylim=(0, None))
+    ax.legend(loc="upper right")
+    return finish(fig, path)
+
+
 def measure(quick_mode=None) -> dict:
     s = settings(quick() if quick_mode is None else quick_mode)
     smol = load("smollm2")
     return dict(settings=s, manifest=smol.manifest, hazards=hazards(smol, s["trials"], s["prefix"]),
+                lora=lora_hazard(smol, s["trials"], s["prefix"], s["continuation"]),
                 refusal=refusal_cost(smol, s["prefix"]),
                 key_cost=key_cost(smol, s["key_lengths"], s["key_reps"], s["step_reps"]),
                 check_cost=weights_check_cost(smol, s["key_reps"], s["rehash_reps"]),
@@ -282,6 +376,8 @@ def values(m: dict) -> dict:
                                                 "matrix moves by it"),
                 "relative_update": value(r["relative_update"], None,
                                          note="median over matrices of |update| / |weight| (Frobenius norms)")}
+    if "lora" in m:
+        values["lora"] = lora_values(m["lora"])
     if "hazards" in m:
         values["hazard_prefix"] = value(m["settings"]["prefix"], "tokens", note="held-out tokens before the next one")
     if "engine" in m:
@@ -337,22 +433,69 @@ def values(m: dict) -> dict:
     return values
 
 
-def record(m: dict, hazards_figure=None) -> dict:
-    """Write section ch04 and its figure. A notebook passes the figure it already drew, which is saved
-    as it is rather than drawn a second time."""
+def record(m: dict, hazards_figure=None, lora_figure=None) -> dict:
+    """Write section ch04 and its figures. A notebook passes the figures it already drew, which are saved
+    as they are rather than drawn a second time."""
     import matplotlib.pyplot as plt
 
     figs = figures_dir()
     if hazards_figure is None:
-        plt.close(plot_hazards(m["hazards"], figs / "ch04_hazards.png"))
+        rows = m["hazards"] | ({"lora_adapter": m["lora"]} if "lora" in m else {})
+        plt.close(plot_hazards(rows, figs / "ch04_hazards.png"))
     else:
         finish(hazards_figure, figs / "ch04_hazards.png")
     v = values(m)
     figures = {"hazards": {"path": figs / "ch04_hazards.png",
                            "caption": "Wrong reuse of a cache, hazard by hazard: logit error and the fraction "
                                       "of trials whose top token is still right"}}
+    if "lora" in m:
+        if lora_figure is None:
+            plt.close(plot_lora(m["lora"], figs / "ch04_lora.png"))
+        else:
+            finish(lora_figure, figs / "ch04_lora.png")
+        figures["lora"] = {"path": figs / "ch04_lora.png",
+                           "caption": "A LoRA adapter swapped in over a base-model cache: KL from the adapted "
+                                      "model along the continuation, beside the base model's"}
     write_section(SECTION, v, provenance(manifest=m["manifest"]), figures=figures)
     return v
+
+
+def lora_values(r: dict) -> dict:
+    """The LoRA hazard's recorded values: a row like the hazards' (first continuation position), then the
+    whole continuation, the adapter's own effect, and the adapter's settings."""
+    n, pos = r["trials"], r["positions"]
+    return {
+        "delta_median": value(r["delta_median"], "logit"), "delta_max": value(r["delta_max"], "logit"),
+        "argmax_agree": value(r["argmax_agree"], None, note=f"trials of {n} with the same top token"),
+        "kl_median": value(r["kl_median"], "nats"), "kl_max": value(r["kl_max"], "nats"),
+        "refused_by_cache": value(r["refused_by_cache"], None, note=f"trials of {n} in which forward_cached "
+                                  "refused the adapted model on the base model's cache (CacheMismatchError)"),
+        "refused": value(r["refused"], None, note=f"trials of {n} the CachedBackend refused after the swap"),
+        "backend_correct": value(r["backend_correct"], None, note="trials whose backend scores were correct"),
+        "trials": value(n, "trials"), "identity_change": value("model manifest", None),
+        "continuation": value(r["continuation"], "tokens", note="held-out tokens read through the stale cache"),
+        "positions": value(pos, "positions", note="continuation positions over all trials"),
+        "cont_delta_max": value(r["cont_delta_max"], "logit", note="largest |Δ logit| over every position"),
+        "cont_argmax_agree": value(r["cont_argmax_agree"], None,
+                                   note=f"positions of {pos} whose top token is the oracle's"),
+        "cont_kl_mean": value(r["cont_kl_mean"], "nats", note="KL(adapted, recomputed || stale cache), mean "
+                              "over every position"),
+        "base_kl_mean": value(r["base_kl_mean"], "nats", note="KL(adapted || base model), no cache: what the "
+                              "adapter itself changes"),
+        "base_argmax_agree": value(r["base_argmax_agree"], None,
+                                   note=f"positions of {pos} where base and adapted share the top token"),
+        "kl_first_half": value(r["kl_first_half"], "nats", note="cont_kl_mean over the first half of the "
+                               "continuation"),
+        "kl_second_half": value(r["kl_second_half"], "nats", note="cont_kl_mean over the second half"),
+        "base_kl_first_half": value(r["base_kl_first_half"], "nats", note="base_kl_mean, first half"),
+        "base_kl_second_half": value(r["base_kl_second_half"], "nats", note="base_kl_mean, second half"),
+        "rank": value(r["rank"], None, note="rank of every update B·A"),
+        "targets": value(", ".join(t.split(".")[-1] for t in r["targets"]), None),
+        "relative_norm": value(r["relative_norm"], None, note="|B·A| / |W|, Frobenius norms, every adapted "
+                               "matrix: the lab's choice"),
+        "matrices": value(r["matrices"], "matrices", note="weights that differ from the base model's"),
+        "layers": value(r["layers"], "layers"),
+        "manifest_changed": value(r["manifest_changed"], None)}
 
 
 def timed(t: dict, scale: float, unit: str, note: str) -> dict:

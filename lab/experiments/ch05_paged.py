@@ -1,5 +1,6 @@
-"""Chapter 5, "Paged attention": how much reserved memory holds real tokens, how many requests fit,
-what reading keys page by page costs on the CPU, and the paged cache checked token for token.
+"""Chapter 5, "Paged attention": how much reserved memory holds real tokens, where the rest goes when a pool
+serves requests over time, how many requests fit, what reading keys page by page costs on the CPU, and the
+paged cache checked token for token.
 
 Request lengths are SYNTHETIC: drawn from log-normal distributions whose means match the statistics the
 vLLM paper published for ShareGPT and Alpaca. No real trace ships in any package; every figure that uses
@@ -7,6 +8,7 @@ these lengths says so.
 """
 
 import statistics
+from collections import deque
 
 import numpy as np
 import torch
@@ -32,18 +34,20 @@ SYNTHETIC = (f"synthetic lengths: log-normal, sigma {data.LENGTH_SIGMA}, means o
 def settings(quick_mode: bool) -> dict:
     if quick_mode:
         return dict(requests=2000, contexts=(256, 1024, 4096), batches=(1, 8), reps=3, repeats=2,
-                    page_sizes=(1, 16, 64), new_tokens=8, manager_requests=200)
+                    page_sizes=(1, 16, 64), new_tokens=8, manager_requests=200,
+                    served={"ShareGPT": 1000, "Alpaca": 6000})   # Alpaca's are short: more pass through the pool
     return dict(requests=20000, contexts=(256, 1024, 4096), batches=(1, 8), reps=31, repeats=9,
-                page_sizes=(1, 16, 64), new_tokens=24, manager_requests=2000)
+                page_sizes=(1, 16, 64), new_tokens=24, manager_requests=2000,
+                served={"ShareGPT": 20000, "Alpaca": 120000})
 
 
-def reserved(inputs, outputs, scheme: str, block: int = 16):
+def reserved(inputs, outputs, scheme: str, block: int = 16, max_len=data.MAX_REQUEST_LEN, answer=ANSWER_BUDGET):
     """Positions reserved per request, at completion, under each scheme."""
     real = inputs + outputs
     if scheme == "contiguous_max":
-        return np.full_like(real, data.MAX_REQUEST_LEN)
+        return np.full_like(real, max_len)
     if scheme == "contiguous_budget":
-        return inputs + ANSWER_BUDGET
+        return inputs + answer
     if scheme == "paged":
         return -(-real // block) * block
     raise ValueError(f"unknown scheme {scheme!r}")
@@ -79,6 +83,147 @@ def concurrency(inputs, outputs, budget_positions: int) -> dict:
         need = np.maximum(reserved(inputs, outputs, scheme, block or 16), inputs + outputs)
         out[scheme if scheme != "paged" else "paged_16"] = int(np.searchsorted(np.cumsum(need), budget_positions,
                                                                                side="right"))
+    return out
+
+
+PARTS = ("tokens", "future", "internal", "external", "free")   # what a position of the pool is doing, per step
+SERVED = ("contiguous_max", "contiguous_budget", "buddy", "paged")  # the allocators serve() simulates
+
+
+def bound(inputs, outputs, scheme: str, **lengths):
+    """Positions a contiguous allocator sets aside per request: its reservation, or its length if longer."""
+    return np.maximum(reserved(inputs, outputs, scheme, **lengths), inputs + outputs)
+
+
+def first_fit(holes, n, align=1):
+    """The lowest start of n free positions, aligned to `align`, in holes (sorted [lo, hi) runs), or None."""
+    return next((at for lo, hi in holes if (at := -(-lo // align) * align) + n <= hi), None)
+
+
+def take(holes, at, n):                       # [at, at + n) leaves the hole that holds it
+    i = next(i for i, (lo, hi) in enumerate(holes) if lo <= at and at + n <= hi)
+    lo, hi = holes.pop(i)
+    holes[i:i] = [(a, b) for a, b in ((lo, at), (at + n, hi)) if a < b]
+
+
+def give(holes, at, n):                       # [at, at + n) comes back, merged with its neighbours
+    merged = []
+    for lo, hi in sorted(holes + [(at, at + n)]):
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    holes[:] = merged
+
+
+def serve(inputs, outputs, scheme: str, pool: int, page: int = 16, **lengths) -> dict:
+    """Serve requests from a pool of `pool` positions, one decode step at a time, and count what every
+    position holds at every step while a request waits (the steady state of a busy server).
+
+    All requests wait from the start and are admitted first come, first served; admission stops at the
+    first request that does not fit. A request admitted with c positions holds c + 1 after its step and
+    leaves after the step that brings it to inputs + outputs. Contiguous schemes ("contiguous_max",
+    "contiguous_budget") take bound() positions in one run, first fit; "buddy" rounds the budget's run up
+    to a power of two and places it at a start aligned to its size (where a buddy allocator has a free
+    block of that order). "paged" takes a page whenever a request's last page is full; when too few are
+    free, the newest request is preempted (its pages freed, it waits at the head and recomputes later).
+    `lengths` (max_len, answer) replace the reservations' lengths, for small cases.
+
+    Each counted step, each position is one of PARTS: a token held; reserved for a token its request
+    will write later; internal fragmentation (held, never written); external fragmentation (free, as many
+    free in all as the waiting request needs, but no run of them long enough for it); free (fewer free in
+    all than the waiting request needs). Returns position-steps per part, steps counted, live
+    request-steps, preemptions, and the positions contiguous_max and contiguous_budget would set aside
+    for the live requests (their bound()s summed), each summed over the counted steps.
+    """
+    final, c = (inputs + outputs).tolist(), inputs.tolist()     # c: positions held before the next step
+    if scheme == "paged":
+        if pool % page:
+            raise ValueError(f"a pool of {pool} positions is not a whole number of pages of {page}")
+        need = lambda r: -(-(c[r] + 1) // page) * page          # whole pages for its next step
+    else:
+        size = bound(inputs, outputs, "contiguous_budget" if scheme == "buddy" else scheme, **lengths).tolist()
+        need = ([1 << (n - 1).bit_length() for n in size] if scheme == "buddy" else size).__getitem__
+    bounds = {s: bound(inputs, outputs, s, **lengths).tolist() for s in ("contiguous_max", "contiguous_budget")}
+    queue, live, held, start = deque(range(len(c))), [], [0] * len(c), [0] * len(c)
+    holes, free = [(0, pool)], pool
+    now = dict.fromkeys(("tokens", "filled") + tuple(bounds), 0)          # sums over the live requests
+    out = dict.fromkeys(PARTS + ("steps", "live", "preemptions") + tuple(bounds), 0)
+
+    def count(r, sign):                       # request r joins (+1) or leaves (-1) the live sums
+        now["tokens"] += sign * c[r]
+        now["filled"] += sign * min(held[r], final[r])   # held positions that hold or will hold a token
+        for s, b in bounds.items():
+            now[s] += sign * b[r]
+
+    def leave(r):                             # request r hands its positions back
+        nonlocal free
+        count(r, -1)
+        if scheme != "paged":
+            give(holes, start[r], held[r])
+        free, held[r] = free + held[r], 0
+
+    # region serve_step
+    while queue or live:
+        if scheme == "paged":                 # a full last page: the next position needs a new page
+            grow = [r for r in live if c[r] == held[r]]
+            while len(grow) * page > free:    # too few free pages: preempt the newest request
+                r = live.pop()
+                leave(r)
+                queue.appendleft(r)
+                out["preemptions"] += 1
+                grow = [x for x in grow if x != r]
+            for r in grow:
+                count(r, -1)
+                held[r] += page
+                count(r, 1)
+            free -= len(grow) * page
+        while queue:                          # admit in arrival order while the head fits
+            r, n = queue[0], need(queue[0])
+            if scheme == "paged":
+                at = 0 if n <= free else None
+            else:
+                at = first_fit(holes, n, align=n if scheme == "buddy" else 1)
+            if at is None:
+                break
+            if scheme != "paged":
+                take(holes, at, n)
+            queue.popleft()
+            live.append(r)
+            held[r], start[r], free = n, at, free - n
+            count(r, 1)
+        if queue and not live:
+            raise ValueError(f"request {queue[0]} needs {need(queue[0])} positions; "
+                             f"the pool has {pool}")
+        for r in live:
+            c[r] += 1                         # this step's token
+        now["tokens"] += len(live)
+        if queue:                             # a request waits, the pool limits: the step counts
+            out["tokens"] += now["tokens"]
+            out["future"] += now["filled"] - now["tokens"]
+            out["internal"] += pool - free - now["filled"]
+            out["external" if need(queue[0]) <= free else "free"] += free
+            out["steps"], out["live"] = out["steps"] + 1, out["live"] + len(live)
+            for s in bounds:
+                out[s] += now[s]
+        for r in [r for r in live if c[r] == final[r]]:
+            leave(r)
+        live = [r for r in live if c[r] < final[r]]
+    # endregion
+    return out
+
+
+def breakdown(inputs, outputs, pool: int, page: int = 16) -> dict:
+    """serve() for each allocator: every part as a share of the pool's position-steps, the mean number of
+    live requests, preemptions, steps counted, and the contiguous reservations of the live requests in
+    pools (bound_max, bound_budget: the pool's positions = 1)."""
+    out = {}
+    for scheme in SERVED:
+        r = serve(inputs, outputs, scheme, pool, page)
+        total = pool * r["steps"]
+        out[scheme] = {p: r[p] / total for p in PARTS} | dict(
+            live=r["live"] / r["steps"], preemptions=r["preemptions"], steps=r["steps"],
+            bound_max=r["contiguous_max"] / total, bound_budget=r["contiguous_budget"] / total)
     return out
 
 
@@ -171,6 +316,35 @@ def plot_utilization(util: dict, path=None):
     return finish(fig, path)
 
 
+PART_STYLE = {"tokens": ("token states", "#2b8a3e"), "future": ("reserved for future tokens", "#74c0fc"),
+              "internal": ("internal fragmentation", "#f59f00"), "external": ("external fragmentation", "#e03131"),
+              "free": ("free, too few for the next request", "#dee2e6")}
+SCHEME_LABEL = {"contiguous_max": f"contiguous, {data.MAX_REQUEST_LEN:,}",
+                "contiguous_budget": f"contiguous, prompt + {ANSWER_BUDGET}",
+                "buddy": f"buddy, prompt + {ANSWER_BUDGET}", "paged": "pages of 16"}
+
+
+def plot_breakdown(bd: dict, path=None):
+    """One horizontal bar per allocator, one panel per data set: where the pool's positions go, over time."""
+    fig, axes = plots.figure(nrows=len(bd), height=2.0 * len(bd) + 1.2, sharex=True)
+    for ax, (name, schemes) in zip(np.atleast_1d(axes), bd.items(), strict=True):
+        y = np.arange(len(schemes))[::-1]
+        left = np.zeros(len(schemes))
+        for part, (label, color) in PART_STYLE.items():
+            share = np.array([r[part] * 100 for r in schemes.values()])
+            ax.barh(y, share, left=left, color=color, edgecolor="white", lw=0.5, label=label)
+            left += share
+        for yi, r in zip(y, schemes.values(), strict=True):     # the token share, inside its segment if it fits
+            inside = r["tokens"] > 0.1
+            ax.text(1.5 if inside else r["tokens"] * 100 + 1, yi, f"{r['tokens']:.0%}", va="center",
+                    color="white" if inside else "black", fontsize=9, weight="bold")
+        ax.set_yticks(y, [SCHEME_LABEL[k] for k in schemes])
+        ax.set(xlim=(0, 100), title=f"{name} (synthetic lengths)")
+    ax.set_xlabel("share of the pool, averaged over the steps a request waits (%)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.3), ncol=2, frameon=False)
+    return finish(fig, path)
+
+
 def plot_block_tables(path=None):
     """The pages of a live PagedCache: three sequences of different lengths and a fork, drawn from its state."""
     import matplotlib.pyplot as plt
@@ -250,6 +424,8 @@ def measure(quick_mode=None) -> dict:
     smol = load("smollm2")
     lengths = {d: data.synthetic_lengths(d, s["requests"], seed=i) for i, d in enumerate(data.REQUEST_DATASETS)}
     budget = 2**30 // cache_bytes(smol.config, 1, 1, torch.float16)    # positions in 1 GiB of 16-bit SmolLM2 cache
+    pool = budget - budget % 16                                         # the same, in whole pages of 16
+    served = {d: data.synthetic_lengths(d, s["served"][d], seed=i) for i, d in enumerate(data.REQUEST_DATASETS)}
     return dict(
         settings=s, manifest=smol.manifest,
         means={d: (float(i.mean()), float(o.mean())) for d, (i, o) in lengths.items()},
@@ -257,6 +433,8 @@ def measure(quick_mode=None) -> dict:
         by_manager={d: utilization_by_manager(i[:s["manager_requests"]], o[:s["manager_requests"]])
                     for d, (i, o) in lengths.items()},
         concurrency={d: concurrency(i, o, budget) for d, (i, o) in lengths.items()}, budget_positions=budget,
+        breakdown={d: breakdown(i, o, pool) for d, (i, o) in tqdm(served.items(), desc="serving")},
+        pool_positions=pool,
         speed=decode_attention_times(s["contexts"], s["batches"], s["reps"], s["repeats"]),
         agreement=token_agreement(smol, s["page_sizes"], 37, s["new_tokens"]),
         ragged=ragged_batch(smol, new_tokens=s["new_tokens"] // 2),
@@ -266,7 +444,7 @@ def measure(quick_mode=None) -> dict:
 def values(m: dict) -> dict:
     """The section's values, from every part of the measurements that m holds: a notebook sets each part's
     verdicts beside the book's as soon as it has measured that part (lab.book.verdicts); record() writes them all."""
-    values = {k: {} for k in ("utilization", "concurrency", "speed", "agreement") if k in m}
+    values = {k: {} for k in ("utilization", "concurrency", "breakdown", "speed", "agreement") if k in m}
     for d, u in m.get("utilization", {}).items():
         values["utilization"][d] = {k: value(x * 100, "%") for k, x in u.items()}
         values["utilization"][d]["paged_16_by_manager"] = value(m["by_manager"][d] * 100, "%",
@@ -278,6 +456,20 @@ def values(m: dict) -> dict:
     if "concurrency" in m:
         values["concurrency"]["budget_positions"] = value(m["budget_positions"], "positions",
                                                           note="1 GiB of 16-bit SmolLM2 cache")
+    for d, bd in m.get("breakdown", {}).items():
+        values["breakdown"][d] = {"requests": value(m["settings"]["served"][d], "requests", note=SYNTHETIC)}
+        for scheme, r in bd.items():
+            v = values["breakdown"][d][scheme] = {p: value(r[p] * 100, "%", note=f"{PART_STYLE[p][0]}, share of "
+                                                           "the pool averaged over the steps a request waits")
+                                                  for p in PARTS}
+            v |= {"live": value(r["live"], "requests", note="live at once, averaged over those steps"),
+                  "preemptions": value(r["preemptions"], "preemptions"), "steps": value(r["steps"], "steps")}
+            if scheme == "paged":
+                v |= {k: value(r[k], "pools", note=f"what {s} would set aside for the requests pages hold")
+                      for k, s in (("bound_max", "contiguous_max"), ("bound_budget", "contiguous_budget"))}
+    if "breakdown" in m:
+        values["breakdown"]["pool_positions"] = value(m["pool_positions"], "positions",
+                                                      note="1 GiB of 16-bit SmolLM2 cache, whole pages of 16")
 
     def timing(r):
         return {"paged_ms": value(r["paged"]["median"] * 1e3, "ms", min=r["paged"]["min"] * 1e3, n=r["paged"]["n"]),
@@ -312,9 +504,10 @@ def values(m: dict) -> dict:
 
 def record(m: dict, drawn: dict | None = None) -> dict:
     """Write section ch05 and its figures. drawn: figures already drawn (a notebook's), saved, not redrawn:
-    {"utilization": fig, "block_tables": fig, "speed": fig}."""
+    {"utilization": fig, "breakdown": fig, "block_tables": fig, "speed": fig}."""
     figs, drawn = figures_dir(), drawn or {}
     plots = {"utilization": lambda path: plot_utilization(m["utilization"], path),
+             "breakdown": lambda path: plot_breakdown(m["breakdown"], path),
              "block_tables": plot_block_tables, "speed": lambda path: plot_speed(m["speed"], path)}
     for name, plot in plots.items():
         path = figs / f"ch05_{name}.png"
@@ -325,6 +518,8 @@ def record(m: dict, drawn: dict | None = None) -> dict:
     v = values(m)
     figures = {"utilization": {"path": figs / "ch05_utilization.png",
                                "caption": "Share of reserved KV memory holding real tokens against page size"},
+               "breakdown": {"path": figs / "ch05_breakdown.png",
+                             "caption": "Where a pool's KV memory goes over time, per allocator (synthetic lengths)"},
                "block_tables": {"path": figs / "ch05_block_tables.png",
                                 "caption": "A live cache's pages: page ids, owners and block tables"},
                "speed": {"path": figs / "ch05_speed.png",
