@@ -1,30 +1,20 @@
-"""BlockManager: hands out the pages of a paged KV cache to sequences (host-side bookkeeping only).
+"""BlockManager: hands out the pages of a paged KV cache to sequences (host-side bookkeeping only, chapter 5).
 
-The pool holds `num_pages` pages of `page_size` positions each; the tensors live elsewhere (PagedCache
-keeps one pool per layer, `[num_pages, page_size, H_kv, D]`). This class only decides which page holds
-which position. Each sequence owns a block table, the list of its page ids in order, so position p of a
-sequence lives in page `block_table[p // page_size]` at offset `p % page_size`, which is slot
-`page * page_size + offset` of the pool flattened to `[num_pages * page_size, H_kv, D]`.
+The pool holds `num_pages` pages of `page_size` positions; the tensors live elsewhere (PagedCache: `[num_pages,
+page_size, H_kv, D]` per layer). Position p of a sequence lives in page `block_table[p // page_size]` at offset `p
+% page_size`, slot `page * page_size + offset` of the flattened pool.
 
-Pages are counted, not owned: `fork` gives a new sequence the same block table and adds one reference
-to every page, so a shared prompt is stored once. A shared page is read-only. Full pages are never
-written again, so sharing them is free; the only page a sequence still writes is its last, partially
-filled one. When that page is shared, `reserve` first gives the sequence a private copy
-(copy-on-write) and returns the pair (old, new) so the caller copies the page in its pools before
-writing. A page whose count drops to zero goes back to the free list.
+Pages are counted, not owned: `fork` shares a block table and adds a reference to every page. A shared page is
+read-only: `reserve` copies a shared, partly filled last page (copy-on-write) and returns (old, new) for the caller
+to copy in its pools. A page at count zero returns to the free list (an ordered dict, as vLLM's free block queue:
+front, back and a prefix hit's middle in O(1)).
 
-The free list is a queue in the order pages were freed, as vLLM's free block queue: taken from the
-front, returned at the back, and a cached page taken back from the middle (a prefix hit). An ordered
-dict does all three in O(1).
+Every operation checks everything first and changes nothing when it fails; an exhausted pool raises OutOfPagesError
+(the caller may preempt and retry). Sequence ids are any hashable but a bool, never reused after release.
 
-Every operation checks everything first (the functions at the end of this file) and changes nothing
-when it fails: an exhausted pool raises OutOfPagesError and the caller (a scheduler) may preempt a
-sequence and try again. Sequence ids are any hashable value but a bool (True would name sequence 1);
-a released id is never reused, so a stale id fails loudly ("use after release").
-
-A block-table entry may be NULL: the page was given back while the sequence lives on (`drop_pages`, which
-lab.cache.hybrid calls for a sliding window's past). Only drop_pages and adopt make such entries; every
-method here skips them, and the partially filled last page, still being written, is never NULL.
+A block-table entry may be NULL: the page was given back while the sequence lives on (`drop_pages`, for a sliding
+window's past, see lab.cache.hybrid). Only drop_pages and adopt make such entries; every method skips them, and
+a partly filled last page is never NULL.
 """
 
 from collections import OrderedDict
@@ -287,9 +277,8 @@ class BlockManager:
     # endregion
 
     def adopt(self, seq, pages):
-        """Start the new sequence `seq` with `pages`, each a named page (`cached`) or NULL, one per
-        page_size positions: a prefix hit whose pages the caller chose (lab.cache.hybrid takes only a
-        window's)."""
+        """Start the new sequence `seq` with `pages`, each a named page (`cached`) or NULL, one per page_size
+        positions: a prefix hit whose pages the caller chose (lab.cache.hybrid takes only a window's)."""
         if self._new_or_live(seq):
             raise CacheStateError(f"adopt({seq!r}): the sequence exists; a prefix starts a new one")
         pages = list(pages)

@@ -1,9 +1,6 @@
-"""Input and state checks for the caches, kept apart so that a listed cache class shows the idea.
-
-Every check raises a typed CacheError naming what was wrong and what was expected, before anything
-changes, so a failed call leaves the cache exactly as it was.
-
-The errors come from `.errors`, not from `.base`: base.py imports this module.
+"""Input and state checks for the caches, kept apart so that a listed cache class shows the idea. Every check
+raises a typed CacheError naming what was wrong and what was expected, before anything changes, so a failed call
+leaves the cache exactly as it was. The errors come from `.errors`, not from `.base`: base.py imports this module.
 """
 
 import torch
@@ -162,8 +159,7 @@ def memory_fraction(fraction):
 
 
 def distinct_parts(parts, what: str = "plan_step"):
-    """reserve(parts), plan_step(parts): every sequence named once (two parts of one sequence would share its
-    slots)."""
+    """reserve(parts), plan_step(parts): every sequence named once (two parts of one would share its slots)."""
     seqs = [seq for seq, _ in parts]
     if len(set(seqs)) != len(seqs):
         raise CacheInputError(f"{what}() names a sequence twice: {seqs}")

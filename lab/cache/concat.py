@@ -1,8 +1,7 @@
 """ConcatCache: grow each layer's keys and values by concatenation (what transformers' DynamicCache does).
 
-Every step allocates a new, longer tensor and copies the old one into it. Simple, and never full; the
-cost is a copy that grows with the length, and memory that comes and goes in ever larger blocks.
-Because a concatenation never writes into an existing tensor, a fork can share the parent's tensors.
+Every step allocates a longer tensor and copies the old one into it: simple and never full, at the cost of a copy
+that grows with the length. A concatenation never writes into an existing tensor, so a fork can share them.
 """
 
 import torch

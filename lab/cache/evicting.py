@@ -1,43 +1,22 @@
 """EvictingCache: keep at most `budget` positions per layer and KV head, and forget the rest.
 
-After each forward step the cache keeps, for every layer and every KV head, `budget` positions,
-chosen by one of four policies:
+Chapter 7 explains the policies: "window" (the last `budget` positions), "sinks" (StreamingLLM: the first `sinks`
+plus the most recent), "h2o" (a recent `window`, half the budget by default, plus the older positions with the most
+attention, summed over queries and a KV head's query heads) and "snapkv" (the last `observation` prompt queries
+vote, smoothed by a pool of width `pool`, avg or max; each KV head keeps its `budget - observation` best-voted
+positions and the window).
 
-- "window": the last `budget` positions (a sliding window).
-- "sinks" (StreamingLLM, Xiao et al., 2023): the first `sinks` positions, which soak up attention
-  the model has nowhere else to put, plus the most recent `budget - sinks`.
-- "h2o" (H2O, Zhang et al., 2023): a recent window (`window`, half the budget by default) plus the
-  "heavy hitters": the older positions that have received the most attention so far, summed over
-  every query that has seen them and the query heads that share their KV head (heads differ).
-- "snapkv" (SnapKV, Li et al., 2024): the last `observation` queries of the prompt vote. Their
-  attention to each earlier position is summed over the observation window, smoothed along positions
-  by a pool of width `pool` (avg or max, stride 1, padding pool // 2, summed over the group's query
-  heads); each KV head keeps its `budget - observation` best-voted positions and the window itself.
+Nothing is evicted inside a forward step; `advance(T)` commits the step, then trims each layer to the budget (so a
+prompt fed in one step differs from one fed token by token). SnapKV votes only in a multi-token step that overflows
+the budget; later positions are protected like the observation window, and a decode overflow drops a head's
+worst-voted prompt position first, then the oldest protected one.
 
-When eviction happens. Inside a forward step nothing is evicted: every query of the step attends
-causally to everything held plus the new keys before it, so a prefill longer than the budget is an
-ordinary causal prefill. `advance(T)` commits the step and then trims each layer to the budget, so
-a prompt fed in one step differs from the same prompt fed token by token, which evicts as it goes.
+`length` counts every token seen, so a new key is rotated at its true position. `rerotate=True` ("window" and
+"sinks", Llama-family models) keeps positions contiguous instead, as StreamingLLM does: kept keys slide down and
+are turned back by R(-Delta), in float64, rounded once per eviction.
 
-SnapKV votes only in a step of several positions that overflows the budget (a prefill, or a chunk of
-one); its last min(observation, T) queries vote over every position held. Positions appended later
-(decode tokens, a chunk that fits) are protected like the observation window. When decoding
-overflows the budget, each head drops its worst-voted prompt position first, then the oldest
-protected one. A cache that never saw an overflowing multi-token step behaves as a window.
-
-Positions and RoPE. Keys are stored after rotation. `length` counts every token the cache has seen,
-evicted or not, so the next token's position is its true position. With `rerotate=True` ("window"
-and "sinks" only, Llama-family models) the positions inside the cache are contiguous instead, as
-StreamingLLM does it: a new token is rotated at position `held`, and when positions are evicted the
-kept keys slide down to fill the gap and are turned back by the distance Delta they slid,
-R(p - Delta) = R(-Delta) R(p), computed in float64 and rounded once per eviction. Heads that keep
-different positions (h2o, snapkv) would each need their own renumbering, which the papers do not
-do, and GPT-2's positions are a learned table, not a rotation: both refused.
-
-crop(n) forgets the tokens from n on. Evicted positions cannot come back, so it drops only positions
-every head still holds: n = 0, or n from the oldest position of the recent run every head holds on.
-The positions before n are the ones that survived; had the cache seen only n tokens it might have
-kept others. H2O scores keep the attention the dropped queries paid.
+crop(n) forgets the tokens from n on: only n = 0, or n from the oldest position of the recent run every head holds
+on, since evicted positions cannot come back. H2O scores keep the attention the dropped queries paid.
 """
 
 import math

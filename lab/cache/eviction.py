@@ -1,15 +1,12 @@
 """Which cached page a prefix cache forgets when it needs a fresh one: eviction policies beside LRU.
 
-BlockManager evicts the named free page freed the longest ago (LRU, its `victim()`): whatever a request
-used last stays longest, however often anything else was used. A policy that knows reuse keeps what is
-used again. LFUBlockManager counts, for every named page, the requests that took it, and evicts the page
-used the fewest times: a conversation's pages, taken again at every turn, outlive a document read once, even
-when the document came later.
+BlockManager evicts the named free page freed the longest ago (LRU, its `victim()`). LFUBlockManager counts, for
+every named page, the requests that took it, and evicts the page used the fewest times: a conversation's pages,
+taken again at every turn, outlive a document read once, even when the document came later.
 
-A policy is a BlockManager whose `victim()` chooses otherwise; set it as a pool's manager before the first
-sequence (`backend.pool.manager = LFUBlockManager(num_pages, page_size)`, as `lab.workloads.hit_rate` does
-with eviction="lfu"), on a backend without tiers: a backend with tiers hooks its eviction into the manager
-it made, and a manager swapped in afterwards would drop its evicted pages instead of keeping them.
+A policy is a BlockManager whose `victim()` chooses otherwise; set it as a pool's manager before the first sequence
+(`backend.pool.manager = LFUBlockManager(num_pages, page_size)`, as `lab.workloads.hit_rate` does), on a backend
+without tiers: those hook their eviction into the manager they made (one swapped in would drop evicted pages).
 """
 
 import heapq

@@ -1,8 +1,8 @@
 """The chained page digest prefix caching names pages by (computed here, where the pages live).
 
-digest_i = sha256(digest_{i-1} || the page's token ids as little-endian int64); the chain starts at
-`root_digest(extra)`, a hash of the state identity and the salt. `lab.engine.block_hashes` computes the
-digests of a whole sequence; the BlockManager checks a registered page against its own.
+digest_i = sha256(digest_{i-1} || the page's token ids as little-endian int64), from `root_digest(extra)`, a hash
+of the state identity and salt. `lab.engine.block_hashes` digests a whole sequence; the BlockManager checks a
+registered page against its own.
 """
 
 import hashlib
@@ -12,8 +12,7 @@ import numpy as np
 
 
 def root_digest(extra=()) -> bytes:
-    """The chain's start: a sha256 over `extra`, a sequence of strings, numbers or objects with `digest()`
-    (a StateIdentity)."""
+    """The chain's start: a sha256 over `extra`, a sequence of strings, numbers or objects with `digest()`."""
     parts = [x.digest() if hasattr(x, "digest") else x for x in extra]
     return hashlib.sha256(b"lab.block_hashes\0" + json.dumps(parts, default=repr).encode()).digest()
 

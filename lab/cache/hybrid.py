@@ -1,26 +1,20 @@
 """HybridBlockManager: page bookkeeping for a model whose layers keep different positions (host-side only).
 
-A hybrid model mixes global layers, whose queries read every earlier position, with local ones that
-read only the last `window` positions (Gemma 3, gpt-oss, Mistral), plus the first `sinks`
-(StreamingLLM's attention sinks). A local layer can give a page back once no query to come reads
-it, so the layers are grouped by their rule, as in vLLM's hybrid KV cache manager, and each group
-has its own pool of pages and its own BlockManager (page 3 of "full" is not page 3 of "local").
+Chapter 10 explains hybrid models. Layers are grouped by their rule ("full" reads every position, "local" the last
+`window` and the first `sinks`), as in vLLM's hybrid KV cache manager; each group has its own pool and BlockManager
+(page 3 of "full" is not page 3 of "local").
 
-The window rule. The query at position p reads keys p - window + 1 .. p and the sinks
-0 .. sinks - 1. A sequence of length L writes position L next, so a page whose every position is
-below L + 1 - window, and that holds no sink, is read by no query to come. Before a sequence grows,
-a local group gives such pages back (a page shared since a fork stays with the other sequence) and
-their block-table entries become NULL, so it holds a bounded number of pages per sequence however
-long it grows (`most_pages`). Positions reserved but not computed hold no query that has run: when
-one step reserves twice (an engine's decode, then its draft's lookahead), the second reservation
-passes `first_query`, the first query still to run, and the window is judged from there.
+The query at position p reads keys p - window + 1 .. p and the sinks 0 .. sinks - 1, so once a sequence has length
+L, a page whose positions are all below L + 1 - window and hold no sink is read by no query to come. Before a
+sequence grows, a local group gives such pages back (a page shared since a fork stays with the other sequence) and
+their entries become NULL: at most `most_pages` per sequence. A second reservation in one step (a draft's
+lookahead) passes `first_query`, the first query still to run, and the window is judged from there.
 
-What the window gave back is gone. crop may go back only to a length whose next query finds its
-window still held, and a prefix hit takes, in a local group, only the pages the first query after
-the prefix reads (vLLM's rule): the hit is shorter only when the group evicted the last window's.
+What the window gave back is gone: crop may go back only to a length whose next query finds its window still held,
+and a prefix hit takes, in a local group, only the pages the first query after the prefix reads (vLLM's rule).
 
-Every operation applies to every group or to none: the groups hold the same sequences at the same
-lengths, and the page counts of every group are checked before any group changes.
+Every operation applies to every group or to none: the groups hold the same sequences at the same lengths, and
+every group's page counts are checked before any changes.
 """
 
 from .block_manager import NULL, BlockManager, _sequence_crop, pages_for
@@ -35,10 +29,10 @@ __all__ = ["HybridBlockManager", "NULL"]
 class HybridBlockManager:
     def __init__(self, page_size: int, groups: dict, layers: dict | None = None, index: str | None = None,
                  extra=()):
-        """groups: name -> (num_pages, window, sinks), window 0 for a full-attention group; layers: name ->
-        the cache layers that keep their keys in that group's pool (for_model fills it in). index: the prefix
-        index, None, "hash" (chapter 6's chain of page names) or "radix" (a tree of pages, chapter 11: one
-        full group only); pages are named under `extra` (the state identity, set by whoever computes them)."""
+        """groups: name -> (num_pages, window, sinks), window 0 for a full-attention group; layers: name -> the
+        cache layers that keep their keys in that group's pool (for_model fills it in). index: the prefix index,
+        None, "hash" (chapter 6's page names) or "radix" (chapter 11: one full group only); pages are named under
+        `extra` (the state identity, set by whoever computes them)."""
         int_arg("page_size", page_size, low=1)
         if not isinstance(groups, dict) or not groups:
             raise CacheInputError(f"groups must be a non-empty dict name -> (num_pages, window, sinks), got {groups!r}")
@@ -154,10 +148,9 @@ class HybridBlockManager:
         return min(self._rooms(seq, first_query, spare).values())
 
     def fit(self, seq, n: int, first_query: int | None = None, spare: int = 0) -> int:
-        """How many of n more positions `seq` may reserve now, `spare` pages of each group kept back: all n
-        or 0 in a full group (the prompt needs those pages anyway: better to wait than to start and be
-        preempted), as many as a window's group holds (it may hold less than a chunk, never less than a
-        step of one position)."""
+        """How many of n more positions `seq` may reserve now, `spare` pages of each group kept back: all n or 0 in
+        a full group (the prompt needs those pages anyway: better to wait than to start and be preempted), as many
+        as a window's group holds (it may hold less than a chunk, never less than a step of one position)."""
         length, rooms = self.length(seq) if seq in self else 0, self._rooms(seq, first_query, spare)
         if any(rooms[g] < length + n for g in self._bms if not self.rule(g)[0]):
             return 0
@@ -280,9 +273,8 @@ class HybridBlockManager:
 
     # ---- checking ----
     def check(self):
-        """Raise AssertionError naming the first broken invariant: a group's own
-        (BlockManager.check), the same sequences at the same lengths in every group, and NULL
-        entries only where the window allows."""
+        """Raise AssertionError naming the first broken invariant: a group's own (BlockManager.check), the same
+        sequences at the same lengths in every group, and NULL entries only where the window allows."""
         for group, bm in self._bms.items():
             bm.check()
             assert bm.sequences() == self.sequences(), f"group {group!r} holds other sequences"
@@ -309,8 +301,7 @@ class HybridBlockManager:
         return group
 
     def _past(self, group, seq, first_query=None) -> list[int]:
-        """Indices of the pages `seq` still holds in `group` that no query to come, from `first_query` (the
-        length by default) on, reads."""
+        """Indices of `seq`'s pages in `group` that no query from `first_query` (default: the length) reads."""
         bm = self._bms[group]
         length = bm.length(seq) if seq in bm else 0
         if first_query is not None:

@@ -1,10 +1,9 @@
 """LatentCache: the cache of a latent model (chapter 10, `latent_kv`), one tensor per layer, as MLA keeps it.
 
-A latent model caches c_k = U_k^T k and c_v = U_v^T v, `rank` values per position and layer together,
-instead of keys and values. The other designs hold them too, as the keys and values of one head
-(`config.kv_layout`; PagedCache is the paged form). This one shows the layout itself: one buffer
-`[layers, batch, max_tokens, rank]`, written in place like StaticCache's, and no head dimension at all:
-every query head reads the same latent, which is why a latent model decodes like multi-query attention.
+A latent model caches c_k = U_k^T k and c_v = U_v^T v, `rank` values per position and layer, instead of keys and
+values (the other designs hold them as one head's keys and values, `config.kv_layout`). This one shows the layout
+itself: one buffer `[layers, batch, max_tokens, rank]`, written in place like StaticCache's, with no head
+dimension: every query head reads the same latent, so a latent model decodes like multi-query attention.
 """
 
 import torch

@@ -1,20 +1,13 @@
-"""PagedCache: keys and values in fixed-size pages from one pool per layer, as vLLM does.
+"""PagedCache: keys and values in fixed-size pages from one pool per layer, as vLLM does (chapter 5).
 
-Position p of a sequence lives in page `block_table[p // page_size]` at offset `p % page_size`,
-slot `page * page_size + offset` of the flattened pool. Growing, cropping, forking and releasing a
-sequence are list operations on the host (the BlockManager); the pool never moves, so a growing
-sequence is never copied. The layout `[num_pages, page_size, kv_heads, head_dim]` per layer
-(FlashInfer's "NHD") makes one page of one layer one contiguous block: a kernel loads a whole page
-of keys at once, and writing a new position touches one `[kv_heads, head_dim]` row.
+Position p lives in page `block_table[p // page_size]` at offset `p % page_size`; growing, cropping, forking and
+releasing a sequence are list operations on the host (the BlockManager), and the pool `[num_pages, page_size,
+kv_heads, head_dim]` per layer (FlashInfer's "NHD") never moves. Block tables and lengths live in fixed-size int32
+buffers (`[batch, max_pages]`, the width padded to a multiple of 16, and `[batch]`), so a compiled kernel is not
+recompiled and a captured CUDA graph stays valid; a decode step writes them on the device and reads nothing back.
 
-The block tables and lengths live in fixed-size int32 buffers (`[batch, max_pages]`, the width
-padded to a multiple of 16, and `[batch]`): their shapes never change, so a compiled kernel is not
-recompiled and a captured CUDA graph stays valid. A decode step changes them with device writes only
-and reads nothing back: no step waits for the device.
-
-The pool is a PagePool of one group (pool.py), the one a serving engine keeps for every cache shape:
-a PagedCache is a view of some of its sequences as rows, and `plan_step` plans an engine's step over
-them.
+The pool is a PagePool of one group (pool.py), the one a serving engine keeps for every cache shape: a PagedCache
+is a view of some of its sequences as rows, and `plan_step` plans an engine's step over them.
 """
 
 import math
@@ -120,8 +113,7 @@ class PagedCache(KVCache):
         return min(self.max_pages, self.num_pages) * self.page_size
 
     def reserve(self, parts):
-        """Room for n more positions of every (seq, n) in `parts`, all or none, copy on write
-        included (PagePool.reserve)."""
+        """Room for n more positions of every (seq, n) in `parts`, all or none (PagePool.reserve)."""
         self.pool.reserve(parts)
 
     # region paged_cache_step
@@ -211,8 +203,7 @@ class PagedCache(KVCache):
         return self.pool.new_id()
 
     def plan_step(self, parts) -> "StepBatch":
-        """One step over several sequences of this pool, (seq, n) per sequence
-        (PagePool.plan_step)."""
+        """One step over several sequences of this pool, (seq, n) per sequence (PagePool.plan_step)."""
         return self.pool.plan_step(parts)
 
     def fork(self):

@@ -1,18 +1,13 @@
 """PagePool and StepBatch: the pages of every cache shape, and one serving step planned over them.
 
-A PagePool holds a grouped manager (HybridBlockManager: a BlockManager per group of layers that
-keep the same positions) and one pool pair per group,
-`[layers in the group, pages, page_size, H_kv, D]`: "full" for a plain model, plus "local" for a
-model with sliding-window layers (chapter 10). The serving engine, chapter 5's PagedCache and the
-hand-offs of chapter 11 all store their keys and values here.
+A PagePool holds a grouped manager (HybridBlockManager) and one pool pair per group, `[layers in the group, pages,
+page_size, H_kv, D]`: "full", plus "local" for sliding-window layers (chapter 10). The serving engine, PagedCache
+and chapter 11's hand-offs all store their keys and values here.
 
-`plan_step(parts)` lays the new tokens of several sequences end to end as one row `[1, N]` and works
-out, once per step, what every layer's attention needs, per group (vLLM's attention metadata): the
-pool slot of every token, the decode rows' block tables and lengths (read in place by the paged
-decode kernel under the layer's window and sinks), and for every prefill chunk the slots of the
-positions its queries read with their mask. The decode rows' block tables stay on the device between
-steps, and a step writes only the entries that changed; the slots, positions and lengths are built
-on the host anew every step.
+`plan_step(parts)` lays the new tokens of several sequences end to end as one row `[1, N]` and works out once per
+step and group what every layer's attention needs (vLLM's attention metadata): each token's pool slot, the decode
+rows' block tables and lengths, each prefill chunk's read slots and mask. Decode block tables stay on the device,
+and a step writes only the entries that changed.
 """
 
 import itertools

@@ -1,20 +1,14 @@
-"""Quantization of keys and values to a few bits, as pure functions: scales, codes, packing.
+"""Quantization of keys and values to a few bits, as pure functions: scales, codes, packing (chapter 7).
 
-Two grids, both uniform:
+- symmetric (absmax): x ~ (code - 2^(b-1)) * s with s = max|x| / (2^(b-1) - 1); x/s in -127..127 at 8 bits.
+- asymmetric (a zero point): x ~ code * s + z with z = min x and s = (max x - min x) / (2^b - 1).
 
-- symmetric (absmax): x ~ (code - 2^(b-1)) * s with s = max|x| / (2^(b-1) - 1). Zero is a grid point, so
-  dequantizing needs one multiply; one of the 2^b codes goes unused (8 bits: -127..127).
-- asymmetric (min/max, a zero point): x ~ code * s + z with z = min x and s = (max x - min x) / (2^b - 1).
-  All 2^b codes are used and a range that sits off zero costs nothing; dequantizing is a multiply and an add.
+One (s, z) is shared over `dim`: the head dimension for a scale per token, a group's tokens for a scale per channel
+(KIVI's keys). Rounding errs by at most s/2 per element; the stored scale is rounded up and the zero point down to
+the storage dtype, so no code clips and the bound holds for the stored scale.
 
-A set of values sharing one (s, z) is reduced over `dim`: the head dimension for one scale per token, the
-tokens of a group for one scale per channel (KIVI's keys). Rounding to the nearest code errs by at most
-s/2 per element. The stored scale is rounded up, and the stored zero point down, to the storage dtype
-(bfloat16 keeps 8 bits of mantissa), so no code ever clips and the bound s/2 holds for the scale that
-is stored, not merely for the one computed.
-
-Codes of 4 and 2 bits are packed two and four to a byte along the last dimension (`pack`, `unpack`):
-the element j of each run of 8/b sits in bits j*b .. j*b + b - 1.
+Codes of 4 and 2 bits are packed two and four to a byte along the last dimension (`pack`, `unpack`): the element j
+of each run of 8/b sits in bits j*b .. j*b + b - 1.
 """
 
 import functools
@@ -61,10 +55,9 @@ def dequantize_symmetric(codes, scale, bits: int, dtype):
 
 
 def quantize_asymmetric(x, bits: int, dim, scale_dtype):
-    """x -> (codes uint8 shaped like x, scale, zero), scale and zero with `dim` reduced to 1, in
-    scale_dtype, with x ~ codes * scale + zero: the zero point is the minimum (rounded down), so
-    codes run 0 .. 2^bits - 1; |error| <= scale / 2 per element (plus float rounding). A constant
-    set gets scale 0 and is exact."""
+    """x -> (codes uint8 shaped like x, scale, zero), scale and zero with `dim` reduced to 1, in scale_dtype, with
+    x ~ codes * scale + zero: the zero point is the minimum (rounded down), so codes run 0 .. 2^bits - 1; |error|
+    <= scale / 2 per element (plus float rounding). A constant set gets scale 0 and is exact."""
     work = work_dtype(x.dtype, scale_dtype)
     top = 2 ** bits - 1                                           # 255, 15, 3
     xw = x.to(work)

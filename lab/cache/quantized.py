@@ -1,54 +1,25 @@
 """QuantizedCache: keys and values kept in 8, 4 or 2 bits plus scales, attended without dequantizing.
 
-Where a position lives. Each layer holds a quantized prefix of `quantized` positions (packed
-codes and their scales) followed by a float tail: the newest positions, in the cache's dtype. A
-step's new positions join the tail and are attended in float, as the step computed them (as in KIVI
-and transformers' QuantizedCache); `advance` commits them and then quantizes every whole group that
-has left the residual window: the tail keeps at least `residual` positions, plus any group not yet
-full. The prefix always ends at a multiple of the group, the same in every layer.
+Chapter 7 explains the schemes, key smoothing and the residual window. Each layer holds a quantized prefix of
+`quantized` positions (packed codes and scales) followed by a float tail in the cache's dtype, where a step's new
+positions are attended as computed; `advance` commits them, then quantizes every whole group that has left the
+residual window (the tail keeps at least `residual` positions). The prefix ends at a multiple of the group, the
+same in every layer.
 
-Two schemes:
+- "per_token": one scale per token per head, absmax grid by default; `zero_point=True` uses [min, max] with a zero
+  point; `smooth=True` quantizes k - mu, mu `[B, H_kv, 1, D]` the per-channel key mean of the prefill (q . mu is
+  constant along a row, so the softmax is unchanged; `attend` adds it back because the tail holds raw keys).
+- "kivi" (Liu et al., 2024): keys per channel over groups of `group_size` tokens, values per token (or per
+  `value_group_size` channels), both with zero points.
 
-- "per_token": keys and values get one scale per token per head, on the symmetric absmax grid by
-  default: x ~ s * k_int, zero is a code. At 8 bits a 64-channel head then takes 64 code bytes and
-  one 16-bit scale, 0.516 of a 16-bit cache. A key vector's range is lopsided, though: a few outlier
-  channels carry large values of one sign, so the absmax grid spends up to half its codes on values
-  no channel takes. Two remedies. `zero_point=True` puts the grid on [min, max] with a zero point
-  per token (2 more bytes per vector at 16-bit scales). `smooth=True` takes the outlier channels'
-  offset out of every token instead, at no cost per token: each layer keeps the per-channel mean mu
-  `[B, H_kv, 1, D]` of the keys of its first committed step (the prefill), and quantizes k - mu.
-  Queries need no change: q . (k - mu) = q . k - q . mu, and q . mu is the same for every key of a
-  query's row, so the softmax, invariant to adding one constant to a row, gives exactly the same
-  weights. (The tail holds raw keys, so `attend` adds the row's q . mu back to the quantized scores:
-  one dot product per query, not per key.)
-- "kivi" (Liu et al., 2024, KIVI): keys per channel over groups of `group_size` tokens, values per
-  token (one scale per token per head, or per `value_group_size` channels), both with zero points.
-  Per-channel key scales follow the channels' outliers, so an outlier channel no longer widens every
-  other channel's grid; values have no such channels, and each output mixes whole value rows, so
-  their error stays per token. The residual window (`residual`, 128 in the paper) keeps the newest
-  positions, the ones attention weighs most, in float.
+Attention folds the scales in, q `[B, H_q, T, D]` viewed as `[B, H_kv, rep, T, D]`: per-token key scales multiply
+the scores, per-channel ones the query once per group, value scales the probabilities; arithmetic in float32 at
+least. While nothing is quantized, attention is SDPA over the tail, ConcatCache's call, so the logits are the same
+bits.
 
-Attention with the scales folded in, q `[B, H_q, T, D]` viewed as `[B, H_kv, rep, T, D]` (rep query
-heads share a kv head, as SDPA's enable_gqa pairs them):
-- per_token keys: one scalar s per key vector, so q . (s * k_int) = s * (q . k_int): scores are
-  `(q @ k_int^T) * s^T`, exact up to float rounding; a zero point, k = s * k_int + z, adds
-  z * sum(q).
-- kivi keys: s and z vary along the channels, so they fold into the query instead, once per group:
-  q . (s_g * k_int + z_g) = (q * s_g) . k_int + q . z_g. Decoding, that is D multiplies per group
-  per query where dequantizing would be D per key (group_size times as many), and the dequantized
-  keys are never written to memory.
-- values: out = sum_t p_t (s_t * v_int_t + z_t) = (p * s^T) @ v_int + p @ z: the scales scale the
-  probabilities `[B, H_kv, rep, T, Q]`, not the values `[B, H_kv, Q, D]`.
-The codes are widened to float for the matmuls here (a GPU kernel would widen them in registers),
-and the arithmetic runs in float32 at least. While nothing is quantized, attention is SDPA over the
-tail, the same call as ConcatCache's, so the logits are the same bits.
-
-Crop. Positions at or past the quantized prefix are float and are simply cut. A crop into the prefix
-keeps whole groups quantized and moves the kept positions of the cut group into the tail as the
-dequantized values the cache was serving, so attention over the kept positions is unchanged, bit for
-bit. When that group fills again it is quantized a second time: its positions then carry two
-rounding errors, at most s_1/2 + s_2/2, and each further crop into the same group adds one more.
-Per-token schemes never cut a group (a group is one position), so a crop there costs nothing.
+Crop. A crop into the prefix keeps whole groups quantized and moves the kept positions of the cut group into the
+tail as the dequantized values the cache was serving, so attention over them is unchanged, bit for bit; requantized
+later, they carry two rounding errors (at most s_1/2 + s_2/2). Per-token schemes never cut a group.
 """
 
 import torch

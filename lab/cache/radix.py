@@ -1,22 +1,15 @@
-"""RadixCache: token-granular prefix caching over a pool of KV slots (SGLang's RadixAttention idea).
+"""RadixCache: token-granular prefix caching over a pool of KV slots (SGLang's RadixAttention idea, chapter 6).
 
-Chapter 6's BlockManager names whole pages by a hash chain, so two prompts sharing 37 tokens
-share 32 of them in pages of 16, and the last 5 are computed again. Here a prefix is found token by
-token. The cache is a radix tree whose edges are runs of token ids; each node holds the slots
-(positions of the pool flattened to `[num_slots, H_kv, D]`) of its run. A sequence is the path from
-a root to a node. Where a new sequence leaves a run part way, the node is split in two.
+A radix tree whose edges are runs of token ids; each node holds the slots (positions of the pool flattened to
+`[num_slots, H_kv, D]`) of its run, and a sequence is the path from a root to a node. Where a new sequence leaves a
+run part way, the node is split in two, which is why the unit is a slot, not a page; RadixBlockManager's pages of P
+are tokens of the tree, one page's ids each.
 
-Why slots and not pages: a split may fall anywhere in a run, and the two halves must own their
-positions separately; with pages of P > 1 the half-page at a split would be shared by two nodes (or
-copied). SGLang's radix cache works on single-token slots by default for the same reason;
-RadixBlockManager's pages of P are tokens of the tree, one page's ids each.
-
-A request holds its prefix with a handle (from `match` or `insert`) until `release`: a handle locks
-its node and every ancestor, and a locked node is never evicted. Eviction takes unlocked leaves,
-least recently matched or inserted first, as `allocate` needs room. `extra` (the state identity and
-the salt, as in `block_hashes`) picks the root: one subtree per extra, so two models or two salts
-never share a node. Every operation checks its arguments first and changes nothing when it fails,
-raising a typed CacheError.
+A request holds its prefix with a handle (from `match` or `insert`) until `release`: a handle locks its node and
+every ancestor, and a locked node is never evicted. Eviction takes unlocked leaves, least recently matched or
+inserted first, as `allocate` needs room. `extra` (the state identity and the salt, as in `block_hashes`) picks the
+root, so two models or two salts never share a node. Every operation checks its arguments first and changes nothing
+when it fails, raising a typed CacheError.
 """
 
 import heapq
@@ -50,9 +43,8 @@ class RadixCache:
         h2 = cache.insert(ids, cached + new, extra) # cached for the next requests, locked by h2
         cache.release(h)                            # and release(h2) when the request ends
 
-    Every slot is in exactly one place: the free queue, one node of the tree, or "out" (taken by
-    `allocate`, until `insert` or `free`). The other invariants are `check`'s.
-    """
+    Every slot is in exactly one place: the free queue, one node of the tree, or "out" (taken by `allocate`, until
+    `insert` or `free`). The other invariants are `check`'s."""
 
     def __init__(self, num_slots: int):
         int_arg("num_slots", num_slots, low=1)
@@ -358,19 +350,16 @@ def _extra(extra) -> tuple:
 
 
 class RadixBlockManager(BlockManager):
-    """The serving engine's radix prefix cache (`ServingEngine(..., prefix_caching="radix")`): a
-    BlockManager whose free pages and cached prefixes a RadixCache (`tree`) keeps, each slot of the
-    tree a page. With pages of P > 1 each token of the tree is a whole page's ids (as in SGLang):
-    splits fall on page boundaries, and a sequence's partly filled last page is never cached.
+    """The serving engine's radix prefix cache (`ServingEngine(..., prefix_caching="radix")`): a BlockManager whose
+    free pages and cached prefixes a RadixCache (`tree`) keeps, each slot of the tree a page. With pages of P > 1
+    each token of the tree is a whole page's ids (as in SGLang): splits fall on page boundaries, and a partly
+    filled last page is never cached.
 
-    Every page is in one place: free (the tree's free queue), cached (in a node of the tree) or out
-    (allocated to a sequence and not cached yet). A sequence starts with `match`, grows with
-    `reserve` and puts its full pages in the tree with `cache`; where the tree already held them
-    (two requests computed one prefix at once), the sequence's pages are swapped for the tree's, so
-    no prefix is held twice. Pages shared through the tree need no copy on write: a tree page is
-    always full and never written again. Not here: chapter 6's page names (`register`,
-    `reserve_prefix`, `adopt`) and `drop_pages`.
-    """
+    Every page is free (the tree's free queue), cached (in a node) or out (allocated, not cached yet). A sequence
+    starts with `match`, grows with `reserve` and puts its full pages in the tree with `cache`; where the tree
+    already held them, the sequence's pages are swapped for the tree's, so no prefix is held twice. Tree pages are
+    full and never written again, so sharing them needs no copy on write. Not here: chapter 6's page names
+    (`register`, `reserve_prefix`, `adopt`) and `drop_pages`."""
 
     def __init__(self, num_pages: int, page_size: int = 1):
         super().__init__(num_pages, page_size)

@@ -1,8 +1,7 @@
 """StaticCache: one buffer per layer, allocated once for max_tokens, written in place (as in gpt-fast).
 
-Nothing is allocated while decoding, and the tensors never change shape; the price is memory reserved
-for the longest sequence from the start. `reset` only sets the length to zero: stale values stay in the
-buffer, and nothing ever reads past `length`.
+Nothing is allocated while decoding and the tensors never change shape; the price is memory reserved for the
+longest sequence from the start. `reset` only sets the length to zero: nothing ever reads past `length`.
 """
 
 import torch

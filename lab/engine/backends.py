@@ -1,8 +1,8 @@
 """Backends: the engine's only contract is "ids in, scores out".
 
-`next_logits(ids)` takes the whole sequence so far (a list of token ids) and returns the scores for the
-next token, `[vocab]`. How a backend gets there (recomputing everything, or reusing a cache) is its own
-business; the engine cannot tell, and the tests check that it cannot.
+`next_logits(ids)` takes the whole sequence so far (a list of token ids) and returns the next token's scores,
+`[vocab]`. How a backend gets there (recomputing, or reusing a cache) is its own business: the engine cannot tell,
+as the tests check.
 """
 
 import torch
@@ -42,13 +42,11 @@ class CachedBackend:
     """Keeps a KV cache between calls, serving from it only when it provably holds the right state (chapter 4).
 
     Each call compares the key the request needs (the state identity and the exact ids `ids[:-k]`, k >= 1) with the
-    key of the state the cache holds: equal, only the k new tokens run (a hit); different in any way (another
-    model, tokenizer, dtype or salt; identical ids; a diverging prefix), the cache is discarded and all is
-    recomputed (a miss). With `longest_prefix=True`, a state of the same identity sharing a prefix with the request
-    is cropped to it (a hit after a crop); a cache that cannot go back that far (an EvictingCache) is a miss. The
-    scores are the same either way. An identical copy of the model swapped in is a miss, never an error
-    (`tensor_versions`). Counters: calls, hits, misses, crops, positions (pushed through the model).
-    """
+    key of the state the cache holds: equal, only the k new tokens run (a hit); different in any way, the cache is
+    discarded and all is recomputed (a miss). With `longest_prefix=True`, a state of the same identity sharing a
+    prefix with the request is cropped to it (a crop); a cache that cannot go back that far (an EvictingCache) is a
+    miss. The scores are the same either way; an identical copy of the model swapped in is a miss, never an error.
+    Counters: calls, hits, misses, crops, positions (pushed through the model)."""
 
     def __init__(self, model, cache_factory, longest_prefix=False, salt=None):
         model_identity(model)  # refuse at once a model whose identity cannot be computed

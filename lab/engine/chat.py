@@ -1,7 +1,6 @@
 """ChatSession: a conversation held on one backend, the chat template applied to every turn. A template may render
-earlier turns differently once a later one exists, so what a cache can reuse of a turn's prompt is its longest
-common prefix with the sequence the backend saw last (chapter 6): each turn records both, and how much the backend
-actually reused.
+earlier turns differently once a later one exists, so a cache can reuse of a turn's prompt its longest common
+prefix with the sequence the backend saw last (chapter 6): each turn records both, and how much was reused.
 """
 
 import torch

@@ -1,7 +1,6 @@
-"""Prefill apart from decode (chapter 11, section 6 explains it): a `PrefillEngine` hands each request over at its
-first token as a `PageSet` (its pages as bytes, with all a receiver checks), and a `DecodeEngine` takes it
-(`add_prefilled`) and decodes it as any request; lab/serve/disagg.py runs the two in two processes. Models with
-local layers (two groups of pages) are not handed off here.
+"""Prefill apart from decode (chapter 11, section 6): a `PrefillEngine` hands each request over at its first token
+as a `PageSet` (its pages as bytes, with all a receiver checks); a `DecodeEngine` takes it (`add_prefilled`) and
+decodes it as any request. lab/serve/disagg.py runs the two in two processes. Local layers are not handed off.
 """
 
 import dataclasses
@@ -229,10 +228,10 @@ class DecodeEngine(ServingEngine):
     # endregion
 
     def add_prefilled(self, ps: PageSet, max_new_tokens: int, eos_id: int | None = None) -> int:
-        """Take a request prefilled elsewhere: check `ps` (HandoffError), reserve its pages (OutOfPagesError
-        when they, and a free page for every running request, are not free now), write its bytes, name its full
-        pages, and put it into `running` with its first token in its output. Returns its id. A refusal of any
-        kind leaves the engine as it was. Full pages this pool has cached already are taken, not written."""
+        """Take a request prefilled elsewhere: check `ps` (HandoffError), reserve its pages (OutOfPagesError unless
+        they and a free page per running request are free now), write its bytes (full pages this pool has cached
+        already are taken instead), name its full pages, and put it into `running` with its first token. Returns
+        its id. A refusal of any kind leaves the engine as it was."""
         self.check(ps)
         req, = self._check(ps.prompt, max_new_tokens, eos_id)       # as add_request: positions, pages, eos
         P, now = self.page_size, self.stats["steps"]

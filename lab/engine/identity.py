@@ -54,10 +54,9 @@ def check_salt(salt):
 
 
 def token_ids(ids, vocab_size: int | None = None) -> torch.Tensor:
-    """One sequence of token ids, validated (a list of ints, `[T]` or `[1, T]` ints) -> int64 `[T]`. Refuses
-    floats and bools (1.7 is not token 1), a batch of several sequences, negative ids, ids past int64, ids outside
-    the vocabulary (given `vocab_size`), containers that are not a sequence (a set or a dict: their order is not
-    the caller's) and text (a string, bytes)."""
+    """One sequence of token ids, validated (a list of ints, `[T]` or `[1, T]` ints) -> int64 `[T]`. Refuses floats
+    and bools (1.7 is not token 1), a batch of several sequences, negative ids, ids past int64, ids outside the
+    vocabulary (given `vocab_size`), unordered containers (a set, a dict) and text (a string, bytes)."""
     if isinstance(ids, (Set, Mapping)):
         raise InputError(f"ids must be one sequence of token ids (a list, tuple or tensor), got a "
                          f"{type(ids).__name__}, whose order is not the caller's")

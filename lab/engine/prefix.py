@@ -18,10 +18,9 @@ from .tiers import Tiers
 class PrefixCachingBackend:
     """Ids in, scores out, like CachedBackend; the state lives in named pages shared by every request. Pages are
     named under the state identity: an identical copy of the model swapped in is served from them, changed weights
-    name other pages. stats, running totals: calls, cached_tokens (positions taken from cached pages, restored
-    ones included), computed_tokens (run through the model), evicted_pages (cached pages reused for other
-    positions), host_hits and disk_hits (pages restored from the tiers of chapter 11, given host_pages or a
-    disk_dir)."""
+    name other pages. stats, running totals: calls, cached_tokens (positions taken from cached pages, restored ones
+    included), computed_tokens (run through the model), evicted_pages (cached pages reused for other positions),
+    host_hits and disk_hits (pages restored from the tiers of chapter 11, given host_pages or a disk_dir)."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, salt=None, host_pages: int = 0, disk_dir=None):
         model_identity(model)  # refuse at once a model whose identity cannot be computed

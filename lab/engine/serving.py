@@ -2,7 +2,7 @@
 
 With a `draft` (chapter 9), a decode's guesses take lookahead pages from the free pages only (speculation never
 preempts) and are cropped back to the accepted tokens before a page is named. A radix tree (chapter 11) and local
-layers (chapter 10) ride the same pool, step and kernel. Time is counted in steps: every run is deterministic.
+layers (chapter 10) share the pool, step and kernel. Time is counted in steps: runs are deterministic.
 """
 
 import copy
@@ -68,17 +68,15 @@ class Request:
 class ServingEngine:
     """Greedy decoding of many requests at once over one pool of `num_pages` pages of `page_size`.
 
-    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache: to the token with
-    page_size=1), or False. schedule: "fcfs" or, with prefix caching, "lpm" (the longest cached prefix first,
-    SGLang's cache-aware policy). local_pages: the local layers' pages (chapter 10; num_pages by default), which
-    must hold one sequence's step of one token; a chunk shrinks to what they hold.
+    prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache: to the token with page_size=1),
+    or False. schedule: "fcfs" or, with prefix caching, "lpm" (longest cached prefix first, SGLang's policy).
+    local_pages: the local layers' pages (chapter 10; default num_pages), at least a one-token step's; a chunk
+    shrinks to fit.
 
-    `stats`: totals of steps, preemptions, cached_tokens (taken from named pages), computed_tokens (run through
-    the model, recomputation included), evicted_pages; held_pages and peak_held_pages (held by running requests
-    after the step, and the most, per group: {"full": n, "local": m}); per step, batch_sizes (sequences),
-    batch_tokens, step_times; with a draft, proposed and accepted (draft tokens), lookahead_pages and
-    rollback_pages (reserved for guesses, and freed after verification).
-    """
+    `stats`: totals of steps, preemptions, cached_tokens (from named pages), computed_tokens (run through the
+    model, recomputation included), evicted_pages; held_pages and peak_held_pages per group ({"full": n, "local":
+    m}); per step, batch_sizes, batch_tokens, step_times; with a draft, proposed and accepted (draft tokens),
+    lookahead_pages and rollback_pages (reserved for guesses, freed after checking)."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool | str = True, draft=None, k: int = 4, local_pages: int | None = None,
@@ -133,9 +131,9 @@ class ServingEngine:
                     temperature: float = 0.0, seed: int | None = None) -> int:
         """Queue one request (ids: a list, `[T]` or `[1, T]`); returns its id. A bad request raises and leaves the
         engine as it was. n > 1 asks for n answers (parallel sampling, chapter 12): requests rid .. rid + n - 1,
-        forked from the first at its first token. temperature > 0 samples from softmax(logits / temperature)
-        (below GREEDY_BELOW, greedily), each answer with its own generator, seeded seed + i given a seed.
-        Cancelling the first before its first token cancels the n."""
+        forked from the first at its first token. temperature > 0 samples from softmax(logits / temperature) (below
+        GREEDY_BELOW, greedily), each answer with its own generator, seeded seed + i given a seed. Cancelling the
+        first before its first token cancels the n."""
         return self._add(self._check(ids, max_new_tokens, eos_id, n, temperature, seed))
 
     def cancel(self, rid: int) -> bool:
@@ -212,8 +210,7 @@ class ServingEngine:
         return [Request(-1, prompt, max_new_tokens, eos_id, temperature=temperature, generator=g) for g in generators]
 
     def _add(self, reqs: list) -> int:
-        """Give the n requests of a prompt (`_check`'s) their ids and queue the first; the others wait for its
-        fork. Returns the first's id."""
+        """Give a prompt's n requests (`_check`'s) ids and queue the first (returned); the others wait to fork."""
         for req in reqs:
             req.id = next(self._ids)
             req.events = dict(arrived=self.stats["steps"], admitted=[], chunks=[], first_token=None, preempted=[],
@@ -230,10 +227,9 @@ class ServingEngine:
     @torch.inference_mode()
     def step(self) -> dict[int, list]:
         """One scheduler iteration: schedule, one forward, sample. Returns {request id: [its new tokens]}: one
-        token per request, or with a draft the accepted guesses and one more. A step that raises (a draft's bad
-        guess, a failed forward) taints every request then in flight: later steps raise EngineStateError until
-        each is cancelled or finished. Their tokens so far are right, and cached pages hold only finished steps'
-        keys and values, so requests added afterwards run as in a fresh engine."""
+        token per request, or with a draft the accepted guesses and one more. A step that raises taints every
+        request then in flight: later steps raise EngineStateError until each is cancelled or finished. Cached
+        pages hold only finished steps' keys and values, so requests added afterwards run as in a fresh engine."""
         if owner(self.model.weights, self.model.config) != self.owner:
             raise CacheMismatchError("the model's weights changed since this engine's pages were computed: "
                                      "its keys and values are not this model's; use a new engine")
@@ -469,11 +465,10 @@ def drive(engine, prompts, max_new_tokens, arrivals=None, eos_id=None, *, in_sec
           max_steps=None, until=None, n=1, temperature=0.0, seed=None) -> list[int]:
     """Serve `prompts` (id lists) through `engine` until they finish; returns the requests' ids, in prompt order.
     `max_new_tokens`: an int, or one per prompt. Prompt i is added before the first step at which arrivals[i] is
-    due: a step number counted from this call (0, the default: at once), or with in_seconds=True, seconds after
-    the call began. Every prompt is checked before any is added. After each step, on_step(engine, step()'s {id:
-    tokens}). RuntimeError after max_steps steps. until(engine): stop after the first step at which it is true,
-    the requests still in flight. n, temperature, seed: as add_request's (seed + n * i for prompt i); the answers
-    of prompt i are the requests rids[i] .. rids[i] + n - 1."""
+    due: a step number counted from this call (default 0), or with in_seconds=True, seconds after the call began.
+    After each step, on_step(engine, step()'s {id: tokens}). RuntimeError after max_steps steps. until(engine):
+    stop after the first step at which it is true. n, temperature, seed: as add_request's (seed + n * i for prompt
+    i); the answers of prompt i are the requests rids[i] .. rids[i] + n - 1."""
     count = len(prompts)
     news, arrivals = per_prompt(count, max_new_tokens, arrivals, in_seconds)
     checked = [engine._check(p, m, eos_id, n, temperature, None if seed is None else seed + n * i)

@@ -1,9 +1,9 @@
 """Speculative decoding (chapter 9 explains it): a draft guesses k tokens, the target checks them all in one
 forward through its cache, and the cache takes back what was rejected.
 
-Drafts (`bind(model, prompt)` once, then `propose(context, k) -> ids`) come from the context itself
-(`PromptLookup`) or from the target's own weights, over a smaller cache (`SelfDraft`) or through its first layers
-(`EarlyExit`); a draft that runs a model rolls its own cache back too.
+Drafts (`bind(model, prompt)` once, then `propose(context, k) -> ids`) come from the context (`PromptLookup`) or
+the target's own weights, over a smaller cache (`SelfDraft`) or through its first layers (`EarlyExit`); a draft
+that runs a model rolls its own cache back too.
 """
 
 import dataclasses
@@ -175,12 +175,9 @@ def accept_greedy(logits, guess: list) -> list:
 
 
 def accept_sampled(p, q, guess, generator=None) -> list:
-    """The rejection rule of speculative sampling (Leviathan et al. 2023): the tokens one verify step emits,
-    distributed exactly as sampling from the target one token at a time. p `[k + 1, V]`: the target's
-    probabilities after the context and after each guess; q `[k, V]`: the draft's, from which `guess` (k ids) was
-    drawn (one-hot for a draft that does not sample). Guess i is kept with probability min(1, p_i(x) / q_i(x)); the
-    first one rejected is replaced by a draw from max(0, p_i - q_i) renormalised; if all are kept, a bonus token is
-    drawn from p_k."""
+    """Speculative sampling's rejection rule (Leviathan et al. 2023, chapter 9): one verify step's tokens, as if
+    sampled from the target. p `[k + 1, V]`: the target's probabilities after the context and after each guess;
+    q `[k, V]`: the draft's, from which `guess` (k ids) was drawn (one-hot for a greedy draft)."""
     out = []
     for i, x in enumerate(guess):
         if torch.rand((), generator=generator) * q[i, x] < p[i, x]:       # u < p/q, without dividing by 0

@@ -1,7 +1,7 @@
-"""Tiers below the pool (chapter 11, section 1 explains them): pages evicted from a prefix cache's pool go to host
-memory, then to disk, and come back by name instead of being computed. A page file that does not load or match is
-refused, deleted and recomputed; each writer writes under a temporary name of its own, so processes that share a
-folder never replace each other's half-written file.
+"""Tiers below the pool (chapter 11, section 1): pages evicted from a prefix cache's pool go to host memory, then
+to disk, and come back by name instead of being computed. A page file that does not load or match is refused,
+deleted and recomputed; each writer writes under a temporary name of its own, so processes sharing a folder never
+replace each other's half-written file.
 """
 
 import contextlib

@@ -8,11 +8,10 @@
     out = paged_attention_int8(q, k_codes, v_codes, k_scale, v_scale, block_tables, lengths)  # INT8 pages
     out = paged_attention_int8_reference(...)                         # dequantize, then the reference
 
-q [batch, q_heads, head_dim]; k_pool, v_pool [num_pages, page_size, kv_heads, head_dim]; block_tables
-int32 [batch, max_pages]; lengths int32 [batch]; out [batch, q_heads, head_dim] in q's dtype. With
-`check_values=True` (the default) every version also reads the lengths and page ids back to the host
-to check their range; a PagedCache passes False, so that a decode step never waits for the device.
-Branches of one prompt share its pages: `cascade_attention` reads them once for all (cascade.py).
+q [batch, q_heads, head_dim]; k_pool, v_pool [num_pages, page_size, kv_heads, head_dim]; block_tables int32 [batch,
+max_pages]; lengths int32 [batch]; out [batch, q_heads, head_dim] in q's dtype. With `check_values=True` (the
+default) every version reads the lengths and page ids back to check their range; a PagedCache passes False, so a
+decode step never waits for the device. `cascade_attention` reads a prompt's pages once for all its branches.
 """
 
 from . import triton_paged
@@ -41,9 +40,8 @@ def decode_attention(q, k_pool, v_pool, block_tables, lengths, scale=None, check
 
 def cascade_attention(q, k_pool, v_pool, shared_table, shared_length: int, block_tables, lengths, scale=None,
                       check_values=True, max_length=None):
-    """Decode attention for B branches of one prompt, the shared pages read once (arguments in
-    cascade.py), by the kernel `decode_attention` would choose: Triton, C++ or the reference.
-    Returns [B, H_q, D] in q's dtype."""
+    """Decode attention for B branches of one prompt, the shared pages read once (arguments in cascade.py), by the
+    kernel `decode_attention` would choose: Triton, C++ or the reference. Returns [B, H_q, D] in q's dtype."""
     args = (q, k_pool, v_pool, shared_table, shared_length, block_tables, lengths, scale, check_values)
     if q.is_cuda and triton_paged.triton is not None and not triton_paged.INTERPRETED:
         return cascade_attention_triton(*args)

@@ -1,18 +1,14 @@
 """Decode attention for branches of one prompt (cascade attention): the shared pages read once for all.
 
-Parallel sampling and beam search decode B branches whose block tables start with the same pages,
-the prompt's, which a paged kernel reads once per branch. Attention over two disjoint sets of
-positions merges exactly from each set's output and the log-sum-exp of its scores,
-lse = log sum_t exp(q . k_t * scale) (`merge_attention`). So the shared part is attended once, every
-branch's query against its keys while they are in cache, each branch's own part as usual, and the
-two merged: FlashInfer's cascade attention, Hydragen's prefix-shared attention. The reference, the
-Triton kernel (triton_paged.py) and C++ (cpu.py) take the same arguments:
+Parallel sampling and beam search decode B branches whose block tables start with the prompt's pages. Attention
+over two disjoint sets of positions merges exactly from each set's output and log-sum-exp (`merge_attention`), so
+the shared part is attended once for every branch's query and merged with each branch's own part (FlashInfer's
+cascade attention, Hydragen). The reference, Triton (triton_paged.py) and C++ (cpu.py) versions take:
 
-q [B, H_q, D], one query per branch; pools [num_pages, page_size, H_kv, D]; shared_table int32 [S]
-the prompt's pages, holding positions 0 .. shared_length - 1 (the last page may be partial);
-block_tables int32 [B, max_pages] and lengths int32 [B] (each >= 1) each branch's own pages, holding
-its positions shared_length .. shared_length + lengths[b] - 1. The result is paged attention over
-shared_table + block_tables[b] when shared_length fills its pages (tests/test_cascade.py).
+q [B, H_q, D], one query per branch; pools [num_pages, page_size, H_kv, D]; shared_table int32 [S] the prompt's
+pages, positions 0 .. shared_length - 1 (the last page may be partial); block_tables int32 [B, max_pages] and
+lengths int32 [B] (each >= 1) each branch's own pages, positions shared_length .. shared_length + lengths[b] - 1.
+The result is paged attention over shared_table + block_tables[b] when shared_length fills its pages.
 """
 
 import math

@@ -1,19 +1,15 @@
 """Paged decode attention on the CPU that reads every page where it lies: a small C++ kernel.
 
-`paged_attention_gather` (reference.py) copies each sequence's pages end to end and attends over the
-copy, writing every byte of keys and values once more. This kernel makes one pass over the pages,
-keeping per query head an online softmax: the running maximum score m, the running sum l of
-exp(score - m) and the running weighted sum acc of the values, rescaled whenever m grows. A page
-holds its positions one after another, each all its kv heads: one contiguous block, read one kv head
-at a time, as float32, for the query heads that share it, while it is in the core's nearest cache.
-For a head size of 64 or 128 the compiler knows it, and a head's acc stays in registers.
+`paged_attention_gather` (reference.py) copies each sequence's pages end to end and attends over the copy. This
+kernel makes one pass over the pages with an online softmax per query head (running maximum m, running sum l of
+exp(score - m), running weighted sum acc of the values, rescaled whenever m grows). A page's positions are one
+contiguous block, read one kv head at a time, as float32, for the query heads that share it. For a head size of 64
+or 128 the compiler knows it, and a head's acc stays in registers.
 
-Tasks of one sequence and a run of up to CHUNK positions (whole pages) run on PyTorch's intra-op
-threads (`at::parallel_for`: `torch.set_num_threads` applies), so a long sequence alone keeps every
-thread busy; a second loop merges a sequence's tasks by log-sum-exp, as FlashDecoding does on a GPU.
-`cascade_attention_cpu` (cascade.py) runs the same task over the prompt's shared pages with one
-query per branch, so that a kv head's rows are read once for all branches. `_library` compiles the
-source at the first call (a few seconds, not the half minute of a full PyTorch extension).
+Tasks of one sequence and a run of up to CHUNK positions (whole pages) run on PyTorch's intra-op threads
+(`at::parallel_for`: `torch.set_num_threads` applies), and a second loop merges a sequence's tasks by log-sum-exp,
+as FlashDecoding does. `cascade_attention_cpu` (cascade.py) runs the same task over the prompt's shared pages with
+one query per branch. `_library` compiles the source at the first call (a few seconds).
 """
 
 import ctypes
@@ -314,9 +310,8 @@ def _run(cmd):
 
 @functools.cache
 def _library():
-    """Compile SOURCE with $CXX (default c++) against PyTorch's headers for its thread pool and
-    16-bit floats only, cache it under $LAB_KERNEL_CACHE (default ~/.cache/lab/kernels), and load
-    it. Raises KernelBuildError."""
+    """Compile SOURCE with $CXX (default c++) against PyTorch's headers for its thread pool and 16-bit floats only,
+    cache it under $LAB_KERNEL_CACHE (default ~/.cache/lab/kernels), and load it. Raises KernelBuildError."""
     torch_dir = Path(torch.__file__).parent
     flags = FLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
     key = hashlib.sha256("\n".join([SOURCE, *flags, torch.__version__, _cpu_name()]).encode()).hexdigest()[:16]
@@ -360,11 +355,10 @@ def cpu_kernel_available() -> bool:
 
 def paged_attention_cpu(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
                         max_length=None, window: int = 0, sinks: int = 0):
-    """Decode attention over pages read in place, in C++ (see the module docstring): q [B, H_q, D]
-    (any strides) and pools [num_pages, page_size, H_kv, D] float32, bfloat16 or float16 on the CPU,
-    block_tables int32 [B, max_pages], lengths int32 [B] -> [B, H_q, D] in q's dtype (float32
-    inside). max_length: the longest of lengths, if known on the host; window, sinks: a local
-    layer's rule (chapter 10), pages wholly outside it never read."""
+    """Decode attention over pages read in place, in C++ (see the module docstring): q [B, H_q, D] (any strides)
+    and pools [num_pages, page_size, H_kv, D] float32, bfloat16 or float16 on the CPU, block_tables int32 [B,
+    max_pages], lengths int32 [B] -> [B, H_q, D] in q's dtype (float32 inside). max_length: the longest of lengths,
+    if known on the host; window, sinks: a local layer's rule (chapter 10), pages wholly outside it never read."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     q, k_pool, v_pool, block_tables, lengths = _cpu_inputs(
         "paged_attention_cpu", "decode_attention", q, k_pool, v_pool, block_tables, lengths)

@@ -1,17 +1,16 @@
 """A decoder layer's small operations fused, on the CPU: one call each where the reference makes several.
 
-In a decode step every matrix has a few dozen rows, so each PyTorch operation costs more in dispatch
-(microseconds: checks, an allocation, waking the threads) than in arithmetic; the reference layer
-(`llama.block`) makes about forty per layer besides its products (RMSNorm eight, RoPE five a
-tensor). These do the same in one C++ call each (cpu.py), as vLLM's CPU backend does:
+In a decode step every matrix has a few dozen rows, so each PyTorch operation costs more in dispatch than in
+arithmetic; the reference layer (`llama.block`) makes about forty per layer besides its products. These do the same
+in one C++ call each (cpu.py), as vLLM's CPU backend does:
 
     total, h = add_rms_norm(x, weight, eps, add)   # total = x + add; h = RMSNorm(total) * weight
     rope_(x, cos, sin, heads)                      # RoPE in place on x [B, T, heads * D]
     h = silu_mul(gate, up)                         # SiLU(gate) * up
     store_rows(pool, slots, x)                     # pool[slots] = x: a step's keys into their pages
 
-Each rounds to the tensors' dtype where the reference rounds, so a bfloat16 result stays within a
-rounding step of the reference's (tests/test_fused.py).
+Each rounds to the tensors' dtype where the reference rounds, so a bfloat16 result stays within a rounding step of
+the reference's.
 """
 
 import torch

@@ -1,9 +1,9 @@
 """Paged decode attention in plain PyTorch: the readable reference, and the gather-then-SDPA version.
 
-One decode step: every sequence in the batch has one new query per head, and its keys and values
-live in pages of a shared pool. The sequence's block table lists its pages in order, so position t
-sits in page `block_table[t // page_size]` at offset `t % page_size`. The reference is the oracle
-the kernels are tested against; the gather's copy is what `paged_attention_cpu` (cpu.py) avoids."""
+One new query per head and sequence; position t of a sequence sits in page `block_table[t // page_size]` at offset
+`t % page_size` of a shared pool. The reference is the oracle the kernels are tested against; the gather's copy is
+what `paged_attention_cpu` (cpu.py) avoids.
+"""
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,9 @@ def read(positions, length, window: int, sinks: int):
 
 def paged_attention_gather(q, k_pool, v_pool, block_tables, lengths, scale=None, check_values=True,
                            window: int = 0, sinks: int = 0):
-    """The same attention as `paged_attention_reference` for the whole batch at once, [B, H_q, D]:
-    the tables cut to the longest sequence's pages, one `index_select` per pool copies those pages
-    (whole pages, each a contiguous block), and one SDPA call attends, positions past a length
-    masked."""
+    """The same attention as `paged_attention_reference` for the whole batch at once, [B, H_q, D]: the tables cut
+    to the longest sequence's pages, one `index_select` per pool copies those pages (whole pages, each a contiguous
+    block), and one SDPA call attends, positions past a length masked."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, lengths, check_values, window, sinks)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_pool.shape

@@ -1,13 +1,10 @@
 """Paged decode attention as a Triton kernel: one query per sequence, keys and values read page by page.
 
-The kernel never gathers the pages into a contiguous copy, as the PyTorch reference does. It walks the
-sequence's block table, loads one page of keys and values at a time straight from the pool, and keeps
-an online softmax (a running maximum and sum, as in FlashAttention) so that only one page is in flight.
-
-`paged_attention` always launches it: compiled on a GPU, or for CPU tensors run with NumPy by
-Triton's interpreter (slow, but the CPU tests check the very kernel a GPU runs). Triton reads
-TRITON_INTERPRET when `@triton.jit` decorates the kernel, as this module is imported: set it before
-(the tests and chapter 5's notebook do); importing `lab` never changes the environment.
+The kernel walks the block table, loads one page of keys and values at a time from the pool and keeps an online
+softmax (as in FlashAttention): nothing is gathered. `paged_attention` always launches it, compiled on a GPU or,
+for CPU tensors, run by Triton's interpreter (slow, but the CPU tests check the very kernel a GPU runs). Triton
+reads TRITON_INTERPRET when `@triton.jit` decorates the kernel, at import: set it before (the tests and chapter 5's
+notebook do); importing `lab` never changes the environment.
 """
 
 import math

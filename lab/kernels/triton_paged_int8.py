@@ -1,14 +1,12 @@
 """Paged decode attention over INT8 pages: `triton_paged.py`'s kernel with INT8 set, the scales folded in.
 
-Each key and value vector (one token, one KV head) is stored as int8 codes and one float scale, x ~ scale
-* code (symmetric absmax, `quantize_pages`). The kernel never dequantizes a page. A per-token scale is
-constant along the head dimension, so it leaves the dot product:
+Each key and value vector (one token, one KV head) is int8 codes and one float scale, x ~ scale * code (symmetric
+absmax, `quantize_pages`). A per-token scale leaves the dot product, so the kernel never dequantizes a page:
 
-    q . (s_t * c_t) = s_t * (q . c_t)        keys: one multiply per score, after the dot product
-    sum_t p_t * (s_t * c_t) = sum_t (p_t * s_t) * c_t    values: fold the scale into the probability
+    q . (s_t * c_t) = s_t * (q . c_t)                    keys: one multiply per score
+    sum_t p_t * (s_t * c_t) = sum_t (p_t * s_t) * c_t    values: the scale folded into the probability
 
-Everything else is as for float pages. Only the loads and those two multiplies differ; the bytes
-read per position drop from 2 * D * 2 (float16 K and V) to 2 * (D + 4) (codes and float32 scales).
+The bytes read per position drop from 2 * D * 2 (float16 K and V) to 2 * (D + 4) (codes and float32 scales).
 """
 
 import torch
@@ -48,10 +46,9 @@ def paged_attention_int8(q, k_pool, v_pool, k_scale, v_scale, block_tables, leng
                          check_values=True):
     """Decode attention over INT8 pages with the Triton kernel. Returns float32 [B, H_q, D].
 
-    q [B, H_q, D] float; k_pool, v_pool int8 [num_pages, page_size, H_kv, D]; k_scale, v_scale float
-    [num_pages, page_size, H_kv] (x ~ scale * code); block_tables int32 [B, max_pages]; lengths
-    int32 [B]; scale defaults to 1/sqrt(D). Launches the kernel as `paged_attention` does; the
-    oracle is `paged_attention_int8_reference`."""
+    q [B, H_q, D] float; k_pool, v_pool int8 [num_pages, page_size, H_kv, D]; k_scale, v_scale float [num_pages,
+    page_size, H_kv] (x ~ scale * code); block_tables int32 [B, max_pages]; lengths int32 [B]; scale defaults to
+    1/sqrt(D). Launches the kernel as `paged_attention` does; the oracle is `paged_attention_int8_reference`."""
     check_int8_pages(q, k_pool, v_pool, k_scale, v_scale, block_tables, lengths, check_values)
     require_triton("paged_attention_int8", q.device)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # [B, H_q, D]

@@ -88,8 +88,7 @@ def tensor_versions(weights: dict) -> tuple:
 
 
 def weights_state(weights: dict) -> tuple:
-    """Which tensors, in which state: `tensor_versions`, and the `fingerprint` that sees writes the
-    counters do not."""
+    """Which tensors, in which state: `tensor_versions`, and the `fingerprint` that sees writes they do not."""
     return tensor_versions(weights), fingerprint(weights)
 
 

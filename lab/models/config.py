@@ -64,11 +64,10 @@ class ModelConfig:
 
     @property
     def kv_layout(self) -> tuple:
-        """What a cache holds per position: (layers, heads, dim) of the key tensor, the value tensor
-        alike. As trained: (n_layers, n_kv_heads, head_dim); share_kv(every): one cache layer per
-        `every` layers; latent_kv(rank): the keys' latent (rank / 2 values) in the key slot and the
-        values' in the value slot, as one head, so every cache holds a latent model's cache as it
-        holds any other."""
+        """What a cache holds per position: (layers, heads, dim) of the key tensor, the value tensor alike. As
+        trained: (n_layers, n_kv_heads, head_dim); share_kv(every): one cache layer per `every` layers;
+        latent_kv(rank): the keys' latent (rank / 2 values) in the key slot and the values' in the value slot, as
+        one head, so every cache holds a latent model's cache as it holds any other."""
         layers = -(-self.n_layers // self.kv_share)
         return (layers, 1, self.kv_rank // 2) if self.kv_rank else (layers, self.n_kv_heads, self.head_dim)
 

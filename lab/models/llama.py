@@ -1,9 +1,8 @@
 """The Llama family (SmolLM2, Llama, Qwen2/3) as a function of (ids, weights, config).
 
-Differences from GPT-2: RMSNorm instead of LayerNorm, rotary position embeddings (RoPE) applied to
-queries and keys instead of a learned position table, grouped-query attention (fewer key/value heads
-than query heads), and a gated SiLU MLP. Weights keep their Hugging Face names; nn.Linear stores
-`[out, in]`, so projections are `F.linear(x, W)`.
+Differences from GPT-2: RMSNorm instead of LayerNorm, rotary position embeddings (RoPE) applied to queries and keys
+instead of a learned position table, grouped-query attention (fewer key/value heads than query heads), and a gated
+SiLU MLP. Weights keep their Hugging Face names; nn.Linear stores `[out, in]`, so projections are `F.linear(x, W)`.
 """
 
 import torch

@@ -53,10 +53,9 @@ class Model:
 
     @property
     def manifest(self) -> str:
-        """sha256 of the weight files and the config; of the tensors and the config for random
-        models, and once a weight was changed in place (an optimizer step, `w.mul_(3)`) or replaced.
-        Every call compares the weights' state (`weights_state`, under a millisecond for SmolLM2:
-        chapter 4) and hashes the tensors again only when that changed."""
+        """sha256 of the weight files and the config; of the tensors and the config for random models, and once a
+        weight was changed in place (an optimizer step, `w.mul_(3)`) or replaced. Every call compares the weights'
+        state (`weights_state`, under a millisecond for SmolLM2: chapter 4) and rehashes only when that changed."""
         state = weights_state(self.weights)
         if self.files and state == self._loaded:
             if self._manifest is None:

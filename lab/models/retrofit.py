@@ -1,10 +1,9 @@
 """Retrofits: a new Model from an old one, which every cache, backend and the engine accept.
 
-Chapter 10 shapes the cache from inside the model, without training: fewer key/value heads
-(`pool_kv_heads`), a latent per token instead of keys and values (`latent_kv`), layers that see only
-a window (`local_layers`) and layers that read a lower layer's cache (`share_kv`), each by setting
-fields of the config that the caches apply. `block` is the layer every cached forward runs for a
-retrofitted model; `forward` is its uncached oracle, written apart.
+Chapter 10 shapes the cache from inside the model, without training: fewer key/value heads (`pool_kv_heads`), a
+latent per token instead of keys and values (`latent_kv`), layers that see only a window (`local_layers`) and
+layers that read a lower layer's cache (`share_kv`), each by setting config fields the caches apply. `block` is the
+layer every cached forward runs for a retrofitted model; `forward` is its uncached oracle.
 """
 
 import dataclasses
@@ -121,10 +120,9 @@ def sees(start, T, window=0, sinks=0, device=None):
 
 
 def forward(ids, w, config, last_only=False, held=None):
-    """The uncached oracle of a retrofitted model: logits `[B, T, V]` for ids `[B, T]`. Written apart from
-    `block`: a latent is turned back into keys and values (the reconstructing form), each sharing layer
-    reads the keys and values its source layer computed in this same call, a local layer masks its window.
-    `held`, a dict, receives each cache layer's keys (after RoPE) and values `[B, H_kv, T, D]`."""
+    """The uncached oracle of a retrofitted model: logits `[B, T, V]` for ids `[B, T]`, written apart from `block`
+    (latents turned back into keys and values, sharing layers read their source's keys, local layers mask their
+    window). `held`, a dict, receives each cache layer's keys (after RoPE) and values `[B, H_kv, T, D]`."""
     ids = check_ids(ids, config)
     T = ids.shape[1]
     x, (rope_cs,) = embed_at(ids, w, config, torch.arange(T, device=ids.device))
@@ -192,13 +190,11 @@ def pool_kv_heads(model, kv_heads: int) -> Model:
 
 
 def latent_kv(model, rank: int, calibration_ids) -> Model:
-    """A latent of `rank` values per position and layer instead of keys and values (MLA-style, without
-    training): rank / 2 for the keys, rank / 2 for the values. U_k holds the top principal directions of
-    each layer's keys after RoPE, U_v of its values, on `calibration_ids` (training text, a list of id
-    sequences); the cache holds c_k = U_k^T k and c_v = U_v^T v. Taken after RoPE, the basis turns the
-    queries, not the keys: q . k = (U_k^T q) . c_k at every position, so attention runs in latent space
-    (`block`); the price is that rotation spreads each channel over its pair, so keys need more directions
-    than before RoPE. rank = 2 x kv_heads x head_dim reproduces the model."""
+    """A latent of `rank` values per position and layer instead of keys and values (MLA-style, without training,
+    chapter 10): rank / 2 for keys, rank / 2 for values. U_k holds the top principal directions of each layer's
+    keys after RoPE, U_v of its values, on `calibration_ids` (a list of id sequences); the cache holds c_k = U_k^T
+    k and c_v = U_v^T v, and attention runs in latent space, q . k = (U_k^T q) . c_k (`block`). rank = 2 x kv_heads
+    x head_dim reproduces the model."""
     check_latent(model, rank)                                   # before the calibration's forwards
     return latent_from_moments(model, rank, calibration_moments(model, calibration_ids))
 
@@ -228,9 +224,8 @@ def check_latent(model, rank):
 
 @torch.inference_mode()
 def calibration_moments(model, calibration_ids, before_rope: bool = False) -> dict:
-    """{cache layer: (K^T K, V^T V)} over every position of `calibration_ids`, keys after RoPE (before it, with
-    `before_rope`: each key turned back by its position's angles), every KV head side by side `[H_kv D, H_kv D]`,
-    in float64."""
+    """{cache layer: (K^T K, V^T V)} in float64 over every position of `calibration_ids`, keys after RoPE (before
+    it with `before_rope`: each key turned back by its angles), every KV head side by side `[H_kv D, H_kv D]`."""
     if isinstance(calibration_ids, torch.Tensor):
         calibration_ids = calibration_ids.tolist() if calibration_ids.dim() == 2 else [calibration_ids.tolist()]
     seqs = list(calibration_ids) if isinstance(calibration_ids, (list, tuple)) else []
@@ -284,10 +279,9 @@ def share_kv(model, every: int = 2) -> Model:
 
 
 def with_outlier_channels(model, factor=OUTLIER_FACTOR, pairs=OUTLIER_PAIRS):
-    """The same function with keys that have outlier channels: in every layer and KV head, the key
-    projection's rows for channels i and i + D/2 (a pair RoPE rotates together) times `factor`, the
-    matching rows of every query head of the group divided by it. q . k is unchanged (exactly, for a power
-    of two), the keys' range is not: what a model whose keys have outlier channels gives a quantizer."""
+    """The same function with keys that have outlier channels: in every layer and KV head, the key projection's
+    rows for channels i and i + D/2 (a RoPE pair) times `factor`, the matching query rows divided by it. q . k is
+    unchanged (exactly, for a power of two); the keys' range is not."""
     cfg, weights = model.config, dict(model.weights)
     D = cfg.head_dim
     channels = torch.tensor([c for i in pairs for c in (i, i + D // 2)])

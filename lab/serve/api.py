@@ -1,6 +1,5 @@
-"""OpenAI's API as this server takes it: the request shapes, the error shape, reading and checking a body (413 for
-a body over the limit, 400 naming the field for one that is not JSON, nests too deeply, has an unknown field or a
-value out of range).
+"""OpenAI's API as this server takes it: the request and error shapes, reading and checking a body (413 over the
+limit, 400 naming the field for one not JSON, nested too deeply, with an unknown field or a value out of range).
 """
 
 import json

@@ -1,9 +1,9 @@
 """The HTTP app (FastAPI): OpenAI's /v1/completions, /v1/chat/completions, /v1/models, /health, and /fleet.
 
-A handler tokenizes on a worker thread (a long prompt never stalls the streams of others), sends the ids to the
-engine's loop and awaits its tokens. A client that goes away has its request cancelled, which frees its pages. When
-the engine fails, the requests in flight fail: a streamed one with an error event and [DONE], as vLLM does, another
-with a 500; once the engine's process ended, /health and every new request answer 503.
+A handler tokenizes on a worker thread (a long prompt never stalls other streams), sends the ids to the engine's
+loop and awaits its tokens. A client that goes away has its request cancelled, freeing its pages. When the engine
+fails, the requests in flight fail, a streamed one with an error event and [DONE] (as vLLM does), another with a
+500; once the engine's process ended, /health and new requests get 503.
 """
 
 import asyncio
@@ -202,8 +202,7 @@ async def disconnected(request: Request):
 
 
 class Reply:
-    """One request's answer as it grows: the tokens of each of its n choices, their text, and the OpenAI
-    objects that carry them."""
+    """One request's answer as it grows: its n choices' tokens, their text, the OpenAI objects carrying them."""
 
     def __init__(self, tokenizer, model: str, chat: bool, prompt_ids, with_ids: bool, n: int = 1):
         self.model, self.chat, self.prompt_ids, self.with_ids = model, chat, prompt_ids, with_ids

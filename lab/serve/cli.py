@@ -1,14 +1,13 @@
 """`python -m lab.serve`: the command line. The engine runs in a process of its own unless `--one-process`;
 `--workers N` runs N engines, a process each, behind one router (lab/serve/fleet.py).
 
-If an engine's process dies (killed, out of memory, a crash in native code), its requests in flight fail (a
-streamed one with an error event), /health and new requests get 503, the other workers' requests finish, and the
-server exits 1. It restarts nothing itself: a supervisor (systemd's Restart=on-failure, Kubernetes' restartPolicy
-and liveness probe on /health) already restarts a process that exits non-zero, with back-off, counting and logging
-the restarts where operators look; restarting in place, or serving on a worker short, would hide a crash loop.
+If an engine's process dies, its requests in flight fail (a streamed one with an error event), /health and new
+requests get 503, the other workers' requests finish, and the server exits 1. It restarts nothing itself: a
+supervisor (systemd's Restart=on-failure, Kubernetes' restartPolicy) restarts a process that exits non-zero, with
+back-off and logging; restarting in place would hide a crash loop.
 
-On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish, then stops the engine
-and exits 0.
+On SIGINT or SIGTERM the server refuses new requests (503), lets the admitted ones finish, stops the engine, exits
+0.
 """
 
 import argparse

@@ -91,8 +91,7 @@ class EngineClient:
         """One message from the engine's loop: ("admitted", key, rid, error), ("tokens", [(rid, token,
         finish_reason), ...], kv_events), ("beam", key, result, error), ("snapshot", dict), ("failed", why),
         ("stopped",), or ("exited", why) from a process that ended without a word. kv_events (("stored" or
-        "removed", digest), in order) are applied first, so a client that has its answer finds its pages
-        counted."""
+        "removed", digest), in order) are applied first, so a client with its answer finds its pages counted."""
         kind, *args = message
         if kind == "admitted":
             key, rid, error = args

@@ -1,18 +1,16 @@
 """Incremental detokenization: a reply's text, token by token, decoding only a short window each time.
 
-Decoding every token so far at every step costs O(n^2) over a reply of n tokens. vLLM's `detokenize_incrementally`
-keeps two offsets into the ids instead: `prefix_offset`, where a short window of context starts, and `read_offset`,
-where the ids not yet shown start; each step decodes the window with and without the new ids and shows what they
-added. A byte-level token may hold half of a multi-byte UTF-8 character, which decodes to "\ufffd" until the rest
-arrives: text ending in "\ufffd" is held back until the character is complete (or the reply ends).
+Decoding every token at every step costs O(n^2). As vLLM's `detokenize_incrementally`, two offsets into the ids,
+`prefix_offset` (a short window of context) and `read_offset` (the ids not yet shown), let a step decode the window
+with and without the new ids and show what they added. Text ending in "\ufffd" (half a multi-byte UTF-8 character)
+is held back until the character is complete or the reply ends.
 """
 
 
 class IncrementalDetokenizer:
     """One reply's text as its ids arrive: `add(ids)` returns the text they complete. Everything `add` and `flush`
     return, concatenated, equals `tokenizer.decode(all the ids)` for a tokenizer whose decoding of a sequence
-    starts with its decoding of any prefix not ending in "\ufffd" (byte-level BPE; the byte tokenizer, whose UTF-8
-    decoder replaces invalid bytes)."""
+    starts with its decoding of any prefix not ending in "\ufffd" (byte-level BPE; the byte tokenizer)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer

@@ -1,8 +1,7 @@
 """Disaggregated prefill and decode (chapter 11): the engine loop in two roles, in two processes. A `PrefillLoop`
 sends each prompt's PageSet over a one-way pipe to a `DecodeLoop`, which takes them in order as its pages free up.
-A pipe carries each PageSet as one message, in order, with backpressure, and needs no cleanup when a worker dies;
-shared memory would save two copies but needs a name per block and an unlink that a crash skips, and at these page
-sets' sizes (kilobytes to a few megabytes) the copies take far less time than the forward.
+A pipe keeps order, applies backpressure and needs no cleanup when a worker dies; shared memory would save two
+copies that cost far less than the forward, at the price of names and unlinks a crash skips.
 """
 
 import multiprocessing

@@ -202,12 +202,10 @@ class EngineThread:
 
 
 class EngineProcess:
-    """The loop in a process of its own, over the model `load(model, dtype)` returns (a name or a folder); the
-    server's side loads only the tokenizer and the config. `extra` (what page names chain from, None without prefix
-    caching) comes from the process once it is ready. The process ending unexpectedly is delivered as ("exited",
-    why) from the reader thread: its EngineClient fails every request in flight and refuses every later one.
-    `loop`: the EngineLoop class the process runs (its engine_class builds the engine); `kv`: one end of a pipe to
-    another worker (lab/serve/disagg.py)."""
+    """The loop in a process of its own, over the model `load(model, dtype)` returns; the server's side loads only
+    the tokenizer and the config. `extra` (what page names chain from) comes from the process once ready. The
+    process ending unexpectedly is delivered as ("exited", why): its EngineClient fails every request from then.
+    `loop`: the EngineLoop class to run; `kv`: one end of a pipe to another worker (serve/disagg.py)."""
 
     def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True, threads: int | None = None, dtype: str = "float32",

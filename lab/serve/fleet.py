@@ -1,10 +1,9 @@
 """Several engines behind one server (chapter 11, section 5): `python -m lab.serve --workers N`.
 
-`Fleet` has the face of one engine's EngineClient and sends each request to one of N workers (a ServingEngine in
-a process of its own each) chosen by `lab.fleet.choose`; a worker's load counts its requests in flight. A worker
+`Fleet` has the face of one engine's EngineClient and sends each request to one of N workers (a ServingEngine in a
+process of its own each) chosen by `lab.fleet.choose`; a worker's load counts its requests in flight. A worker
 whose process dies fails its own requests, and the fleet is no longer `alive`. A worker's `cached` tokens are
-exact, from the digests its engine's KV events name (`KVEvents`): remembering the chains routed to each worker
-(SGLang's approximate tree) guesses wrong after evictions and preemptions.
+exact, from its engine's KV events (`KVEvents`), not SGLang's approximate tree of routed chains.
 """
 
 import math
