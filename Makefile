@@ -101,15 +101,17 @@ book-check: setup
 	$(PY) -m lab.book --screens
 
 # JupyterLab on notebooks/ (lab/jupyter.py): a double-click opens a chapter as a notebook (the default viewer
-# of .py files, set in this environment's settings, not in your home), and a chapter only run and saved stays
-# the committed file (notebooks/jupytext.toml). Quick mode (the default): a notebook opened here writes to a
-# temporary results file.
+# of .py files, set in this environment's settings, not in your home). The chapters git tracks are read-only
+# there: a reader's answers go to notebooks/mine/ (File > Save Notebook As..., ignored by git), so that a
+# `git pull` of a new edition never conflicts with them. Quick mode (the default): a notebook opened here
+# writes to a temporary results file.
 lab: setup $(LAB_READY)
 	$(PY) -m lab.jupyter
 
 # JupyterLab started as `make lab` starts it, driven by headless Chromium (installed from Debian's `chromium`
-# if missing): a double-click on ch01_recompute.py opens a notebook, its first cell runs, a save leaves
-# `git status notebooks/` as it was.
+# if missing): a double-click on ch01_recompute.py opens a notebook that shows as saved, its first cell runs,
+# an answer stays out of the chapter and goes to notebooks/mine/ with Save As; `git status notebooks/` stays
+# as it was; no prompt about Jupyter's news.
 lab-check: setup $(LAB_READY)
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m lab.jupyter --check
 

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from .engine import ServingEngine, drive
 from .engine.disagg import checked, clock, entry, warm_up
@@ -61,10 +62,13 @@ def measure(model, prompts, max_new_tokens, arrivals_s, prefill_pages: int = 64,
     threads, prefill_pages + decode_pages pages: the same memory). Returns {"disaggregated": summary,
     "colocated": summary, "same_tokens": bool, "settings": ..., "timelines": {mode: timeline}}; each summary
     as `summarize`'s."""
-    with Disaggregated(model, prefill_pages, decode_pages, page_size, max_batch_tokens) as d:
-        tokens_d, timeline_d = d.generate(prompts, max_new_tokens, arrivals_s)
-    tokens_c, timeline_c = colocated(model, prompts, max_new_tokens, arrivals_s, prefill_pages + decode_pages,
-                                     page_size, max_batch_tokens)
+    with tqdm(total=2, desc="prefill apart from decode: disaggregated, colocated") as bar:
+        with Disaggregated(model, prefill_pages, decode_pages, page_size, max_batch_tokens) as d:
+            tokens_d, timeline_d = d.generate(prompts, max_new_tokens, arrivals_s)
+        bar.update()
+        tokens_c, timeline_c = colocated(model, prompts, max_new_tokens, arrivals_s, prefill_pages + decode_pages,
+                                         page_size, max_batch_tokens)
+        bar.update()
     settings = dict(prefill_pages=prefill_pages, decode_pages=decode_pages, page_size=page_size,
                     max_batch_tokens=max_batch_tokens, threads=2, transport="pipe")
     return dict(disaggregated=summarize(timeline_d), colocated=summarize(timeline_c),

@@ -159,12 +159,12 @@ def hit_rate_sweep(model, workloads: dict, fractions, page_size=16) -> dict:
     """{workload: {"shape": shape, "runs": [hit_rate at each pool size]}}; pool sizes are fractions of the
     workload's distinct pages, never below what its longest request needs."""
     out = {}
-    for name, requests in workloads.items():
+    for name, requests in tqdm(workloads.items(), desc="hit rate: workloads"):
         sh = shape(requests, page_size)
         floor = -(-sh["max_tokens"] // page_size)
         sizes = sorted({max(floor, round(f * sh["distinct_pages"])) for f in fractions})
         out[name] = dict(shape=sh, runs=[hit_rate(model, requests, n, page_size)
-                                         for n in tqdm(sizes, desc=f"hit rate: {name}")])
+                                         for n in tqdm(sizes, desc=f"{name}: pool sizes", leave=False)])
     return out
 
 

@@ -460,13 +460,13 @@ for check, answer in ((ex.check_mask_offset, offset_causal_mask), (ex.check_sequ
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 context = ch02.settings(False)["decode_context"]  # the book's context (a full run)
 try:
     for design in ("concat", "static"):
         ex.compare_decode_step(design, decode_step_ms(design, context))
 except NotImplementedError:
-    print("compare_decode_step : not attempted yet (the book's context is", context, "positions)")
+    print("compare_decode_step: not attempted yet (the book's context is", context, "positions)")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch02_solutions.py` (`decode_step_ms` there shows one way to

@@ -549,7 +549,7 @@ for check, answer in ((ex.check_speculative_rollback, speculative_step), (ex.che
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # Exercise 3, on your machine:
 # ratio = ex.time_paged_against_contiguous(4096)

@@ -562,7 +562,7 @@ for check, answer in ((ex.check_lfu_eviction, lfu_cached_tokens), (ex.check_inva
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch06_solutions.py`; the test suite runs every check on them.

@@ -573,7 +573,7 @@ for check, answer in ((ex.check_smoothing, (smooth_and_quantize, dequantize)),
     try:
         check(*answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch07_solutions.py`; the test suite runs every check on them.

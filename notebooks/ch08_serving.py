@@ -494,7 +494,7 @@ for check, answer in ((ex.check_shortest_first, ShortestFirstEngine), (ex.check_
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch08_solutions.py`; the test suite runs every check on them.

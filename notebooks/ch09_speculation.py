@@ -379,7 +379,7 @@ for check, answer in ((ex.check_acceptance, accept), (ex.check_rollback, rollbac
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch09_solutions.py`; the test suite runs every check on them.

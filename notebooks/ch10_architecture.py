@@ -388,7 +388,7 @@ for check, answer in ((ex.check_latent_attention, latent_attention), (ex.check_l
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch10_solutions.py`; the test suite runs every check on them.

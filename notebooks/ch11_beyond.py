@@ -477,7 +477,7 @@ for check, answer in ((ex.check_radix_tree, MyRadixTree), (ex.check_routing_poli
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch11_solutions.py`; the test suite runs every check on them.

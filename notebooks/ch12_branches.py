@@ -354,7 +354,7 @@ for check, answer in ((ex.check_copy_on_write, MyPages), (ex.check_merge, my_mer
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch12_solutions.py`; the test suite runs every check on them.

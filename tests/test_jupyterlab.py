@@ -1,12 +1,17 @@
-"""`make lab`: a double-click opens a chapter as a notebook, and a chapter only opened, run and saved stays the
-committed file (lab/jupyter.py, notebooks/jupytext.toml).
+"""`make lab`: a double-click opens a chapter as a notebook, it opens saved (not dirty), a reader's copy saved after
+a run and no edit is byte for byte the chapter, and JupyterLab does not ask about its news (lab/jupyter.py,
+notebooks/jupytext.toml). The chapters are read-only there: tests/test_reader_edits.py.
 
-Oracle for the save: the committed bytes. JupyterLab saves through jupytext's contents manager, the one
-`make lab` starts; the fast test below sends it what JupyterLab sends after a run (the running kernel's
-kernelspec, language_info, widget state, outputs, execution counts, timing and view metadata) and the file
-must come back byte for byte. The slow test does it for real: JupyterLab in headless Chromium (`make lab-check`).
+Oracle for the save: the committed bytes. JupyterLab saves through jupytext's contents manager, which `make lab`'s
+extends; the fast test below sends it what JupyterLab sends after a run (the running kernel's kernelspec,
+language_info, widget state, outputs, execution counts, timing and view metadata) and the file must come back
+byte for byte. Oracle for "opens saved": a real kernel's kernel_info reply. JupyterLab marks a notebook unsaved
+when its metadata changes after loading: it writes a language_info of its own when the file has none, and the
+kernel's when the kernel answers; the notebook the server sends must already hold exactly what the kernel will
+report. The slow test does it all for real: JupyterLab in headless Chromium (`make lab-check`).
 """
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -30,7 +35,12 @@ def test_make_lab_runs_jupyterlab_on_the_chapters_through_jupytexts_contents_man
     argv = jupyter.command("--port=9999")
     assert argv[:3] == [sys.executable, "-m", "jupyterlab"]
     assert f"--ServerApp.root_dir={ROOT / 'notebooks'}" in argv
-    assert "--ServerApp.contents_manager_class=jupytext.TextFileContentsManager" in argv
+    assert "--ServerApp.contents_manager_class=lab.jupyter.ChapterContentsManager" in argv
+    if importlib.util.find_spec("jupyter_server"):               # the class the server imports by that name
+        from jupytext import TextFileContentsManager
+
+        from lab.jupyter import ChapterContentsManager
+        assert issubclass(ChapterContentsManager, TextFileContentsManager)
     assert argv[-1] == "--port=9999" and "--no-browser" not in argv
     make = (ROOT / "Makefile").read_text()
     assert "-m lab.jupyter" in make and "-m lab.jupyter --check" in make     # make lab, make lab-check
@@ -47,6 +57,30 @@ def test_the_default_viewer_is_written_into_the_given_settings_file_once(tmp_pat
     assert path.read_text() == first                                             # idempotent
     assert jupyter.default_viewers(path) == {"python": jupyter.VIEWER}
     assert json.loads(first)["@jupyterlab/apputils-extension:themes"] == {"theme": "JupyterLab Dark"}
+
+
+def test_the_settings_turn_off_the_news_prompt_and_keep_what_is_there(tmp_path):
+    pytest.importorskip("jupytext_config")
+    jsonschema = pytest.importorskip("jsonschema")
+    path = tmp_path / "overrides.json"
+    path.write_text(json.dumps({"@jupyterlab/apputils-extension:notification": {"doNotDisturbMode": True},
+                                "@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"}}))
+    jupyter.configure(path)
+    first = path.read_text()
+    jupyter.configure(path)
+    assert path.read_text() == first                                             # idempotent
+    doc = json.loads(first)
+    notification = doc["@jupyterlab/apputils-extension:notification"]
+    assert notification == {"doNotDisturbMode": True, "fetchNews": "false"}      # the reader's key kept
+    assert doc["@jupyterlab/apputils-extension:themes"] == {"theme": "JupyterLab Dark"}
+    assert jupyter.default_viewers(path) == {"python": jupyter.VIEWER}
+    # "false" is JupyterLab's "Never" in the schema it ships (the prompt asks while the value is "none")
+    commands = pytest.importorskip("jupyterlab.commands", reason="the [lab] extra (make lab) is not installed")
+    schema = json.loads((Path(commands.get_app_dir()) / "schemas" / "@jupyterlab" / "apputils-extension"
+                         / "notification.json").read_text())
+    jsonschema.validate(notification, schema)
+    never = [o["const"] for o in schema["properties"]["fetchNews"]["oneOf"] if o["title"] == "Never"]
+    assert never == [notification["fetchNews"]] and schema["properties"]["fetchNews"]["default"] == "none"
 
 
 def test_the_overrides_file_is_the_one_this_environments_jupyterlab_reads():
@@ -79,42 +113,76 @@ def _jupyterlab_after_a_run(nb, kernelspec):
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
-def test_a_chapter_run_and_saved_in_jupyterlab_is_byte_for_byte_the_committed_file(chapter, tmp_path):
+def test_a_chapter_run_and_saved_as_a_readers_copy_is_byte_for_byte_the_chapter(chapter, tmp_path):
+    """File > Save Notebook As… mine/<chapter> after a run and no edit: the copy is the chapter, so a diff of
+    the two shows a reader's answers and nothing else."""
     pytest.importorskip("jupyter_server", reason="the [lab] extra (make lab) is not installed")
     from jupyter_client.kernelspec import KernelSpecManager
-    from jupytext import TextFileContentsManager
 
     shutil.copy(chapter, tmp_path / chapter.name)
     shutil.copy(ROOT / "notebooks" / "jupytext.toml", tmp_path / "jupytext.toml")
     spec = KernelSpecManager().get_kernel_spec("python3")                      # the kernel `make lab` runs
     kernelspec = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
 
-    cm = TextFileContentsManager(root_dir=str(tmp_path))
+    cm = jupyter.ChapterContentsManager(root_dir=str(tmp_path))
     model = cm.get(chapter.name)
     assert model["type"] == "notebook" and model["content"].metadata["kernelspec"] == kernelspec, (
         f"{chapter.name}'s header names another kernel than `make lab` runs ({kernelspec}): "
         "JupyterLab would rewrite it on the first save")
     _jupyterlab_after_a_run(model["content"], kernelspec)
-    cm.save(model, chapter.name)
-    saved = (tmp_path / chapter.name).read_text()
-    assert saved == chapter.read_text(), f"saving {chapter.name} in JupyterLab changes it (a dirty checkout)"
+    cm.save(model, f"{jupyter.MINE}/{chapter.name}")
+    saved = (tmp_path / jupyter.MINE / chapter.name).read_text()
+    assert saved == chapter.read_text(), f"a run changes {chapter.name} as saved from JupyterLab"
+    assert (tmp_path / chapter.name).read_bytes() == chapter.read_bytes()
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_a_chapter_opens_with_the_metadata_its_kernel_will_report(chapter, kernel_info, tmp_path):
+    """Nothing for JupyterLab to change on opening a chapter, so it opens saved: the kernelspec as the file
+    names it, the language_info as the running kernel reports it."""
+    pytest.importorskip("jupyter_server", reason="the [lab] extra (make lab) is not installed")
+    shutil.copy(chapter, tmp_path / chapter.name)
+    shutil.copy(ROOT / "notebooks" / "jupytext.toml", tmp_path / "jupytext.toml")
+    meta = jupyter.ChapterContentsManager(root_dir=str(tmp_path)).get(chapter.name)["content"].metadata
+    assert meta["kernelspec"] == kernel_info["kernelspec"]
+    assert meta.get("language_info") == kernel_info["language_info"], (
+        f"{chapter.name} opens without the language_info its kernel reports: JupyterLab fills it in and shows "
+        "the chapter unsaved before anything ran")
+    assert (tmp_path / chapter.name).read_bytes() == chapter.read_bytes()      # opening writes nothing
+
+
+@pytest.fixture(scope="module")
+def kernel_info():
+    """The `python3` kernel `make lab` starts, asked for its kernel_info as JupyterLab asks on connecting."""
+    pytest.importorskip("jupyter_client")
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import start_new_kernel
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        reply = kc.kernel_info(reply=True, timeout=60)["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return {"language_info": reply["language_info"],
+            "kernelspec": {"display_name": spec.display_name, "language": spec.language, "name": "python3"}}
 
 
 def test_a_readers_edit_is_saved(tmp_path):
     """The filters keep a run from changing the file, not a reader's edit: a changed cell is written."""
     pytest.importorskip("jupyter_server", reason="the [lab] extra (make lab) is not installed")
-    from jupytext import TextFileContentsManager
 
     chapter = CHAPTERS[0]
     shutil.copy(chapter, tmp_path / chapter.name)
     shutil.copy(ROOT / "notebooks" / "jupytext.toml", tmp_path / "jupytext.toml")
-    cm = TextFileContentsManager(root_dir=str(tmp_path))
+    cm = jupyter.ChapterContentsManager(root_dir=str(tmp_path))
     model = cm.get(chapter.name)
     code = next(c for c in model["content"].cells if c.cell_type == "code")
     code.source += "\nprint('my note')"
     code.metadata["tags"] = ["mine"]
-    cm.save(model, chapter.name)
-    saved = (tmp_path / chapter.name).read_text()
+    cm.save(model, f"{jupyter.MINE}/{chapter.name}")
+    saved = (tmp_path / jupyter.MINE / chapter.name).read_text()
     assert "print('my note')" in saved and 'tags=["mine"]' in saved
 
 
@@ -122,7 +190,7 @@ def test_a_readers_edit_is_saved(tmp_path):
 # (12-30 s here). `make test-slow` runs it; it skips where JupyterLab is not installed (the [lab] extra) or no
 # Chromium can be found or installed (lab.book.screens.chromium installs Debian's package when run as root).
 @pytest.mark.slow
-def test_a_double_click_in_jupyterlab_opens_a_chapter_as_a_notebook_that_runs_and_saves_clean():
+def test_a_double_click_in_jupyterlab_opens_a_chapter_read_only_and_an_answer_goes_to_the_readers_copy():
     pytest.importorskip("jupyterlab", reason="the [lab] extra (make lab) is not installed")
     pytest.importorskip("websocket", reason="the [lab] extra (make lab) is not installed")
     from lab.book.render import BookError
@@ -137,4 +205,9 @@ def test_a_double_click_in_jupyterlab_opens_a_chapter_as_a_notebook_that_runs_an
     assert seen["view"]["code_cells"] > 5 and seen["view"]["markdown_cells"] > 5
     assert seen["prompt"] == "[1]:"
     assert "torch 2.13" in seen["output"] and "quick mode" in seen["output"]
-    assert seen["saved"] and seen["unchanged"]
+    assert seen["writable"] is False and not seen["dirty_on_open"]            # read-only, opened saved
+    assert not seen["autosaved_chapter"] and "read-only" in seen["ctrl_s"]      # autosave, Ctrl+S: no write
+    assert seen["copy"]["answer"] and seen["copy"]["autosaved"] and seen["copy"]["writable"]
+    assert seen["copy"]["path"].startswith(f"{jupyter.MINE}/")
+    assert not seen["news_prompt"]
+    assert seen["unchanged"] and seen["git_status"] == seen["git_status_before"]

@@ -248,7 +248,7 @@ def decode_attention_times(contexts, batches, reps=9, repeats=3) -> dict:
 
     out = {}
     for B in batches:
-        for L in tqdm([L for L in contexts if L != LONG_CONTEXT], desc=f"attention, batch {B}"):
+        for L in tqdm([L for L in contexts if L != LONG_CONTEXT], desc=f"attention, batch {B}", leave=False):
             out[(B, L)] = summary([attention_case(B, L, reps)])
     if LONG_CONTEXT in contexts:
         L, cases = LONG_CONTEXT, {"warm": {}} | LONG_CASES

@@ -99,7 +99,7 @@ def chunk_cost(model, context: int = 256, sizes=(1, 2, 5, 9), reps: int = 5) -> 
     decode step (n = 1) and verify chunks of k = n - 1 guesses. The sizes run in turn, `reps` rounds."""
     ids = torch.tensor([data.passages(model.tokenizer, context + max(sizes), count=1, seed=6)[0]])
     times = {n: [] for n in sizes}
-    for _ in range(reps + 1):                                   # the first round warms up, untimed
+    for _ in tqdm(range(reps + 1), desc="verify chunks: rounds"):   # the first round warms up, untimed
         for n in sizes:
             cache = make_cache("static", model.config, context + n)
             forward_cached(ids[:, :context], model.weights, model.config, cache, last_only=True)
@@ -117,7 +117,7 @@ def acceptance(model, s) -> dict:
     work, out = prompts(model, s["prompt"], s["passages"]), {}
     runs = [(w, d, k) for w in work for d in s["drafts"] for k in s["ks"]]
     want = {(w, i): plain_tokens(model, p, s["new"]) for w, ps in work.items() for i, p in enumerate(ps)}
-    for w, d, k in tqdm(runs, desc="acceptance", leave=False):
+    for w, d, k in tqdm(runs, desc="acceptance"):
         tot = dict(proposed=0, accepted=0, steps=0, tokens=0, identical=True, passages=[])
         for i, p in enumerate(work[w]):
             r = speculative_generate(model, p, s["new"], make_draft(model, d), k=k)
@@ -139,7 +139,7 @@ def budgets(model, s) -> dict:
     cases = {f"window_{b}": make_draft(model, "window", b) for b in s["budgets"]}
     cases |= {f"kivi{b}": make_draft(model, f"kivi{b}") for b in s["bits"]} | {"full": SelfDraft(full)}
     out = {}
-    for name, draft in tqdm(cases.items(), desc="draft budgets", leave=False):
+    for name, draft in tqdm(cases.items(), desc="draft budgets"):
         rs = [speculative_generate(model, p, s["new"], draft, k=4) for p in ps]
         out[name] = dict(proposed=sum(r.proposed for r in rs), accepted=sum(r.accepted for r in rs),
                          steps=sum(r.steps - 1 for r in rs), tokens=sum(len(r.tokens) - 1 for r in rs),
@@ -170,7 +170,7 @@ def lookup_sources(model, s, k: int = 4) -> dict:
     counted against the tokens the run emitted, which are plain greedy decoding's: a proposal at context length
     c keeps the longest run of its guesses that equals the tokens from c on."""
     out = {}
-    for w, ps in prompts(model, s["prompt"], s["passages"]).items():
+    for w, ps in tqdm(prompts(model, s["prompt"], s["passages"]).items(), desc="lookup sources: workloads"):
         tally = {src: dict(proposed=0, accepted=0) for src in ("prompt", "output")}
         for p in ps:
             draft = SourcedLookup(3)
@@ -193,7 +193,7 @@ def speed(model, s) -> dict:
     each context, on a passage that starts over (long_copy). They run in turn, `reps` times; medians."""
     out = {}
     cases = {"plain": NoDraft} | {d: (lambda d=d: make_draft(model, d)) for d in s["speed_drafts"]}
-    for ctx in tqdm(s["contexts"], desc="contexts", leave=False):
+    for ctx in tqdm(s["contexts"], desc="speed: contexts"):
         ids, times, res = long_copy(model, ctx), {c: [] for c in cases}, {}
         speculative_generate(model, ids[:64], 4, PromptLookup(3))                      # warm-up
         for _ in range(s["reps"]):
@@ -232,7 +232,7 @@ def rollback(model, s) -> dict:
     out = {}
     run = lambda x, c: forward_cached(x, model.weights, cfg, c, last_only=True)  # noqa: E731
     with torch.inference_mode():
-        for d in tqdm(ROLLBACK_DESIGNS, desc="rollback", leave=False):
+        for d in tqdm(ROLLBACK_DESIGNS, desc="rollback"):
             cache = make[d]() if d in make else make_cache(d, cfg, n + 16)
             run(ids[:, :n], cache)
             crops, steps, freed, reserved = [], [], 0, 0
@@ -261,11 +261,13 @@ def engine_runs(model, s) -> dict:
     """The serving engine with prompt lookup (k = 4) and without, on copy requests (chat turns asking for a
     passage repeated), `c` at once for each level: output tokens per second, tokens identical."""
     out = {}
+    bar = tqdm(total=2 * len(s["engine_levels"]), desc="engine: requests at once, draft")
     for c in s["engine_levels"]:
         ps = prompts(model, s["engine_prompt"], c, seed=3)["copy"]
         need = sum(-(-(len(p) + s["engine_new"] + 4) // PAGE) for p in ps)
         res = {}
         for name, draft in (("plain", None), ("lookup", PromptLookup(3))):
+            bar.set_postfix_str(f"{c}, {name}")
             eng = ServingEngine(model, need + c, PAGE, 512, prefix_caching=False, draft=draft, k=4)
             eng.generate([ps[0][:32]], 2)                                              # warm-up
             t0 = time.perf_counter()
@@ -275,8 +277,10 @@ def engine_runs(model, s) -> dict:
             res[name] = dict(tok_s=c * s["engine_new"] / seconds, seconds=seconds, outputs=outs,
                              proposed=st["proposed"], accepted=st["accepted"], lookahead_pages=st["lookahead_pages"],
                              rollback_pages=st["rollback_pages"])
+            bar.update()
         res["lookup"]["identical"] = res["lookup"].pop("outputs") == res["plain"].pop("outputs")
         out[c] = res
+    bar.close()
     return out
 
 
@@ -285,7 +289,7 @@ def prefix_hits(model, s) -> dict:
     each turn sends the conversation so far and a new request. Positions taken from named pages, per run."""
     tok, out = model.tokenizer, {}
     passages = data.passages(tok, 48, count=4, seed=4)
-    for name, draft in (("plain", None), ("lookup", PromptLookup(3))):
+    for name, draft in tqdm((("plain", None), ("lookup", PromptLookup(3))), desc="multi-turn chats: draft"):
         eng = ServingEngine(model, 512, PAGE, 512, prefix_caching=True, draft=draft, k=4)
         chats = [[{"role": "user", "content": "Repeat exactly:\n" + tok.decode(p)}] for p in passages]
         for turn in range(s["turns"]):
@@ -338,7 +342,7 @@ def transformers_lookup(model, s) -> dict:
                disable_compile=True)
     rows = []
     with torch.inference_mode():
-        for p in tqdm(ps, desc="transformers", leave=False):
+        for p in tqdm(ps, desc="transformers"):
             ids = torch.tensor([p])
             hf.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), **gen)  # warm-up
             row = {}

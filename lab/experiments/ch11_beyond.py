@@ -91,7 +91,7 @@ def tier_sweep(model, loads: dict, fractions, host_factor: int) -> dict:
     """{workload: {"shape", "sizes", case: [runs]}} for every case of TIER_CASES; pool sizes are fractions
     of the workload's distinct pages, never below what its longest request needs."""
     out = {}
-    for name, requests in loads.items():
+    for name, requests in tqdm(loads.items(), desc="tiers: workloads"):
         sh = shape(requests, PAGE)
         floor = -(-sh["max_tokens"] // PAGE)
         sizes = sorted({max(floor, round(f * sh["distinct_pages"])) for f in fractions})
@@ -99,7 +99,7 @@ def tier_sweep(model, loads: dict, fractions, host_factor: int) -> dict:
         for case in TIER_CASES:
             host = 0 if case == "no tier" else host_factor
             r[case] = [tiered_hit_rate(model, requests, n, host * n, disk=case == "host + disk")
-                       for n in tqdm(sizes, desc=f"tiers: {name}, {case}")]
+                       for n in tqdm(sizes, desc=f"{name}, {case}: pool sizes", leave=False)]
     return out
 
 
@@ -110,17 +110,16 @@ def tier_ttft(model, requests, fractions, host_factor: int) -> dict:
     sh = shape(requests, PAGE)
     sizes = sorted({max(-(-sh["max_tokens"] // PAGE), round(f * sh["distinct_pages"])) for f in fractions})
     out = dict(sizes=sizes, requests=len(requests), distinct_pages=sh["distinct_pages"])
-    for case, factor in (("no tier", 0), ("host tier", host_factor)):
-        out[case] = []
-        for n in sizes:
-            backend, times = PrefixCachingBackend(model, n, host_pages=factor * n), []
-            for ids in tqdm(requests, desc=f"time to first token: {case}, pool {n}"):
-                start = time.perf_counter()
-                backend.next_logits(ids)
-                times.append(time.perf_counter() - start)
-            st = backend.stats
-            out[case].append(dict(ttft_s=statistics.mean(times), hit_rate=st["cached_tokens"] / (
-                st["cached_tokens"] + st["computed_tokens"]), host_hits=st["host_hits"]))
+    runs = [(case, factor, n) for case, factor in (("no tier", 0), ("host tier", host_factor)) for n in sizes]
+    for case, factor, n in tqdm(runs, desc="time to first token: tier, pool"):
+        backend, times = PrefixCachingBackend(model, n, host_pages=factor * n), []
+        for ids in tqdm(requests, desc=f"{case}, pool {n}: requests", leave=False):
+            start = time.perf_counter()
+            backend.next_logits(ids)
+            times.append(time.perf_counter() - start)
+        st = backend.stats
+        out.setdefault(case, []).append(dict(ttft_s=statistics.mean(times), hit_rate=st["cached_tokens"] / (
+            st["cached_tokens"] + st["computed_tokens"]), host_hits=st["host_hits"]))
     return out
 
 
@@ -215,7 +214,7 @@ def radix_sweep(model, loads: dict, fractions, page_sizes) -> dict:
     tree of single positions. The hash chain at pages of 1 is token-granular too, but evicts page by page
     (a prefix's tail first); the tree evicts whole leaves, as SGLang's does: the two differences apart."""
     out = {}
-    for name, requests in loads.items():
+    for name, requests in tqdm(loads.items(), desc="radix against hash chains: workloads"):
         sh = shape(requests, PAGE)
         longest = max(len(r) for r in requests)
         positions = sorted({max(longest + max(page_sizes), round(f * sh["distinct_pages"]) * PAGE)
@@ -223,8 +222,9 @@ def radix_sweep(model, loads: dict, fractions, page_sizes) -> dict:
         r = out[name] = dict(positions=positions)
         for P in page_sizes:
             r[f"hash {P}"] = [hit_rate(model, requests, n // P, P)["hit_rate"]
-                              for n in tqdm(positions, desc=f"hash chain {P}: {name}")]
-        r["radix"] = [radix_hit_rate(requests, n)["hit_rate"] for n in tqdm(positions, desc=f"radix: {name}")]
+                              for n in tqdm(positions, desc=f"{name}, hash chain {P}: pool sizes", leave=False)]
+        r["radix"] = [radix_hit_rate(requests, n)["hit_rate"]
+                      for n in tqdm(positions, desc=f"{name}, radix: pool sizes", leave=False)]
     return out
 
 
@@ -254,12 +254,12 @@ def scheduling(model, s: dict) -> dict:
                for _ in range(s["sched_requests"])]
     pool = s["sched_pool"] * PAGE                                    # positions, the same for both caches
     out = {}
-    for mode in ("hash", "radix"):
-        for schedule in ("fcfs", "lpm"):
-            P = PAGE if mode == "hash" else 1
-            engine = ServingEngine(model, num_pages=pool // P, page_size=P, max_batch_tokens=256,
-                                   prefix_caching=mode, schedule=schedule)
-            out[f"{mode} {schedule}"] = engine_run(engine, prompts, s["sched_new"], [0] * len(prompts))
+    for mode, schedule in tqdm([(m, o) for m in ("hash", "radix") for o in ("fcfs", "lpm")],
+                               desc="scheduling: cache, order"):
+        P = PAGE if mode == "hash" else 1
+        engine = ServingEngine(model, num_pages=pool // P, page_size=P, max_batch_tokens=256,
+                               prefix_caching=mode, schedule=schedule)
+        out[f"{mode} {schedule}"] = engine_run(engine, prompts, s["sched_new"], [0] * len(prompts))
     out["prompt_tokens"] = sum(len(p) for p in prompts)
     return out
 
@@ -280,10 +280,10 @@ def routers_measured(model, s: dict) -> dict:
     hit rate on the same trace, which must be the same (its bookkeeping is the backends')."""
     trace = fleet_trace(model.config.vocab_size, s["router_requests"], apps=4, head=s["router_head"], seed=3)
     out = {}
-    for policy in POLICIES:
+    for policy in tqdm(POLICIES, desc="routers, 2 workers: policies"):
         router = Router([PrefixCachingBackend(model, s["router_pages"]) for _ in range(2)], policy)
         times = []
-        for ids in tqdm(trace, desc=f"2 workers, {policy}"):
+        for ids in tqdm(trace, desc=f"{policy}: requests", leave=False):
             start = time.perf_counter()
             router.next_logits(ids)
             times.append(time.perf_counter() - start)
@@ -300,8 +300,9 @@ def routers_measured(model, s: dict) -> dict:
 def routers_simulated(s: dict) -> dict:
     """{policy: [simulate(...) at each worker count]} on one trace for tiny-llama's vocabulary."""
     trace = fleet_trace(320, s["sim_requests"], apps=s["sim_apps"])
-    return {policy: [simulate(trace, n, policy, s["sim_pages"]) for n in tqdm(s["sim_workers"], desc=policy)]
-            for policy in POLICIES}
+    return {policy: [simulate(trace, n, policy, s["sim_pages"])
+                     for n in tqdm(s["sim_workers"], desc=f"{policy}: workers", leave=False)]
+            for policy in tqdm(POLICIES, desc="routers, simulated: policies")}
 
 
 # ---- prefill apart from decode ----------------------------------------------------------------------------------

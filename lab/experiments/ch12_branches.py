@@ -145,9 +145,12 @@ def engine_end_to_end(model, s: dict) -> dict:
     engine_run(model, prompts[:1], 4, 2, s["temperature"], True, True)          # warm-up
     modes = dict(forked=(True, True), apart_cached=(False, True), apart=(False, False))
     runs = {mode: [] for mode in modes}
+    bar = tqdm(total=s["engine_rounds"] * len(modes), desc="engine: rounds of forked, apart, apart cached")
     for r in range(s["engine_rounds"]):
         for mode in list(modes)[::(-1) ** r]:
             runs[mode].append(engine_run(*args, *modes[mode]))
+            bar.update()
+    bar.close()
     out = {mode: dict(sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2],
                       rounds=[x["tokens_per_s"] for x in rs]) for mode, rs in runs.items()}
     out["same_answers"] = all(x["answers"] == runs["forked"][0]["answers"] for rs in runs.values() for x in rs)

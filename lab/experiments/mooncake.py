@@ -139,8 +139,9 @@ def eviction_sweep(requests, fractions) -> dict:
     sh = shape(requests, PAGE)
     floor = -(-sh["max_tokens"] // PAGE)
     sizes = sorted({max(floor, round(f * sh["distinct_pages"])) for f in fractions})
-    runs = {e: [hit_rate(model(), requests, n, PAGE, eviction=e) for n in tqdm(sizes, desc=f"Mooncake trace: {e}")]
-            for e in ("lru", "lfu")}
+    runs = {e: [hit_rate(model(), requests, n, PAGE, eviction=e)
+                for n in tqdm(sizes, desc=f"{e}: pool sizes", leave=False)]
+            for e in tqdm(("lru", "lfu"), desc="Mooncake trace: eviction")}
     return dict(shape=sh, sizes=sizes, **runs)
 
 
@@ -149,12 +150,13 @@ def fleet(requests, workers, pages_per_worker: int) -> dict:
     lasts while the next N arrive) and "in time" (replay on the trace's clock with PREFILL_S and DECODE_S per
     token of the service, so a trace token costs 32 times as much)."""
     out = {"arrival order": {}, "in time": {}, "workers": list(workers), "pages_per_worker": pages_per_worker}
-    for policy in POLICIES:
+    for policy in tqdm(POLICIES, desc="Mooncake trace, routers: policies"):
         out["arrival order"][policy] = [simulate(requests, n, policy, pages_per_worker, PAGE, model=model())
-                                        for n in tqdm(workers, desc=f"Mooncake trace, {policy}: arrival order")]
+                                        for n in tqdm(workers, desc=f"{policy}, arrival order: workers",
+                                                      leave=False)]
         out["in time"][policy] = [replay(requests, n, policy, pages_per_worker, PREFILL_S / SCALE, DECODE_S / SCALE,
                                          PAGE, model=model())
-                                  for n in tqdm(workers, desc=f"Mooncake trace, {policy}: in time")]
+                                  for n in tqdm(workers, desc=f"{policy}, in time: workers", leave=False)]
     return out
 
 

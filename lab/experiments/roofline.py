@@ -53,7 +53,7 @@ def measure(quick_mode=None) -> dict:
     steps, manifest = {}, {}
     cases = [(d, b, t) for d in s["dtypes"] for b in s["batches"] for t in s["contexts"]]
     models = {d: load("smollm2", d) for d in s["dtypes"]}
-    for d, b, t in tqdm(cases, desc="decode steps", leave=False):
+    for d, b, t in tqdm(cases, desc="decode steps"):
         steps.setdefault(d, {}).setdefault(b, {})[t] = decode_step(models[d], b, t, s["rounds"])
         manifest[d] = models[d].manifest
     return dict(settings=s, machine=ceilings, steps=steps, manifest=manifest, threads=torch.get_num_threads(),

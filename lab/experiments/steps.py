@@ -21,6 +21,7 @@ import random
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from ..engine import ServingEngine
 from ..models import load
@@ -57,7 +58,7 @@ def hybrid(quick_mode=None) -> dict:
     s = settings(quick_mode)
     base, model = smollm2_shaped(s)
     local, B, out = local_layers(model, window=s["window"], global_every=6), s["batch"], {}
-    for part in ("short", "long"):
+    for part in tqdm(("short", "long"), desc="plain and hybrid engine: contexts"):
         T, pages = s[part], B * (s[part] // 16 + 8)
         engines = dict(plain=ServingEngine(model, pages, 16, 2048, prefix_caching=False),
                        hybrid=ServingEngine(local, pages, 16, 2048, prefix_caching=False))
