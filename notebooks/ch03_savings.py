@@ -407,7 +407,7 @@ for check, answer in ((ex.check_decode_flops, decode_flops), (ex.check_attention
     try:
         check(answer)
     except NotImplementedError:
-        print(check.__name__, ": not attempted yet")
+        print(f"{check.__name__}: not attempted yet")
 
 # %% [markdown]
 # Reference solutions are in `lab/exercises/ch03_solutions.py`; the test suite runs every check on them,
