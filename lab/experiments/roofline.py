@@ -40,7 +40,9 @@ def decode_step(model, batch: int, context: int, rounds: int, seed: int = 0) -> 
     """The engine's decode step of `batch` sequences at `context` positions: {"step_s", "kv_read_bytes"}."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(context)] for _ in range(batch)]
-    warmup, new = 2, rounds + 4
+    # every request decodes through the others' prefill chunks (decodes go first), then the timed steps
+    warmup = 2
+    new = warmup + rounds + batch * context // 2048 + 4
     engine = ServingEngine(model, num_pages=batch * ((context + new) // PAGE + 2), page_size=PAGE,
                            max_batch_tokens=2048, prefix_caching=False)
     r = engine_steps({"plain": engine}, prompts, rounds=rounds, warmup=warmup, new_tokens=new)["plain"]
