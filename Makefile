@@ -43,11 +43,13 @@ notebooks: setup
 # `make test-peers` run those, `make test-all` all three (CI does). The notebooks run two at a time (pytest-xdist,
 # each notebook's cells in order on one worker), one OpenMP thread each, so that the two share the two cores
 # without contending (measured once: 478 s against 515 s with two threads each, and a third less CPU time).
-# The tests run one at a time: several compare a time they measure with another. The four longest notebooks in
-# quick mode (chapters 3, 6, 7 and 11, over two minutes each) run in `make test-slow`, so that `make test` stays
-# within 15 minutes on two cores from a fresh clone.
+# The tests run one at a time: several compare a time they measure with another. The longest notebooks in
+# quick mode (chapters 3, 6, 7, 8, 9, 11 and 12: servers, speculation, branches, traces, each over a minute and a
+# half with one thread) run in `make test-slow`, so that `make test` stays within 15 minutes on two cores from a
+# fresh clone (measured: 18 min 21 s with chapters 8, 9 and 12 in it, the notebooks 478 s of that).
 SLOW_NOTEBOOKS = build/notebooks/ch03_savings.ipynb build/notebooks/ch06_prefix.ipynb \
-	build/notebooks/ch07_compress.ipynb build/notebooks/ch11_beyond.ipynb
+	build/notebooks/ch07_compress.ipynb build/notebooks/ch08_serving.ipynb build/notebooks/ch09_speculation.ipynb \
+	build/notebooks/ch11_beyond.ipynb build/notebooks/ch12_branches.ipynb
 NBVAL = LAB_FULL= LAB_QUICK=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider -n 2 --dist loadfile
 test: lint notebooks $(LAB_READY)
 	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers"

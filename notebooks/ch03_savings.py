@@ -36,9 +36,10 @@ import pandas as pd
 import torch
 import transformers
 
-from lab import memory, results, step_cost
+from lab import memory, results, roofline, step_cost
 from lab.cache import StaticCache
 from lab.experiments import ch03_savings as ch03
+from lab.experiments import roofline as roofline_exp
 from lab.experiments.tables import show
 from lab.models import forward, forward_cached, load
 from lab.peers import hf_generate
@@ -49,6 +50,7 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, transform
 print(lab.threads.describe())
 QUICK = results.quick()
 S, FULL = ch03.settings(QUICK), ch03.settings(False)      # FULL: the book's settings, to say what quick mode skips
+S["roofline"], FULL_ROOFLINE = roofline_exp.settings(QUICK), roofline_exp.settings(False)
 FIGS = results.figures_dir()
 print("quick mode (short sweeps; a temporary results file)" if QUICK else "full mode",
       "-> results in", results.results_path())
@@ -215,6 +217,50 @@ beside("ch03", "ch03.attention_share", "ch03.attention_flop_share", "ch03.attent
 # coincide. Which prediction the measurement follows is recorded in results.json
 # (`ch03.attention_share_follows`).
 #
+# ## The roofline: the least time a step can take
+#
+# A decode step multiplies every weight matrix by one vector per sequence, so it must at least *read* every
+# weight once, plus each sequence's cached keys and values. However clever the code, a step cannot take less
+# than those bytes over the rate at which this machine reads memory, nor less than its FLOPs over the rate at
+# which it computes: the **roofline**. First by hand, for SmolLM2 in float32 at 512 cached positions:
+
+# %%
+c = smol.config
+w = smol.weights
+matrices = [t for k, t in w.items() if k.endswith("proj.weight")] + [w["model.embed_tokens.weight"]]
+weight_bytes = sum(t.numel() * t.element_size() for t in matrices)   # the output head is the embedding (tied)
+cache_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 512 * 4    # keys and values, every layer, float32
+x = torch.ones(S["roofline"]["buffer"] // 4)                          # far larger than the processor's caches
+x.sum()
+t0 = time.perf_counter()
+x.sum()
+read_gb_s = x.numel() * 4 / (time.perf_counter() - t0) / 1e9
+del x
+print(f"weights {weight_bytes / 1e6:,.0f} MB + cache {cache_bytes / 1e6:,.1f} MB, read at {read_gb_s:.1f} GB/s: "
+      f"at least {(weight_bytes + cache_bytes) / read_gb_s / 1e6:.1f} ms a step")
+assert weight_bytes == roofline.step_model(c, batch=1, context=512)["weight_bytes"]
+
+# %% [markdown]
+# `lab.roofline` counts the same bytes (and the FLOPs) for any batch and context. The experiment measures
+# the ceilings properly (the fastest of several reads, a copy, and a large matrix product for the peak FLOP
+# rate), then times the serving engine's decode step of 1 to 16 sequences and sets each beside its bound.
+# `fraction` is the bound over the measured step: 100% would be a step that only reads its bytes.
+
+# %%
+rl = roofline_exp.measure(QUICK)
+roofline_exp.plot(rl, FIGS / "roofline.png")
+print(f"read {rl['machine']['read_gb_s']:.1f} GB/s, copy {rl['machine']['copy_gb_s']:.1f} GB/s, peak "
+      + ", ".join(f"{d} {f:,.0f} GFLOP/s" for d, f in rl["machine"]["flops"].items()))
+show(pd.DataFrame([{"dtype": d, "sequences": b, "T": t, "step (ms)": x["step_s"] * 1e3,
+                    "roofline (ms)": bd["bound_s"] * 1e3, "bound by": bd["bound_by"],
+                    "fraction": bd["bound_s"] / x["step_s"]}
+                   for d, b, t, x, _, bd in roofline_exp.cases(rl)]).set_index(["dtype", "sequences", "T"]),
+     caption="a decode step against its roofline", percent=["fraction"])
+beside("ch03", "roofline", values=roofline_exp.values(rl), section="roofline",
+       why=f"your run times {S['roofline']['rounds']} rounds of each step at {S['roofline']['contexts']} positions, "
+           f"the book {FULL_ROOFLINE['rounds']} at {FULL_ROOFLINE['contexts']}, and reads a smaller buffer.")
+
+# %% [markdown]
 # ## End to end: the engine, 32 greedy tokens from a 17-token prompt
 #
 # Three backends generate the same tokens: recomputation, and the two caches. The backends count the
