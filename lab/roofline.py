@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .models import ModelConfig
+from .models import ModelConfig, llama
 
 GiB = 1 << 30
 
@@ -76,3 +76,33 @@ def bound(step: dict, ceilings: dict, dtype: str) -> dict:
     compute = step["flops"] / (ceilings["flops"][dtype] * 1e9)
     return {"memory_s": memory, "compute_s": compute, "bound_s": max(memory, compute),
             "bound_by": "memory" if memory >= compute else "compute"}
+
+
+@torch.inference_mode()
+def products(weights: dict, config: ModelConfig, rounds: int = 9) -> dict:
+    """One decode step's matrix products alone, for one sequence: every layer's projections (q, k and v;
+    o; gate and up; down) and the output head (`llama.head`, with its norm), each on one row of random
+    activations, in a step's order, through `llama.project` with the weights given (the serving engine's
+    prepacked ones, to time what it runs). {"seconds": the median of `rounds` passes after one untimed,
+    "bytes": the matrices' bytes}: the part of a step that reads the weights, and nothing else."""
+    names = [("lm_head",)]
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        names[-1:-1] = [(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+                        (p + "self_attn.o_proj",), (p + "mlp.gate_proj", p + "mlp.up_proj"), (p + "mlp.down_proj",)]
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    matrix = lambda n: head if n == "lm_head" else weights[n + ".weight"]
+    rows = [torch.randn(1, 1, matrix(ns[0]).shape[1]).to(head.dtype) for ns in names]   # [1, 1, D_in] each
+
+    def step():
+        for ns, h in zip(names, rows, strict=True):
+            llama.head(h, weights, config) if ns == ("lm_head",) else llama.project(h, weights, *ns)
+
+    step()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(matrix(n).numel() * matrix(n).element_size() for ns in names for n in ns)
+    return {"seconds": sorted(times)[rounds // 2], "bytes": nbytes}

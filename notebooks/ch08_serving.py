@@ -385,6 +385,9 @@ else:
           f"{book['agreement']['identical']} of {book['agreement']['requests']} requests")
     if "process_gain" in book:
         print(f"the engine in its own process against in the server's: {book['process_gain']['value']:.2f}x")
+    if "wait_policy_gain" in book:
+        print("the server's default wait policy over --wait-policy passive: "
+              + ", ".join(f"{g['value']:.2f}x at {c[1:]} in flight" for c, g in book["wait_policy_gain"].items()))
 fig_throughput = ch08.plot_throughput(batching, http)
 fig_latency = ch08.plot_latency(http)
 

@@ -6,7 +6,7 @@ import pytest
 
 from lab import roofline
 from lab.models import load
-from lab.step_cost import counted_step
+from lab.step_cost import counted_step, profile
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +60,32 @@ def test_experiment_values_hold_together(tiny):
     from lab.experiments import roofline as exp
 
     ceilings = {"read_gb_s": 10.0, "copy_gb_s": 9.0, "flops": {"float32": 50.0}, "buffer_bytes": 1, "matmul": 1}
+    products = roofline.products(tiny.weights, tiny.config, rounds=2)
     m = dict(machine=ceilings, steps={"float32": {2: {16: exp.decode_step(tiny, 2, 16, rounds=2)}}},
+             breakdown={"float32": {"products": products, "steps": {16: profile(tiny, 1, 16, steps=2)}}},
              config={"float32": tiny.config})
-    leaf = exp.values(m)["steps"]["float32"]["b2"]["t16"]
+    v = exp.values(m)
+    leaf = v["steps"]["float32"]["b2"]["t16"]
     step = roofline.step_model(tiny.config, 2, 16)
     assert leaf["bound_ms"]["value"] == pytest.approx(step["bytes"] / 10e9 * 1e3)
     assert leaf["fraction"]["value"] == pytest.approx(100 * leaf["bound_ms"]["value"] / leaf["step_ms"]["value"])
     assert leaf["memory_bound"]["value"] is True
+    # one sequence's step by part: the parts sum to the step, the products' rate is their bytes over their time
+    parts = v["breakdown"]["float32"]["t16"]
+    total = sum(parts[k]["value"] for k in ("engine_ms", "attention_ms", "products_ms", "other_ms"))
+    assert total == pytest.approx(parts["step_ms"]["value"])
+    rate = v["breakdown"]["float32"]["products_gb_s"]["value"]
+    assert rate == pytest.approx(products["bytes"] / products["seconds"] / 1e9)
+    assert v["breakdown"]["float32"]["products_fraction"]["value"] == pytest.approx(100 * rate / 10.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_products_read_every_matrix_of_a_step_once(dtype):
+    """roofline.products times the projections and the head of one step: its bytes are the matrices a step
+    reads (the oracle above), with the model's weights and with the engine's prepacked ones."""
+    from lab.models.llama import Prepacked
+
+    model = load("tiny-llama", dtype)
+    for weights in (model.weights, Prepacked(model.weights)) if Prepacked.applies(model.weights) else (model.weights,):
+        r = roofline.products(weights, model.config, rounds=2)
+        assert r["bytes"] == matrices_read(model) and r["seconds"] > 0

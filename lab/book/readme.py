@@ -229,8 +229,23 @@ llama-server in float32 and
 it in bfloat16 (the table above; chapter 8 has every load and vLLM beside both)."""
 
 
+def durations(doc) -> str:
+    """How long each section of the results took to measure, on its own clock (`wall_seconds`), and their sum:
+    what a reader running `make results` on the same machine should plan for. A section measured before
+    sections recorded their time is named, not guessed."""
+    seconds = {n: s["provenance"].get("wall_seconds") for n, s in doc["sections"].items()}
+    timed = {n: t for n, t in seconds.items() if t is not None}
+    parts = ", ".join(f"{n} {t / 60:.1f}" for n, t in timed.items())
+    missing = [n for n, t in seconds.items() if t is None]
+    what = "The sections that recorded their time took" if missing else "A full `make results` measured its sections in"
+    text = (f"{what} {sum(timed.values()) / 60:.0f} minutes on two cores (minutes per section: {parts}), besides "
+            f"building the peers and the book.")
+    return text + (f" Not timed (measured before sections recorded their time): {', '.join(missing)}." if missing
+                   else "")
+
+
 def block(doc) -> str:
-    return f"{START}\n{table(doc)}\n\n{render_text(BESIDE_LLAMACPP, doc)}\n{END}"
+    return f"{START}\n{table(doc)}\n\n{durations(doc)}\n\n{render_text(BESIDE_LLAMACPP, doc)}\n{END}"
 
 
 def rewrite(readme=REPO_ROOT / "README.md", results=COMMITTED) -> bool:

@@ -6,8 +6,13 @@ For SmolLM2 in float32 and bfloat16, the serving engine's decode step of B seque
 each (random ids: a step's time does not depend on the text), timed in rounds after the prefill
 (`lab.step_cost.engine_steps`); beside it what the step must read and compute (`lab.roofline.step_model`)
 and the least time that allows (`bound`). `fraction` is that least time over the measured one: 100% would
-be a step that does nothing but read its bytes at the machine's full bandwidth. Quick mode: batches 1 and
-4, 128 and 512 positions, float32, a quarter-GiB buffer.
+be a step that does nothing but read its bytes at the machine's full bandwidth.
+
+`breakdown`: where one sequence's step goes, at each context (`lab.step_cost.profile`): the engine's own
+work (the identity check, scheduling, the step's batch), attention, and the forward's matrix products
+timed alone (`lab.roofline.products`, with the rate at which they read the weights) against the rest of the
+forward (norms, RoPE, activations, residual adds, sampling, and the Python between them). Quick mode:
+batches 1 and 4, 128 and 512 positions, float32, a quarter-GiB buffer.
 """
 
 import random
@@ -20,7 +25,7 @@ from .. import roofline
 from ..engine import ServingEngine
 from ..models import load
 from ..results import figures_dir, provenance, quick, require_clean, start_clock, value, write_section
-from ..step_cost import engine_steps
+from ..step_cost import engine_steps, profile
 from . import plots
 from .plots import finish
 
@@ -58,8 +63,13 @@ def measure(quick_mode=None) -> dict:
     for d, b, t in tqdm(cases, desc="decode steps"):
         steps.setdefault(d, {}).setdefault(b, {})[t] = decode_step(models[d], b, t, s["rounds"])
         manifest[d] = models[d].manifest
-    return dict(settings=s, machine=ceilings, steps=steps, manifest=manifest, threads=torch.get_num_threads(),
-                config={d: m.config for d, m in models.items()})
+    breakdown = {}
+    for d in tqdm(s["dtypes"], desc="one sequence's step, by part"):
+        weights = ServingEngine(models[d], num_pages=2, page_size=PAGE, max_batch_tokens=PAGE).weights  # as it runs
+        breakdown[d] = {"products": roofline.products(weights, models[d].config, s["rounds"]),
+                        "steps": {t: profile(models[d], 1, t, steps=s["rounds"]) for t in s["contexts"]}}
+    return dict(settings=s, machine=ceilings, steps=steps, breakdown=breakdown, manifest=manifest,
+                threads=torch.get_num_threads(), config={d: m.config for d, m in models.items()})
 
 
 def cases(m: dict):
@@ -88,6 +98,23 @@ def values(m: dict) -> dict:
             "gflop": value(step["flops"] / 1e9, "GFLOP"),
             "memory_bound": value(bound["bound_by"] == "memory", None),
             "achieved": value(step["bytes"] / measured["step_s"] / 1e9, "GB/s", note="bytes over the step's time")}
+    ms = lambda t, note=None: value(t * 1e3, "ms", note=note)
+    for d, b in m["breakdown"].items():
+        products, read = b["products"], b["products"]["bytes"] / b["products"]["seconds"] / 1e9
+        v.setdefault("breakdown", {})[d] = {
+            "products_gb_s": value(read, "GB/s", note="the weights' bytes over the products' time, alone"),
+            "products_fraction": value(100 * read / c["read_gb_s"], "%", note="of the sum's read bandwidth")}
+        for t, pr in b["steps"].items():
+            parts = pr["parts"]
+            v["breakdown"][d][f"t{t}"] = {
+                "step_ms": ms(pr["step_s"], "the parts' medians, summed"),
+                "engine_ms": ms(parts["identity"] + parts["schedule"] + parts["batch"],
+                                "the identity check, scheduling and the step's batch"),
+                "attention_ms": ms(parts["attention"]),
+                "products_ms": ms(products["seconds"], "the matrix products timed alone"),
+                "other_ms": ms(parts["forward"] - products["seconds"], "the forward but its products: norms, RoPE, "
+                               "activations, residual adds, sampling and the Python between"),
+                "products_share": value(100 * products["seconds"] / pr["step_s"], "%")}
     return v
 
 
