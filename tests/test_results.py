@@ -506,3 +506,15 @@ def test_campaign_status_flags_dirty_sections_and_commits_off_this_history(prov)
     assert "lab/experiments/gpu.py" in campaign.sources("ch05_gpu")
     assert "lab/experiments/ch02_build.py" in campaign.sources("ch02")
     assert "notebooks" in campaign.sources("notebooks")
+
+
+def test_committed_results_were_measured_on_committed_code():
+    """Every section of the committed results.json was measured on a clean tree, at a commit of this history, and
+    not as work in progress: what `make results-status` reports as problems."""
+    from lab import campaign
+
+    if not results.COMMITTED.exists():
+        pytest.skip("no committed results.json yet")
+    if campaign._git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("not a full git checkout: the commits the sections name may be missing from it")
+    assert campaign.problems(results.read(results.COMMITTED)) == []
