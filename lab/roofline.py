@@ -23,16 +23,21 @@ from .models import ModelConfig, llama
 GiB = 1 << 30
 
 
-def _best(rounds: int, fn, *args) -> float:
-    """The fastest of `rounds` calls of fn(*args), in seconds, after one untimed call (the least disturbed
-    run: a ceiling is what the machine can do, not what it does on average)."""
+def _times(rounds: int, fn, *args) -> list:
+    """The seconds of each of `rounds` calls of fn(*args), after one untimed call."""
     fn(*args)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def _best(rounds: int, fn, *args) -> float:
+    """The fastest of `rounds` calls of fn(*args), in seconds, after one untimed call (the least disturbed
+    run: a ceiling is what the machine can do, not what it does on average)."""
+    return min(_times(rounds, fn, *args))
 
 
 @torch.inference_mode()
@@ -98,11 +103,6 @@ def products(weights: dict, config: ModelConfig, rounds: int = 9) -> dict:
         for ns, h in zip(names, rows, strict=True):
             llama.head(h, weights, config) if ns == ("lm_head",) else llama.project(h, weights, *ns)
 
-    step()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = sorted(_times(rounds, step))
     nbytes = sum(matrix(n).numel() * matrix(n).element_size() for ns in names for n in ns)
-    return {"seconds": sorted(times)[rounds // 2], "bytes": nbytes}
+    return {"seconds": times[rounds // 2], "bytes": nbytes}
