@@ -204,15 +204,16 @@ def attention_case(B, L, reps=9, page_size=16, heads=(9, 3), head_dim=64, seed=0
 
 # ---- a serving engine's decode step, by part -----------------------------------------------------------------
 
-def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=16) -> dict:
+def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=16, fast=True) -> dict:
     """Where one decode step's time goes with `batch` sequences at `context` positions: the check that the
     weights are those the pages were computed with (`identity`: chapter 4's owner), scheduling (Python),
     building the step's batch (block tables, slots), attention (`attend`, every layer), the rest of the
     forward (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False
     runs the projections through F.linear instead of the engine's prepacked weights, and the reference
     layers; fused=False keeps the prepacked products with the reference layers (`llama.block`) instead of
-    the fused ones. The engine holds pages of `page_size` positions and takes 256 tokens a step; the prompts
-    are seeded random ids."""
+    the fused ones; fast=False keeps a step of a few decodes in forward_cached too (else it is one C++ call,
+    lab/engine/fast.py, and its attention is inside the forward). The engine holds pages of `page_size`
+    positions and takes 256 tokens a step; the prompts are seeded random ids."""
 
     if not 0 < batch < 256:
         raise ValueError(f"profile takes 1 to 255 sequences (a step holds 256 tokens, one per decoder), got {batch}")
@@ -221,7 +222,8 @@ def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=1
     # prefills what the decoders (up to `batch`) leave of it; and a page to spare per request: admission
     # keeps a free page for every running one
     new = steps + 3 + -(-batch * context // (256 - batch))
-    eng = ServingEngine(model, batch * (-(-(context + new) // page_size) + 1), page_size, 256, prefix_caching=False)
+    eng = ServingEngine(model, batch * (-(-(context + new) // page_size) + 1), page_size, 256, prefix_caching=False,
+                        fast_decode=fast and packed and fused)
     if not packed:
         eng.weights = model.weights
     elif not fused:

@@ -245,8 +245,10 @@ assert weight_bytes == roofline.step_model(c, batch=1, context=512)["weight_byte
 # the ceilings properly (the fastest of several reads, a copy, and a large matrix product for the peak FLOP
 # rate), then times the serving engine's decode step of 1 to 16 sequences and sets each beside its bound.
 # `fraction` is the bound over the measured step: 100% would be a step that only reads its bytes. Then
-# one sequence's step by part: the engine's own work (the identity check, scheduling, the step's batch),
-# attention, the matrix products timed alone (every weight read once), and the rest of the forward.
+# one sequence's step by part, through the reference step (`forward_cached`): the engine's own work (the
+# identity check, scheduling, the step's batch), attention, the matrix products timed alone (every weight
+# read once), and the rest of the forward; beside it the same step in one C++ call (`lab/engine/fast.py`),
+# as the engine runs a step of a few decodes.
 
 # %%
 rl = roofline_exp.measure(QUICK)
@@ -259,11 +261,11 @@ show(pd.DataFrame([{"dtype": d, "sequences": b, "T": t, "step (ms)": x["step_s"]
                    for d, b, t, x, _, bd in roofline_exp.cases(rl)]).set_index(["dtype", "sequences", "T"]),
      caption="a decode step against its roofline", percent=["fraction"])
 rl_values = roofline_exp.values(rl)
-# where one sequence's step goes: the engine's own work, attention, the matrix products timed alone, the rest
+# where one sequence's reference step goes, and the fused step beside it
 show(pd.DataFrame([{"dtype": d, "T": int(t[1:]), **{k.removesuffix("_ms"): part[k]["value"] for k in
-                    ("step_ms", "engine_ms", "attention_ms", "products_ms", "other_ms")}}
+                    ("step_ms", "engine_ms", "attention_ms", "products_ms", "other_ms", "fused_step_ms")}}
                    for d, by_t in rl_values["breakdown"].items() for t, part in by_t.items() if t.startswith("t")])
-     .set_index(["dtype", "T"]), caption="one sequence's decode step by part (ms)")
+     .set_index(["dtype", "T"]), caption="one sequence's reference decode step by part, and the fused step (ms)")
 print(", ".join(f"{d}: the products alone read {b['products_gb_s']['value']:.1f} GB/s, "
                 f"{b['products_fraction']['value']:.0f}% of the sum's" for d, b in rl_values["breakdown"].items()))
 beside("ch03", "roofline", values=rl_values, section="roofline",

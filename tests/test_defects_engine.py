@@ -10,6 +10,7 @@ from test_serving import check_idle, expected, prompts
 import lab.engine.serving as serving
 from lab.cache import CacheInputError
 from lab.engine import EarlyExit, EngineStateError, PromptLookup, ServingEngine, SpecInputError
+from lab.engine.fast import FusedStep
 from lab.models import load
 from lab.models.retrofit import latent_kv, reconstructing_form
 
@@ -58,15 +59,19 @@ def test_a_step_that_raises_taints_its_requests_and_later_steps_refuse(tiny):
     check_idle(engine)
 
 
-def test_an_exception_in_the_forward_taints_the_step(tiny, monkeypatch):
-    """The same for a forward that raises (an exception injected into the step's forward)."""
+@pytest.mark.parametrize("fast", [False, True], ids=["forward_cached", "fused-step"])
+def test_an_exception_in_the_forward_taints_the_step(tiny, monkeypatch, fast):
+    """The same for a forward that raises (an exception injected into the step's forward: the reference, or
+    the decode step in one call)."""
     ps = prompts((7, 12, 5), seed=4)
     want = expected(tiny, ps, 8)
-    engine = ServingEngine(tiny, 64, page_size=4)
+    engine = ServingEngine(tiny, 64, page_size=4, fast_decode=fast)
+    assert (engine.fast is not None) == fast
     rids = [engine.add_request(p, 8) for p in ps]
     for _ in range(3):
         engine.step()
-    real, calls = serving.forward_cached, []
+    owner, name = (FusedStep, "__call__") if fast else (serving, "forward_cached")
+    real, calls = getattr(owner, name), []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -74,7 +79,7 @@ def test_an_exception_in_the_forward_taints_the_step(tiny, monkeypatch):
             raise RuntimeError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(serving, "forward_cached", failing)
+    monkeypatch.setattr(owner, name, failing)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     with pytest.raises(EngineStateError, match="injected"):

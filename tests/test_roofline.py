@@ -4,7 +4,7 @@ ceilings themselves are measurements (chapter 3's roofline section), never asser
 
 import pytest
 
-from lab import roofline
+from lab import results, roofline
 from lab.models import load
 from lab.step_cost import counted_step, profile
 
@@ -62,9 +62,12 @@ def test_experiment_values_hold_together(tiny):
     ceilings = {"read_gb_s": 10.0, "copy_gb_s": 9.0, "flops": {"float32": 50.0}, "buffer_bytes": 1, "matmul": 1}
     products = roofline.products(tiny.weights, tiny.config, rounds=2)
     m = dict(machine=ceilings, steps={"float32": {2: {16: exp.decode_step(tiny, 2, 16, rounds=2)}}},
-             breakdown={"float32": {"products": products, "steps": {16: profile(tiny, 1, 16, steps=2)}}},
+             breakdown={"float32": {"products": products, "steps": {16: profile(tiny, 1, 16, steps=2, fast=False)},
+                                    "fused": {16: profile(tiny, 1, 16, steps=2)}}},
              config={"float32": tiny.config})
     v = exp.values(m)
+    results.validate({"schema_version": 1, "sections": {"roofline": {   # every leaf as the file's schema wants
+        "provenance": results.provenance(mode="quick", manifest="sha256:test"), "values": v}}})
     leaf = v["steps"]["float32"]["b2"]["t16"]
     step = roofline.step_model(tiny.config, 2, 16)
     assert leaf["bound_ms"]["value"] == pytest.approx(step["bytes"] / 10e9 * 1e3)
@@ -77,6 +80,12 @@ def test_experiment_values_hold_together(tiny):
     rate = v["breakdown"]["float32"]["products_gb_s"]["value"]
     assert rate == pytest.approx(products["bytes"] / products["seconds"] / 1e9)
     assert v["breakdown"]["float32"]["products_fraction"]["value"] == pytest.approx(100 * rate / 10.0)
+    # the fused step beside it: its one call reads the step's bytes at the rate recorded, the gain is the ratio
+    fused = m["breakdown"]["float32"]["fused"][16]
+    assert fused["parts"]["attention"] == 0.0                 # inside the one call, not through attend
+    assert parts["fused_gb_s"]["value"] == pytest.approx(
+        roofline.step_model(tiny.config, 1, 16)["bytes"] / fused["parts"]["forward"] / 1e9)
+    assert parts["fused_gain"]["value"] == pytest.approx(parts["step_ms"]["value"] / parts["fused_step_ms"]["value"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

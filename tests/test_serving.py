@@ -20,6 +20,7 @@ from lab import data
 from lab.cache import CacheInputError, CacheMismatchError, ConcatCache, OutOfPagesError
 from lab.engine import CachedBackend, ServingEngine
 from lab.engine import serving as serving_module
+from lab.engine.fast import FusedStep
 from lab.models import InputError, PositionLimitError, load
 
 TINY_GAP = 1e-4        # 10 x the 1e-5 bound on tiny-model logit differences between cache designs
@@ -212,15 +213,18 @@ def test_a_second_run_takes_its_pages_from_the_first(tiny):
 
 
 def test_one_forward_per_step_over_prefill_chunks_and_decodes(tiny, monkeypatch):
-    calls = []
-    real = serving_module.forward_cached
+    calls, fused = [], []
+    real, real_fused = serving_module.forward_cached, FusedStep.__call__
     monkeypatch.setattr(serving_module, "forward_cached", lambda ids, *a, **k: calls.append(ids.shape) or
                         real(ids, *a, **k))
+    monkeypatch.setattr(FusedStep, "__call__", lambda self, ids, *a, **k: fused.append(len(calls)) or
+                        calls.append(ids.shape) or real_fused(self, ids, *a, **k))
     ps = prompts((5, 30, 12), seed=9)
     engine = ServingEngine(tiny, num_pages=64, page_size=8, max_batch_tokens=16)
     assert engine.generate(ps, 8, arrivals=[0, 2, 3]) == expected(tiny, ps, 8)
     busy = [n for n in engine.stats["batch_tokens"] if n]
     assert [s[1] for s in calls] == busy and all(s[0] == 1 for s in calls)  # one [1, N] forward a step
+    assert fused and all(calls[i][1] <= 3 for i in fused)     # the steps of decodes only: one C++ call each
     mixed = [e for e in engine.timeline() if len(e["chunks"]) > 1]
     assert mixed and max(engine.stats["batch_sizes"]) == 3
 

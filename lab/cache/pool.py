@@ -302,6 +302,19 @@ class StepBatch:
             self._masks[key] = mask
         return self._masks[key]
 
+    def in_place(self) -> tuple:
+        """What a step run in one call over every layer reads and writes (lab/engine/fast.py; a step of decodes
+        only, on a pool of one group, "full"): the pools k, v `[L, pages, page_size, H_kv, D]`, each decode's
+        slot `[B]`, block table `[B, width]` (contiguous) and length `[B]` (its new position counted), and the
+        longest length."""
+        return (self.pool.k_pools["full"], self.pool.v_pools["full"], self.slot_mapping["full"],
+                self.block_tables["full"].contiguous(), self.lengths, self.max_length)
+
+    def stored(self, t: int):
+        """Every layer stored its t tokens' keys and values in their slots without `attend` (one call for the
+        whole step: lab/engine/fast.py)."""
+        self.pending = [t] * self.n_layers
+
     def advance(self, t: int):
         """Commit the step (every layer stored its t = N tokens): the next reservation judges a
         window from the length again. A plan runs once."""

@@ -18,6 +18,7 @@ from ..cache.pool import PagePool, StepBatch
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
 from .backends import common_prefix
+from .fast import FusedStep
 from .generate import check_counts
 from .identity import identity_of, token_ids
 from .speculative import SpecInputError, check_guess
@@ -71,7 +72,8 @@ class ServingEngine:
     prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache: to the token with page_size=1),
     or False. schedule: "fcfs" or, with prefix caching, "lpm" (longest cached prefix first, SGLang's policy).
     local_pages: the local layers' pages (chapter 10; default num_pages), at least a one-token step's; a chunk
-    shrinks to fit.
+    shrinks to fit. fast_decode: a step of a few decodes only runs in one C++ call where it applies (fast.py);
+    False runs every step through forward_cached.
 
     `stats`: totals of steps, preemptions, cached_tokens (from named pages), computed_tokens (run through the
     model, recomputation included), evicted_pages; held_pages and peak_held_pages per group ({"full": n, "local":
@@ -80,7 +82,7 @@ class ServingEngine:
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool | str = True, draft=None, k: int = 4, local_pages: int | None = None,
-                 schedule: str = "fcfs"):
+                 schedule: str = "fcfs", fast_decode: bool = True):
         cfg = model.config
         if prefix_caching not in (True, False, "hash", "radix"):
             raise CacheInputError(f'prefix_caching is True or "hash" (page names), "radix" or False, '
@@ -110,6 +112,8 @@ class ServingEngine:
         # prepacked for oneDNN, q, k, v and gate, up merged, as vLLM's CPU backend holds them
         packs = cfg.arch != "gpt2" and Prepacked.applies(model.weights)
         self.weights = Prepacked(model.weights) if packs else model.weights
+        # a step of a few decodes in one C++ call where it applies (fast.py); every other step: forward_cached
+        self.fast = FusedStep.build(model, self.pool) if fast_decode else None
         # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)
         self.extra = (identity_of(model, self.pool),) if self.prefix_caching else None
         self.manager.extra = self.extra or ()
@@ -371,9 +375,12 @@ class ServingEngine:
         sample = [(req, end - 1 - len(req.guess)) for (req, n), end in zip(batch, ends, strict=True)
                   if req.computed + n - len(req.guess) == req.num_tokens]   # its last known token is in this step
         rows = [i for req, last in sample for i in range(last, last + 1 + len(req.guess))]  # and each guess's
-        logits = forward_cached(torch.tensor([[t for f in feed for t in f]], device=device), w, cfg, step,
-                                positions=step.positions, state=self.owner,     # step() has just checked it
-                                logits_at=torch.tensor(rows, dtype=torch.long, device=device))
+        ids = torch.tensor([[t for f in feed for t in f]], device=device)
+        if self.fast and self.fast.takes(step):       # a few decodes only: the whole step in one call (fast.py)
+            logits = self.fast(ids, step, self.owner)
+        else:
+            logits = forward_cached(ids, w, cfg, step, positions=step.positions, state=self.owner,  # (just checked)
+                                    logits_at=torch.tensor(rows, dtype=torch.long, device=device))
         greedy = logits[0].max(-1).indices.tolist()  # [rows] greedy (the first of equal maxima, as argmax)
         self.stats["computed_tokens"] += ends[-1]
         new, at = {}, 0

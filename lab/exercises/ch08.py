@@ -15,6 +15,7 @@ import torch
 from ..cache import ConcatCache
 from ..engine import ServingEngine, drive
 from ..engine import serving as serving_module
+from ..engine.fast import FusedStep
 from ..loadgen import percentile
 from ..models import forward_cached, load
 from .rules import unchanged
@@ -288,18 +289,23 @@ def positions_without_recomputation(prompts, max_new_tokens) -> int:
 
 @contextlib.contextmanager
 def counting_positions():
-    """While inside, every forward a ServingEngine step runs adds its tokens to the yielded list's item 0."""
-    real, counted = serving_module.forward_cached, [0]
+    """While inside, every forward a ServingEngine step runs (forward_cached, or a step of decodes in one call)
+    adds its tokens to the yielded list's item 0."""
+    real, real_fused, counted = serving_module.forward_cached, FusedStep.__call__, [0]
 
     def counting(ids, *args, **kwargs):
         counted[0] += ids.shape[1]                                    # ids [1, N]: the step's tokens
         return real(ids, *args, **kwargs)
 
-    serving_module.forward_cached = counting
+    def counting_fused(self, ids, *args, **kwargs):
+        counted[0] += ids.shape[1]
+        return real_fused(self, ids, *args, **kwargs)
+
+    serving_module.forward_cached, FusedStep.__call__ = counting, counting_fused
     try:
         yield counted
     finally:
-        serving_module.forward_cached = real
+        serving_module.forward_cached, FusedStep.__call__ = real, real_fused
 
 
 def _tensors(x) -> list:

@@ -8,10 +8,13 @@ each (random ids: a step's time does not depend on the text), timed in rounds af
 and the least time that allows (`bound`). `fraction` is that least time over the measured one: 100% would
 be a step that does nothing but read its bytes at the machine's full bandwidth.
 
-`breakdown`: where one sequence's step goes, at each context (`lab.step_cost.profile`): the engine's own
-work (the identity check, scheduling, the step's batch), attention, and the forward's matrix products
-timed alone (`lab.roofline.products`, with the rate at which they read the weights) against the rest of the
-forward (norms, RoPE, activations, residual adds, sampling, and the Python between them). Quick mode:
+`breakdown`: where one sequence's step goes, at each context (`lab.step_cost.profile`), through the reference
+step (`forward_cached`, fast_decode=False): the engine's own work (the identity check, scheduling, the step's
+batch), attention, and the forward's matrix products timed alone (`lab.roofline.products`, with the rate at which
+they read the weights) against the rest of the forward (norms, RoPE, activations, residual adds, sampling, and the
+Python between them). Beside it the same step as the engine runs it, in one C++ call (`lab/engine/fast.py`):
+its time, and the rate at which it reads the step's bytes. The steps of 1 and 4 sequences above are the fused
+ones; 16 sequences run the reference. Quick mode:
 batches 1 and 4, 128 and 512 positions, float32, a quarter-GiB buffer.
 """
 
@@ -67,7 +70,8 @@ def measure(quick_mode=None) -> dict:
     for d in tqdm(s["dtypes"], desc="one sequence's step, by part"):
         weights = ServingEngine(models[d], num_pages=2, page_size=PAGE, max_batch_tokens=PAGE).weights  # as it runs
         breakdown[d] = {"products": roofline.products(weights, models[d].config, s["rounds"]),
-                        "steps": {t: profile(models[d], 1, t, steps=s["rounds"]) for t in s["contexts"]}}
+                        "steps": {t: profile(models[d], 1, t, steps=s["rounds"], fast=False) for t in s["contexts"]},
+                        "fused": {t: profile(models[d], 1, t, steps=s["rounds"]) for t in s["contexts"]}}
     return dict(settings=s, machine=ceilings, steps=steps, breakdown=breakdown, manifest=manifest,
                 threads=torch.get_num_threads(), config={d: m.config for d, m in models.items()})
 
@@ -98,7 +102,7 @@ def values(m: dict) -> dict:
             "gflop": value(step["flops"] / 1e9, "GFLOP"),
             "memory_bound": value(bound["bound_by"] == "memory", None),
             "achieved": value(step["bytes"] / measured["step_s"] / 1e9, "GB/s", note="bytes over the step's time")}
-    ms = lambda t, note=None: value(t * 1e3, "ms", note=note)
+    ms = lambda t, note: value(t * 1e3, "ms", note=note)
     for d, b in m["breakdown"].items():
         products, read = b["products"], b["products"]["bytes"] / b["products"]["seconds"] / 1e9
         v.setdefault("breakdown", {})[d] = {
@@ -110,11 +114,19 @@ def values(m: dict) -> dict:
                 "step_ms": ms(pr["step_s"], "the parts' medians, summed"),
                 "engine_ms": ms(parts["identity"] + parts["schedule"] + parts["batch"],
                                 "the identity check, scheduling and the step's batch"),
-                "attention_ms": ms(parts["attention"]),
+                "attention_ms": ms(parts["attention"], "attention over the cached positions"),
                 "products_ms": ms(products["seconds"], "the matrix products timed alone"),
                 "other_ms": ms(parts["forward"] - products["seconds"], "the forward but its products: norms, RoPE, "
                                "activations, residual adds, sampling and the Python between"),
                 "products_share": value(100 * products["seconds"] / pr["step_s"], "%")}
+            fused, step = b["fused"][t], roofline.step_model(m["config"][d], 1, t)
+            v["breakdown"][d][f"t{t}"] |= {
+                "fused_step_ms": ms(fused["step_s"], "the same step as the engine runs it: one C++ call "
+                                    "(lab/engine/fast.py), the parts' medians summed"),
+                "fused_call_ms": ms(fused["parts"]["forward"], "the one call: every layer, attention and the head"),
+                "fused_gb_s": value(step["bytes"] / fused["parts"]["forward"] / 1e9, "GB/s",
+                                    note="the step's weights and cache bytes over the one call's time"),
+                "fused_gain": value(pr["step_s"] / fused["step_s"], "x", note="the reference step over the fused")}
     return v
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import step
 from .checks import check_cascade_inputs, check_paged_inputs
 
 CHUNK = 512        # positions per task: 8 tasks for one sequence of 4,096, partials of a few KiB each
@@ -191,20 +192,27 @@ void cascade(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool,
 
 // Row n of x [N, D] (row stride sx) plus row n of add (stride sa), rounded to T, into sum [N, D] (with no
 // add: x itself, and sum is not written); out [N, D] = weight * T(sum / rms(sum)), statistics in float32.
+// One row: out[d] = weight[d] * T(r[d] / rms(r)) rounded to T, for r [D] floats (T's values); out may be r.
+template <typename T, typename Out>
+inline void rms_row(const float* r, const T* w, int64_t D, float eps, Out* out) {
+  float ss = 0.f;
+  for (int64_t d = 0; d < D; ++d) ss += r[d] * r[d];
+  const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+  for (int64_t d = 0; d < D; ++d) out[d] = Out(T(float(w[d]) * float(T(r[d] * inv))));
+}
+
 template <typename T>
 void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, T* sum, T* out,
                   int64_t N, int64_t D, float eps) {
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> r(D);
     for (int64_t n = begin; n < end; ++n) {
-      float ss = 0.f;
       for (int64_t d = 0; d < D; ++d) {
         const T v = add ? T(float(x[n * sx + d]) + float(add[n * sa + d])) : x[n * sx + d];
         if (add) sum[n * D + d] = v;
-        r[d] = float(v), ss += r[d] * r[d];
+        r[d] = float(v);
       }
-      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-      for (int64_t d = 0; d < D; ++d) out[n * D + d] = T(float(w[d]) * float(T(r[d] * inv)));
+      rms_row(r.data(), w, D, eps, out + n * D);
     }
   });
 }
@@ -212,17 +220,18 @@ void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, 
 // RoPE in place on the H heads of every row of x [N, H * D] (row stride sx): the pairs (j, j + D/2)
 // turned by the angles of row n, cos and sin [N, D].
 template <typename T>
+inline void rope_head(T* h, const T* c, const T* s, int64_t D) {    // one head [D] of one row
+  for (int64_t j = 0; j < D / 2; ++j) {
+    const float a = float(h[j]), b = float(h[j + D / 2]);
+    h[j] = T(float(T(a * float(c[j]))) - float(T(b * float(s[j]))));
+    h[j + D / 2] = T(float(T(b * float(c[j + D / 2]))) + float(T(a * float(s[j + D / 2]))));
+  }
+}
+
+template <typename T>
 void rope(T* x, int64_t sx, const T* cos, const T* sin, int64_t N, int64_t H, int64_t D) {
   at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      T* h = x + i / H * sx + i % H * D;
-      const T *c = cos + i / H * D, *s = sin + i / H * D;
-      for (int64_t j = 0; j < D / 2; ++j) {
-        const float a = float(h[j]), b = float(h[j + D / 2]);
-        h[j] = T(float(T(a * float(c[j]))) - float(T(b * float(s[j]))));
-        h[j + D / 2] = T(float(T(b * float(c[j + D / 2]))) + float(T(a * float(s[j + D / 2]))));
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) rope_head(x + i / H * sx + i % H * D, cos + i / H * D, sin + i / H * D, D);
   });
 }
 
@@ -236,13 +245,16 @@ void store(const T* x, int64_t sn, int64_t sh, T* pool, const int64_t* slots, in
 
 // out [N, F] = T(silu(gate)) * up, gate and up [N, F] with row strides sg, su.
 template <typename T>
+inline T silu_mul_one(T gate, T up) {
+  const float g = float(gate);
+  return T(float(T(g / (1.f + std::exp(-g)))) * float(up));
+}
+
+template <typename T>
 void silu_mul(const T* gate, int64_t sg, const T* up, int64_t su, T* out, int64_t N, int64_t F) {
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t f = 0; f < F; ++f) {
-        const float g = float(gate[n * sg + f]);
-        out[n * F + f] = T(float(T(g / (1.f + std::exp(-g)))) * float(up[n * su + f]));
-      }
+      for (int64_t f = 0; f < F; ++f) out[n * F + f] = silu_mul_one(gate[n * sg + f], up[n * su + f]);
   });
 }
 
@@ -267,7 +279,9 @@ SIGNATURES = {"attend": [PTR, I64, I64, F32] + [PTR] * 6 + [I64] * 10,
               "add_rms_norm": [PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, F32],
               "rope": [PTR, I64, PTR, PTR, I64, I64, I64],
               "silu_mul": [PTR, I64, PTR, I64, PTR, I64, I64],
-              "store": [PTR, I64, I64, PTR, PTR, I64, I64, I64]}
+              "store": [PTR, I64, I64, PTR, PTR, I64, I64, I64],
+              "step": [PTR, PTR, I64] + [PTR] * 6 + [I64, PTR, PTR, I64, PTR, I64, PTR] + [I64] * 8 + [F32, I64, I64]}
+SOURCE += step.SOURCE                # a whole decode step in one call (step.py), built from the functions above
 SOURCE += "".join(f'extern "C" {{ auto {op}_{str(t).removeprefix("torch.")} = &{op}<{c}>; }}\n'
                   for op in SIGNATURES for t, c in DTYPES.items())
 

@@ -1,0 +1,79 @@
+"""The serving engine's fast path: a step that only decodes a few sequences, in one C++ call.
+
+`forward_cached` is the step the book teaches and the engine's reference: every other step runs through it. A
+step whose every token is a decode, for at most ROWS sequences, runs instead through `lab/kernels/step.py`: all
+layers and the head in one OpenMP region, which reads the weights at the machine's rate rather than waking the
+thread pool for every product (chapter 3 measures both). It applies to Llama-shaped models as trained (no biases,
+no per-head norms, no windows) whose weights and pages share a float32 or bfloat16 dtype on the CPU.
+
+    fast = FusedStep.build(model, pool)      # None where it does not apply
+    if fast and fast.takes(step):
+        logits = fast(ids, step, state)      # [1, B, V], as forward_cached(..., logits_at=every token) gives
+"""
+
+import torch
+
+from ..kernels.cpu import _call, cpu_kernel_available
+from ..kernels.step import CHUNK
+from ..models import check_ids, check_positions
+from ..models.llama import rope_tables
+
+LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")   # the kernel's order
+ROWS = 8   # sequences per step at most: beyond a few, a product of B rows is a matrix product (oneDNN's)
+
+
+class FusedStep:
+    """A decode step of up to ROWS sequences for `model`'s weights over the pages of `pool` or of a pool of the
+    same shape (module docstring)."""
+
+    def __init__(self, model, pool):
+        cfg, w = model.config, model.weights
+        self.config, self.weights, self.page_size = cfg, w, pool.page_size
+        names = [[f"model.layers.{i}.{n}.weight" for n in LAYER] for i in range(cfg.n_layers)]
+        self.layers = torch.tensor([[w[n].data_ptr() for n in row] for row in names], dtype=torch.int64)  # [L, 9]
+        self.head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        self.shapes = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, self.head.shape[0])
+
+    @classmethod
+    def build(cls, model, pool) -> "FusedStep | None":
+        """The fast step for `model` and `pool`, or None where it does not apply (module docstring)."""
+        cfg, w = model.config, model.weights
+        if cfg.arch == "gpt2" or not cfg.as_trained or pool.manager.groups != ["full"] or cfg.kv_layout[0] != \
+                cfg.n_layers or any(cfg.window_of(i)[0] for i in range(cfg.n_layers)):
+            return None
+        expected = {f"model.layers.{i}.{n}.weight" for i in range(cfg.n_layers) for n in LAYER}
+        layer_names = {n for n in w if n.startswith("model.layers.")}
+        tensors = [w[n] for n in (*expected, "model.norm.weight", "model.embed_tokens.weight") if n in w]
+        if layer_names != expected or len(tensors) != len(expected) + 2 or not cpu_kernel_available():
+            return None               # biases (Qwen2), per-head norms (Qwen3), or no C++ compiler
+        if any(t.device.type != "cpu" or t.dtype != pool.dtype or not t.is_contiguous() for t in tensors) or \
+                pool.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return cls(model, pool)
+
+    def takes(self, step) -> bool:
+        """Whether the planned step is for this path: every token a decode, at most ROWS of them, none read
+        through a shared prefix (cascade attention stays with the reference)."""
+        return step.n_tokens == len(step.decode_at) <= ROWS and not step.cascades["full"]
+
+    @torch.inference_mode()
+    def __call__(self, ids, step, state) -> torch.Tensor:
+        """ids `[1, B]`, one new token per sequence, the step planned for them -> logits `[1, B, V]`; stores
+        their keys and values and advances the step, as forward_cached does. state: `owner(weights, config)`."""
+        cfg, w = self.config, self.weights
+        step.check_model(cfg, state)
+        ids = check_ids(ids, cfg)
+        check_positions(step.positions, cfg)
+        B = ids.shape[1]
+        D, Hq, Hkv, Dh, F, V = self.shapes
+        x = w["model.embed_tokens.weight"][ids[0]]                              # [B, D], a copy: the residual
+        cos, sin = rope_tables(step.positions, Dh, cfg.rope_theta, x.dtype)     # [B, Dh] each
+        k, v, slots, tables, lengths, longest = step.in_place()   # k, v [L, pages, P, Hkv, Dh]; tables [B, width]
+        logits = torch.empty(B, V, dtype=x.dtype)
+        _call("step", x, self.layers, cfg.n_layers, w["model.norm.weight"], self.head, cos, sin, k, v, k.stride(0),
+              slots, tables, tables.shape[1], lengths, longest, logits, B, D, Hq, Hkv, Dh, F, V, self.page_size,
+              cfg.norm_eps, CHUNK, torch.get_num_threads())
+        step.stored(B)
+        step.advance(B)
+        return logits[None]

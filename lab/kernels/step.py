@@ -1,0 +1,148 @@
+"""A whole decode step of a Llama-shaped model in one C++ call: the serving engine's fast path on the CPU.
+
+A decode step of one sequence multiplies every weight matrix by one vector, so it cannot take less than the
+weights' bytes over the machine's read bandwidth (chapter 3's roofline). The reference step (`forward_cached`
+through `llama.fused_block`) makes about a dozen calls per layer, and each product wakes the thread pool, splits
+the matrix, and waits for the last thread before the next call starts. With 30 layers that is 120 products
+of a few hundred kilobytes to a few megabytes each, and between them the threads sleep.
+
+This kernel runs the step's 30 layers and the head inside one OpenMP parallel region, as llama.cpp does. Each
+thread takes a fixed share of the rows of every matrix, reads them in the order they lie (the next rows asked
+for while these are read), and meets the others at a barrier only where the next operation needs every row of
+the last:
+
+    per layer: h = RMSNorm(x)                  every thread, all of it (D values: cheaper than waiting)
+               q, k, v = h Wq, h Wk, h Wv      rows shared out                        | barrier
+               RoPE(q, k); k, v -> their slots one head per thread                    | barrier
+               attention over the pages        runs of CHUNK positions per thread     | barrier
+               merge the runs (log-sum-exp)    one query head per thread              | barrier
+               x += attn Wo                    rows shared out                        | barrier
+               h = RMSNorm(x); a = SiLU(h Wgate) * (h Wup)   rows shared out          | barrier
+               x += a Wdown                    rows shared out                        | barrier
+    then:      logits = RMSNorm(x) Whead       rows shared out
+
+Attention is `attend_run` and `merge` from cpu.py, the kernel the engine's reference step calls; the norm, RoPE
+and SiLU are cpu.py's row functions, so every value is rounded to the weights' dtype exactly where the reference
+rounds it. The products accumulate in float32, as oneDNN's do, in another order: the logits agree with the
+reference's to float32's rounding (bfloat16's, in bfloat16), tests/test_step_kernel.py checks how closely.
+`lab/engine/fast.py` calls it; chapter 3 measures what it buys.
+"""
+
+CHUNK = 128    # positions per attention task: 4 tasks at 512 positions, so that both threads have work
+
+# region decode_step_kernel
+SOURCE = r"""
+#include <omp.h>
+#include <utility>
+
+// Row w [K] (row-major, as nn.Linear stores a matrix) times each of the B rows of x [B, K] (floats), into
+// out [B]; the row `ahead` (a few rows on, or null) asked for meanwhile, as the prefetcher cannot guess it.
+template <typename T>
+inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, int64_t B, float* out) {
+  if (ahead)
+    for (int64_t byte = 0; byte < K * int64_t(sizeof(T)); byte += 64) __builtin_prefetch((const char*)ahead + byte);
+  for (int64_t b = 0; b < B; ++b) {
+    float dot = 0.f;
+    for (int64_t k = 0; k < K; ++k) dot += float(w[k]) * x[b * K + k];
+    out[b] = dot;
+  }
+}
+
+// Rows [lo, hi) of W [R, K] times x [B, K]: fn(b, r, dot) for each.
+template <typename T, typename Fn>
+inline void products(const T* W, int64_t lo, int64_t hi, int64_t K, const float* x, int64_t B, Fn fn) {
+  float d[8];                                          // B <= 8 (fast.py)
+  for (int64_t r = lo; r < hi; ++r) {
+    row_dots(W + r * K, r + 4 < hi ? W + (r + 4) * K : nullptr, K, x, B, d);
+    for (int64_t b = 0; b < B; ++b) fn(b, r, d[b]);
+  }
+}
+
+// This thread's share [lo, hi) of R rows.
+inline std::pair<int64_t, int64_t> share(int64_t R, int id, int n) { return {R * id / n, R * (id + 1) / n}; }
+
+template <typename T>
+inline void widen(const T* x, int64_t n, float* out) { for (int64_t i = 0; i < n; ++i) out[i] = float(x[i]); }
+
+// One decode step (step.py's docstring). x [B, D]: the tokens' embeddings in, the last layer's output out.
+// layers [L, 9]: the addresses of each layer's input norm, q, k, v, o, post-attention norm, gate, up and down
+// weights; cos, sin [B, Dh]; pools [L, pages, P, Hkv, Dh] (layer stride ls); slots [B]; tables [B, width];
+// lengths [B] (the new token counted); logits [B, V].
+template <typename T>
+void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* head, const T* cos, const T* sin,
+          T* k_pools, T* v_pools, int64_t ls, const int64_t* slots, const int* tables, int64_t width,
+          const int* lengths, int64_t max_length, T* logits, int64_t B, int64_t D, int64_t Hq, int64_t Hkv,
+          int64_t Dh, int64_t F, int64_t V, int64_t P, float eps, int64_t chunk, int64_t threads) {
+  const int64_t Q = Hq * Dh, KV = Hkv * Dh, runs = (max_length + chunk - 1) / chunk, part = Hq * (Dh + 2);
+  const float scale = 1.f / std::sqrt(float(Dh));
+  std::vector<T> q(B * Q), k(B * KV), v(B * KV), att(B * Q), a(B * F);
+  std::vector<float> qf(B * Q), parts(B * runs * part);
+  const auto run = run_for<T>(Dh);
+  #pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num(), n = omp_get_num_threads();
+    std::vector<float> h(B * std::max({D, Q, F})), o(Dh);
+    auto norm = [&](const T* w) {                      // h = RMSNorm(x) * w, all of it, in every thread
+      widen(x, B * D, h.data());
+      for (int64_t b = 0; b < B; ++b) rms_row(h.data() + b * D, w, D, eps, h.data() + b * D);
+    };
+    const auto [q0, q1] = share(Q, id, n);
+    const auto [k0, k1] = share(KV, id, n);
+    const auto [d0, d1] = share(D, id, n);
+    const auto [f0, f1] = share(F, id, n);
+    for (int64_t l = 0; l < L; ++l) {
+      const T* const* W = reinterpret_cast<const T* const*>(layers + l * 9);
+      T *kp = k_pools + l * ls, *vp = v_pools + l * ls;
+      norm(W[0]);
+      products(W[1], q0, q1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { q[b * Q + r] = T(d); });
+      products(W[2], k0, k1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { k[b * KV + r] = T(d); });
+      products(W[3], k0, k1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { v[b * KV + r] = T(d); });
+      #pragma omp barrier
+      #pragma omp for schedule(static)
+      for (int64_t i = 0; i < B * (Hq + Hkv); ++i) {     // one head: turned; a key head and its value stored
+        const int64_t b = i / (Hq + Hkv), j = i % (Hq + Hkv);
+        if (j < Hq) {
+          T* qh = q.data() + b * Q + j * Dh;
+          rope_head(qh, cos + b * Dh, sin + b * Dh, Dh);
+          for (int64_t d = 0; d < Dh; ++d) qf[b * Q + j * Dh + d] = float(qh[d]) * scale;
+        } else {
+          const int64_t at = b * KV + (j - Hq) * Dh, to = (slots[b] * Hkv + j - Hq) * Dh;
+          rope_head(k.data() + at, cos + b * Dh, sin + b * Dh, Dh);
+          std::memcpy(kp + to, k.data() + at, Dh * sizeof(T)), std::memcpy(vp + to, v.data() + at, Dh * sizeof(T));
+        }
+      }
+      #pragma omp for schedule(static)
+      for (int64_t task = 0; task < B * runs; ++task) {   // attention: a run of one sequence's positions
+        const int64_t b = task / runs, length = lengths[b], start = std::min(task % runs * chunk, length);
+        float* p = parts.data() + task * part;
+        run(qf.data() + b * Q, kp, vp, tables + b * width, start, std::min(start + chunk, length), 0, 0, 1, Hq,
+            Hkv, Dh, P, p, p + Hq, p + 2 * Hq);
+      }
+      #pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < B * Hq; ++bh)              // a query head's runs merged
+        merge(Runs{parts.data() + bh / Hq * runs * part, runs, part, Hq}, bh % Hq, Runs{}, 0, Dh, o.data(),
+              att.data() + bh * Dh);
+      widen(att.data(), B * Q, h.data());
+      products(W[4], d0, d1, Q, h.data(), B, [&](int64_t b, int64_t r, float d) {
+        x[b * D + r] = T(float(x[b * D + r]) + float(T(d))); });
+      #pragma omp barrier
+      norm(W[5]);
+      for (int64_t f = f0; f < f1; ++f) {                 // gate and up row f: a = SiLU(gate) * up
+        float g[8], u[8];
+        row_dots(W[6] + f * D, f + 4 < f1 ? W[6] + (f + 4) * D : nullptr, D, h.data(), B, g);
+        row_dots(W[7] + f * D, f + 4 < f1 ? W[7] + (f + 4) * D : nullptr, D, h.data(), B, u);
+        for (int64_t b = 0; b < B; ++b) a[b * F + f] = silu_mul_one(T(g[b]), T(u[b]));
+      }
+      #pragma omp barrier
+      widen(a.data(), B * F, h.data());
+      products(W[8], d0, d1, F, h.data(), B, [&](int64_t b, int64_t r, float d) {
+        x[b * D + r] = T(float(x[b * D + r]) + float(T(d))); });
+      #pragma omp barrier
+    }
+    norm(final_norm);
+    const auto [v0, v1] = share(V, id, n);
+    products(head, v0, v1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { logits[b * V + r] = T(d); });
+  }
+}
+"""
+# endregion

@@ -1,0 +1,95 @@
+"""lab/kernels/step.py through lab/engine/fast.py: a decode step of a few sequences in one C++ call gives the
+reference step's logits (forward_cached over the same pages) and stores the same keys and values.
+
+The oracle is the engine's reference step on a second pool filled the same way. Both accumulate the products in
+float32 in different orders, so logits agree to rounding, not bit for bit. float32: within 1e-3 (SmolLM2's logits
+reach about 30, so a few hundred float32 ulps). bfloat16 rounds every product and residual add of 30 layers to 8
+bits of mantissa, and a sum in another order can land on the next bfloat16 value: within 0.5, four bfloat16 steps
+at logits of 16 to 32, as far as the book's oracle itself (the uncached forward) lies from the reference cached
+step on these sequences (0.375 to 0.5 measured). The greedy token must be the same wherever the reference's top
+two logits lie further apart than twice the tolerance.
+"""
+
+import pytest
+import torch
+
+from lab.cache.pool import PagePool
+from lab.engine import ServingEngine
+from lab.engine.fast import ROWS, FusedStep
+from lab.kernels.cpu import cpu_kernel_available
+from lab.models import forward_cached, load, owner
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="needs a C++ compiler for the CPU kernels")
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5}
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def model(request):
+    return load("smollm2", request.param)
+
+
+def filled_pool(model, lengths, page_size=16):
+    """A pool holding one prefilled sequence per length (seeded random ids), by the reference forward."""
+    cfg, state = model.config, owner(model.weights, model.config)
+    pool = PagePool.for_model(cfg, num_pages=sum(-(-n // page_size) + 1 for n in lengths), page_size=page_size,
+                              dtype=model.dtype)
+    seqs = [pool.new_id() for _ in lengths]
+    g = torch.Generator().manual_seed(0)
+    for seq, n in zip(seqs, lengths, strict=True):
+        pool.reserve([(seq, n)])
+        step = pool.plan_step([(seq, n)])
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g)
+        forward_cached(ids, model.weights, cfg, step, positions=step.positions, state=state)
+    pool.reserve([(seq, 1) for seq in seqs])
+    return pool, pool.plan_step([(seq, 1) for seq in seqs])
+
+
+@pytest.mark.parametrize("lengths", [[37], [200, 5, 129], [600]], ids=["one", "three", "several-runs"])
+def test_step_matches_the_reference_step(model, lengths):
+    cfg, state = model.config, owner(model.weights, model.config)
+    ids = torch.tensor([[11 + 17 * i for i in range(len(lengths))]])
+    pool, step = filled_pool(model, lengths)
+    fast = FusedStep.build(model, pool)
+    assert fast is not None and fast.takes(step)
+    got = fast(ids, step, state)                                            # [1, B, V]
+    ref_pool, ref_step = filled_pool(model, lengths)
+    want = forward_cached(ids, model.weights, cfg, ref_step, positions=ref_step.positions, state=state,
+                          logits_at=torch.arange(len(lengths)))
+    tol = TOLERANCE[model.dtype]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got.float() - want.float()).abs().max().item() < tol
+    top2 = want[0].float().topk(2, dim=-1).values                           # [B, 2]
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    assert torch.equal(got[0].argmax(-1)[clear], want[0].argmax(-1)[clear])
+    # the new keys and values went into the same slots, to the same rounding as the reference's
+    slots = step.slot_mapping["full"]
+    for pools, ref in ((pool.k_pools, ref_pool.k_pools), (pool.v_pools, ref_pool.v_pools)):
+        new, old = pools["full"].flatten(1, 2)[:, slots], ref["full"].flatten(1, 2)[:, slots]
+        assert (new.float() - old.float()).abs().max().item() < tol
+        assert new.abs().sum() > 0                                          # written, not left at zero
+    assert step.done and pool.version == ref_pool.version
+
+
+def test_engine_tokens_match_with_and_without_the_fast_step(model):
+    prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(3)]
+    runs = {}
+    for fast in (True, False):
+        engine = ServingEngine(model, num_pages=32, fast_decode=fast)
+        assert (engine.fast is not None) == fast
+        runs[fast] = engine.generate(prompts, 12)
+    if model.dtype == torch.float32:          # bfloat16 may part where two logits lie within its rounding
+        assert runs[True] == runs[False]
+    else:
+        assert [r[:4] for r in runs[True]] == [r[:4] for r in runs[False]]
+
+
+def test_the_fast_step_declines_what_it_does_not_run(model):
+    pool, step = filled_pool(model, [20] * (ROWS + 1))
+    fast = FusedStep.build(model, pool)
+    assert not fast.takes(step)                                   # more sequences than ROWS
+    pool2 = PagePool.for_model(model.config, num_pages=4, dtype=model.dtype)
+    seq = pool2.new_id()
+    pool2.reserve([(seq, 3)])
+    assert not fast.takes(pool2.plan_step([(seq, 3)]))            # a prefill chunk
+    other = PagePool.for_model(model.config, num_pages=4, dtype=torch.float16)
+    assert FusedStep.build(model, other) is None                  # pages of another dtype
