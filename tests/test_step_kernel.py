@@ -87,6 +87,8 @@ def test_the_fast_step_declines_what_it_does_not_run(model):
     pool, step = filled_pool(model, [20] * (ROWS + 1))
     fast = FusedStep.build(model, pool)
     assert not fast.takes(step)                                   # more sequences than ROWS
+    with pytest.raises(ValueError, match="at most"):
+        fast(torch.zeros(1, ROWS + 1, dtype=torch.long), step, owner(model.weights, model.config))
     pool2 = PagePool.for_model(model.config, num_pages=4, dtype=model.dtype)
     seq = pool2.new_id()
     pool2.reserve([(seq, 3)])

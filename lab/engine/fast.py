@@ -14,13 +14,12 @@ no per-head norms, no windows) whose weights and pages share a float32 or bfloat
 import torch
 
 from ..kernels.cpu import _call, cpu_kernel_available
-from ..kernels.step import CHUNK
+from ..kernels.step import CHUNK, ROWS
 from ..models import check_ids, check_positions
 from ..models.llama import rope_tables
 
 LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")   # the kernel's order
-ROWS = 8   # sequences per step at most: beyond a few, a product of B rows is a matrix product (oneDNN's)
 
 
 class FusedStep:
@@ -29,10 +28,13 @@ class FusedStep:
 
     def __init__(self, model, pool):
         cfg, w = model.config, model.weights
-        self.config, self.weights, self.page_size = cfg, w, pool.page_size
-        names = [[f"model.layers.{i}.{n}.weight" for n in LAYER] for i in range(cfg.n_layers)]
-        self.layers = torch.tensor([[w[n].data_ptr() for n in row] for row in names], dtype=torch.int64)  # [L, 9]
-        self.head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        self.config, self.page_size = cfg, pool.page_size
+        # the kernel reads the weights where they lie, by address: hold the tensors, so that none is freed
+        # while the engine lives (an engine whose model's weights change refuses to step: ServingEngine.step)
+        self.tensors = [[w[f"model.layers.{i}.{n}.weight"] for n in LAYER] for i in range(cfg.n_layers)]
+        self.layers = torch.tensor([[t.data_ptr() for t in row] for row in self.tensors], dtype=torch.int64)
+        self.embed, self.norm = w["model.embed_tokens.weight"], w["model.norm.weight"]
+        self.head = w.get("lm_head.weight", self.embed)
         self.shapes = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, self.head.shape[0])
 
     @classmethod
@@ -61,17 +63,22 @@ class FusedStep:
     def __call__(self, ids, step, state) -> torch.Tensor:
         """ids `[1, B]`, one new token per sequence, the step planned for them -> logits `[1, B, V]`; stores
         their keys and values and advances the step, as forward_cached does. state: `owner(weights, config)`."""
-        cfg, w = self.config, self.weights
+        cfg = self.config
+        if not self.takes(step):
+            raise ValueError(f"a fused step takes at most {ROWS} decodes and no shared prefix: this step plans "
+                             f"{step.n_tokens} tokens, {len(step.decode_at)} of them decodes")
         step.check_model(cfg, state)
         ids = check_ids(ids, cfg)
+        if ids.shape != (1, step.n_tokens):
+            raise ValueError(f"ids must be [1, {step.n_tokens}], one token per planned decode, got {tuple(ids.shape)}")
         check_positions(step.positions, cfg)
         B = ids.shape[1]
         D, Hq, Hkv, Dh, F, V = self.shapes
-        x = w["model.embed_tokens.weight"][ids[0]]                              # [B, D], a copy: the residual
+        x = self.embed[ids[0]]                                                  # [B, D], a copy: the residual
         cos, sin = rope_tables(step.positions, Dh, cfg.rope_theta, x.dtype)     # [B, Dh] each
         k, v, slots, tables, lengths, longest = step.in_place()   # k, v [L, pages, P, Hkv, Dh]; tables [B, width]
         logits = torch.empty(B, V, dtype=x.dtype)
-        _call("step", x, self.layers, cfg.n_layers, w["model.norm.weight"], self.head, cos, sin, k, v, k.stride(0),
+        _call("step", x, self.layers, cfg.n_layers, self.norm, self.head, cos, sin, k, v, k.stride(0),
               slots, tables, tables.shape[1], lengths, longest, logits, B, D, Hq, Hkv, Dh, F, V, self.page_size,
               cfg.norm_eps, CHUNK, torch.get_num_threads())
         step.stored(B)

@@ -29,29 +29,57 @@ reference's to float32's rounding (bfloat16's, in bfloat16), tests/test_step_ker
 """
 
 CHUNK = 128    # positions per attention task: 4 tasks at 512 positions, so that both threads have work
+ROWS = 4       # sequences per call at most (fast.py): with more, the reference step's matrix products (oneDNN's,
+               # blocked for many rows) were faster on the machine the book was measured on
 
 # region decode_step_kernel
-SOURCE = r"""
+SOURCE = f"constexpr int64_t ROWS = {ROWS};\n" + r"""
 #include <omp.h>
 #include <utility>
 
-// Row w [K] (row-major, as nn.Linear stores a matrix) times each of the B rows of x [B, K] (floats), into
-// out [B]; the row `ahead` (a few rows on, or null) asked for meanwhile, as the prefetcher cannot guess it.
+// Row w [K] times NB rows of x [NB, K] (floats, row stride K), into out [NB]: 16 lanes per row and A partial
+// sums along K per row, so that at least four independent sums are in flight (one sum would wait on the
+// latency of every multiply-add before the next).
+template <typename T, int NB, int A = (NB >= 4 ? 1 : 4 / NB)>
+inline void dots(const T* w, int64_t K, const float* x, float* out) {
+  float acc[NB][A][16] = {};
+  const int64_t main = K / (16 * A) * (16 * A);
+  for (int64_t k = 0; k < main; k += 16 * A)
+    for (int a = 0; a < A; ++a)
+      for (int j = 0; j < 16; ++j) {
+        const float wk = float(w[k + a * 16 + j]);
+        for (int b = 0; b < NB; ++b) acc[b][a][j] += wk * x[b * K + k + a * 16 + j];
+      }
+  for (int b = 0; b < NB; ++b) {
+    float sum = 0.f;
+    for (int a = 0; a < A; ++a)
+      for (int j = 0; j < 16; ++j) sum += acc[b][a][j];
+    for (int64_t k = main; k < K; ++k) sum += float(w[k]) * x[b * K + k];
+    out[b] = sum;
+  }
+}
+
+// Row w [K] (row-major, as nn.Linear stores a matrix) times each of the B rows of x [B, K], into out [B],
+// four rows of x at a time; the row `ahead` (a few rows on, or null) asked for meanwhile, as the prefetcher
+// cannot guess it.
 template <typename T>
 inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, int64_t B, float* out) {
   if (ahead)
     for (int64_t byte = 0; byte < K * int64_t(sizeof(T)); byte += 64) __builtin_prefetch((const char*)ahead + byte);
-  for (int64_t b = 0; b < B; ++b) {
-    float dot = 0.f;
-    for (int64_t k = 0; k < K; ++k) dot += float(w[k]) * x[b * K + k];
-    out[b] = dot;
+  for (int64_t b = 0; b < B; b += 4) {
+    const int64_t n = std::min(B - b, int64_t(4));
+    const float* xb = x + b * K;
+    if (n == 4) dots<T, 4>(w, K, xb, out + b);
+    else if (n == 3) dots<T, 3>(w, K, xb, out + b);
+    else if (n == 2) dots<T, 2>(w, K, xb, out + b);
+    else dots<T, 1>(w, K, xb, out + b);
   }
 }
 
 // Rows [lo, hi) of W [R, K] times x [B, K]: fn(b, r, dot) for each.
 template <typename T, typename Fn>
 inline void products(const T* W, int64_t lo, int64_t hi, int64_t K, const float* x, int64_t B, Fn fn) {
-  float d[8];                                          // B <= 8 (fast.py)
+  float d[ROWS];                                       // B <= ROWS
   for (int64_t r = lo; r < hi; ++r) {
     row_dots(W + r * K, r + 4 < hi ? W + (r + 4) * K : nullptr, K, x, B, d);
     for (int64_t b = 0; b < B; ++b) fn(b, r, d[b]);
@@ -128,7 +156,7 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
       #pragma omp barrier
       norm(W[5]);
       for (int64_t f = f0; f < f1; ++f) {                 // gate and up row f: a = SiLU(gate) * up
-        float g[8], u[8];
+        float g[ROWS], u[ROWS];
         row_dots(W[6] + f * D, f + 4 < f1 ? W[6] + (f + 4) * D : nullptr, D, h.data(), B, g);
         row_dots(W[7] + f * D, f + 4 < f1 ? W[7] + (f + 4) * D : nullptr, D, h.data(), B, u);
         for (int64_t b = 0; b < B; ++b) a[b * F + f] = silu_mul_one(T(g[b]), T(u[b]));
