@@ -3,8 +3,8 @@
 A decode step of one sequence multiplies every weight matrix by one vector, so it cannot take less than the
 weights' bytes over the machine's read bandwidth (chapter 3's roofline). The reference step (`forward_cached`
 through `llama.fused_block`) makes about a dozen calls per layer, and each product wakes the thread pool, splits
-the matrix, and waits for the last thread before the next call starts. With 30 layers that is 120 products
-of a few hundred kilobytes to a few megabytes each, and between them the threads sleep.
+the matrix, and waits for the last thread before the next call starts. With 30 layers that is 121 products,
+the head's included, of a few hundred kilobytes to a few megabytes each, and between them the threads sleep.
 
 This kernel runs the step's 30 layers and the head inside one OpenMP parallel region, as llama.cpp does. Each
 thread takes a fixed share of the rows of every matrix, reads them in the order they lie (the next rows asked
@@ -21,10 +21,13 @@ the last:
                x += a Wdown                    rows shared out                        | barrier
     then:      logits = RMSNorm(x) Whead       rows shared out
 
-Attention is `attend_run` and `merge` from cpu.py, the kernel the engine's reference step calls; the norm, RoPE
-and SiLU are cpu.py's row functions, so every value is rounded to the weights' dtype exactly where the reference
-rounds it. The products accumulate in float32, as oneDNN's do, in another order: the logits agree with the
-reference's to float32's rounding (bfloat16's, in bfloat16), tests/test_step_kernel.py checks how closely.
+A weight row is read once for up to four sequences' dot products, each kept in 16 lanes and, for fewer than four
+sequences, in several partial sums along the row, so that several multiply-adds are in flight (a single sum would
+wait on the latency of each before the next). Attention is `attend_run` and `merge` from cpu.py, the kernel the
+engine's reference step calls; the norm, RoPE and SiLU are cpu.py's row functions, so every value is rounded to the
+weights' dtype exactly where the reference rounds it. The products accumulate in float32, as oneDNN's do, in another
+order: the logits agree with the reference's to float32's rounding (bfloat16's, in bfloat16),
+tests/test_step_kernel.py checks how closely.
 `lab/engine/fast.py` calls it; chapter 3 measures what it buys.
 """
 
