@@ -95,3 +95,13 @@ def test_the_fast_step_declines_what_it_does_not_run(model):
     assert not fast.takes(pool2.plan_step([(seq, 3)]))            # a prefill chunk
     other = PagePool.for_model(model.config, num_pages=4, dtype=torch.float16)
     assert FusedStep.build(model, other) is None                  # pages of another dtype
+
+
+def test_the_book_says_how_many_decodes_the_fused_step_takes():
+    """Chapters 3 and 8 and the README say "at most four decodes": they change with ROWS."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [(root / p).read_text() for p in ("book/ch03_savings.md", "book/ch08_serving.md", "lab/book/readme.py")]
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 8: "eight", 16: "sixteen"}
+    assert all(f"up to {words[ROWS]} decodes" in t or f"at most {words[ROWS]} decodes" in t for t in texts)
