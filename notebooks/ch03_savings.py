@@ -270,7 +270,9 @@ print(", ".join(f"{d}: the products alone read {b['products_gb_s']['value']:.1f}
                 f"{b['products_fraction']['value']:.0f}% of the sum's" for d, b in rl_values["breakdown"].items()))
 beside("ch03", "roofline", values=rl_values, section="roofline",
        why=f"your run times {S['roofline']['rounds']} rounds of each step at {S['roofline']['contexts']} positions, "
-           f"the book {FULL_ROOFLINE['rounds']} at {FULL_ROOFLINE['contexts']}, and reads a smaller buffer.")
+           f"the book {FULL_ROOFLINE['rounds']} at {FULL_ROOFLINE['contexts']}, and reads a smaller buffer; and the "
+           "notebooks run OpenMP's threads passive (`import lab`), the book its defaults: waiting threads sleep, so "
+           "the fused step's seven barriers a layer cost more here.")
 
 # %% [markdown]
 # ## End to end: the engine, 32 greedy tokens from a 17-token prompt
@@ -300,7 +302,7 @@ beside("ch03", "ch03.end_to_end", values=ch03.values(m),
            f"{S['rounds']} rounds (the book: {FULL['rounds']}).")
 
 # %% [markdown]
-# The whole generation gains much less than a step at a long context: these contexts are short (17 to 49
+# The whole generation gains much less than a step at a long context: these contexts are short (17 to 48
 # positions), where one step's speedup is small (the first table), and the prefill is the same.
 #
 # ## Against the library
