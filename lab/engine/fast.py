@@ -44,11 +44,13 @@ class FusedStep:
         if cfg.arch == "gpt2" or not cfg.as_trained or pool.manager.groups != ["full"] or cfg.kv_layout[0] != \
                 cfg.n_layers or any(cfg.window_of(i)[0] for i in range(cfg.n_layers)):
             return None
-        expected = {f"model.layers.{i}.{n}.weight" for i in range(cfg.n_layers) for n in LAYER}
-        layer_names = {n for n in w if n.startswith("model.layers.")}
-        tensors = [w[n] for n in (*expected, "model.norm.weight", "model.embed_tokens.weight") if n in w]
-        if layer_names != expected or len(tensors) != len(expected) + 2 or not cpu_kernel_available():
+        needed = {f"model.layers.{i}.{n}.weight" for i in range(cfg.n_layers) for n in LAYER}
+        if {n for n in w if n.startswith("model.layers.")} != needed or not cpu_kernel_available():
             return None               # biases (Qwen2), per-head norms (Qwen3), or no C++ compiler
+        needed |= {"model.norm.weight", "model.embed_tokens.weight"}
+        if not needed <= w.keys():
+            return None
+        tensors = [w[n] for n in needed]
         if any(t.device.type != "cpu" or t.dtype != pool.dtype or not t.is_contiguous() for t in tensors) or \
                 pool.dtype not in (torch.float32, torch.bfloat16):
             return None

@@ -190,8 +190,6 @@ void cascade(const T* q, int64_t sqb, int64_t sqh, float scale, const T* k_pool,
 
 // The fused operations of a decoder layer (fused.py), each rounding to T where the reference does.
 
-// Row n of x [N, D] (row stride sx) plus row n of add (stride sa), rounded to T, into sum [N, D] (with no
-// add: x itself, and sum is not written); out [N, D] = weight * T(sum / rms(sum)), statistics in float32.
 // One row: out[d] = weight[d] * T(r[d] / rms(r)) rounded to T, for r [D] floats (T's values); out may be r.
 template <typename T, typename Out>
 inline void rms_row(const float* r, const T* w, int64_t D, float eps, Out* out) {
@@ -201,6 +199,8 @@ inline void rms_row(const float* r, const T* w, int64_t D, float eps, Out* out) 
   for (int64_t d = 0; d < D; ++d) out[d] = Out(T(float(w[d]) * float(T(r[d] * inv))));
 }
 
+// Row n of x [N, D] (row stride sx) plus row n of add (stride sa), rounded to T, into sum [N, D] (with no
+// add: x itself, and sum is not written); out [N, D] = weight * T(sum / rms(sum)), statistics in float32.
 template <typename T>
 void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, T* sum, T* out,
                   int64_t N, int64_t D, float eps) {
@@ -217,8 +217,6 @@ void add_rms_norm(const T* x, int64_t sx, const T* add, int64_t sa, const T* w, 
   });
 }
 
-// RoPE in place on the H heads of every row of x [N, H * D] (row stride sx): the pairs (j, j + D/2)
-// turned by the angles of row n, cos and sin [N, D].
 template <typename T>
 inline void rope_head(T* h, const T* c, const T* s, int64_t D) {    // one head [D] of one row
   for (int64_t j = 0; j < D / 2; ++j) {
@@ -228,6 +226,8 @@ inline void rope_head(T* h, const T* c, const T* s, int64_t D) {    // one head 
   }
 }
 
+// RoPE in place on the H heads of every row of x [N, H * D] (row stride sx): the pairs (j, j + D/2)
+// turned by the angles of row n, cos and sin [N, D].
 template <typename T>
 void rope(T* x, int64_t sx, const T* cos, const T* sin, int64_t N, int64_t H, int64_t D) {
   at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
@@ -243,13 +243,13 @@ void store(const T* x, int64_t sn, int64_t sh, T* pool, const int64_t* slots, in
     for (int64_t h = 0; h < H; ++h) std::memcpy(pool + (slots[n] * H + h) * D, x + n * sn + h * sh, D * sizeof(T));
 }
 
-// out [N, F] = T(silu(gate)) * up, gate and up [N, F] with row strides sg, su.
 template <typename T>
-inline T silu_mul_one(T gate, T up) {
+inline T silu_mul_one(T gate, T up) {                // one value: T(silu(gate)) * up, rounded as the reference
   const float g = float(gate);
   return T(float(T(g / (1.f + std::exp(-g)))) * float(up));
 }
 
+// out [N, F] = T(silu(gate)) * up, gate and up [N, F] with row strides sg, su.
 template <typename T>
 void silu_mul(const T* gate, int64_t sg, const T* up, int64_t su, T* out, int64_t N, int64_t F) {
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
