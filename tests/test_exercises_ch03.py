@@ -132,6 +132,23 @@ def test_measured_attention_share_refuses_reading_the_books_number(book):
         ch03.check_measured_attention_share(looked_up, "tiny-llama", 64, path=book)
 
 
+def test_measured_attention_share_refuses_the_books_number_typed_after_measuring(book):
+    def typed(model, T):
+        sol3.measured_attention_share(model, T, rounds=3)     # real steps, then the book's 20% typed in
+        return 20.0
+
+    with pytest.raises(AssertionError, match="the book's .* to the last digit"):
+        ch03.check_measured_attention_share(typed, "tiny-llama", 64, path=book)
+
+
+def test_measured_attention_share_refuses_steps_over_a_shorter_context(book):
+    def short(model, T):                                      # measures honestly, but at a quarter of T
+        return sol3.measured_attention_share(model, T // 4, rounds=3)
+
+    with pytest.raises(AssertionError, match="read at least T=64 keys"):
+        ch03.check_measured_attention_share(short, "tiny-llama", 64, path=book)
+
+
 def test_decode_flops_refuses_patching_its_counter():
     def patches(config, T):
         ch03.counted_step = lambda model, T: (0, 0)

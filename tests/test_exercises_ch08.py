@@ -41,22 +41,24 @@ def test_each_request_alone_is_clear_of_ties_and_is_what_the_stock_engine_serves
 
 
 def test_cached_prefix_is_what_admission_takes():
-    """The helper the reader ranks with, the check's oracle (a copy of the block manager admits the request)
-    and what _admit really takes agree at every admission of a run."""
+    """The helper the reader ranks with, the check's oracle (a copy of the block manager admits the request:
+    the admission log's work left) and what _admit really takes agree at every admission of a run."""
     seen = []
 
     class Watched(sol8.ShortestFirstEngine):
         def _admit(self, req, budget, now):
-            looked, left = ch08.cached_prefix(self, req), ch08._work_left(self, req)
-            before = req.cached_tokens
+            looked, before = ch08.cached_prefix(self, req), req.cached_tokens
             n = super()._admit(req, budget, now)
-            if n:
-                seen.append((looked, len(req.prompt) + req.max_new_tokens - left, req.cached_tokens - before))
+            seen.append((looked, req.cached_tokens - before) if n else None)
             return n
 
-    ch08._run_sjf(Watched)
-    assert seen and all(a == b == c for a, b, c in seen)
-    assert sum(c > 0 for _, _, c in seen) >= 4                     # the system prompt and preempted pages
+    _, _, _, log = ch08._run_sjf(Watched)
+    assert len(log) == len(seen)
+    taken = [(looked, size - waiting[rid][1], took) for (looked, took), (_, rid, waiting, ok), size
+             in ((x, e, e[2][e[1]][0]) for x, e in zip(seen, log, strict=True) if x is not None)]
+    assert taken and all(a == b == c for a, b, c in taken)
+    assert sum(c > 0 for _, _, c in taken) >= 4                    # the system prompt and preempted pages
+    assert not hasattr(ch08, "_work_left")                         # the oracle is not a name an answer can call
 
 
 def test_the_stock_engine_is_first_come_first_served_and_the_workload_tells_them_apart():
@@ -106,6 +108,44 @@ def test_shortest_first_reference_passes(capsys):
     assert mine["longest_job_ttft_steps"] > fcfs["longest_job_ttft_steps"]
     assert mine["ttft_p99_steps"] > fcfs["ttft_p99_steps"]
     assert "correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_drawn_workload_passes_the_reference_and_asks_for_other_choices(seed):
+    drawn = ch08.sjf_draw(seed)
+    assert drawn == ch08.sjf_draw(seed) and drawn != ch08.sjf_draw(seed + 1)
+    assert sorted(map(tuple, drawn[0])) == sorted(map(tuple, ch08.sjf_workload()[0]))   # the same prompts
+    assert drawn[2] == sorted(drawn[2])
+    ch08.check_shortest_first(sol8.ShortestFirstEngine, seed=seed)
+    # the reference's choices, as prompts, differ from those it makes on the fixed workload
+    chosen = [[tuple(w[0][index[rid]]) for _, rid, _, ok in log if ok]
+              for w in (ch08.sjf_workload(), drawn)
+              for _, rids, _, log in [ch08._run_sjf(sol8.ShortestFirstEngine, workload=w)]
+              for index in [{r: i for i, r in enumerate(rids)}]]
+    assert chosen[0] != chosen[1]
+
+
+def replaying():
+    """An engine that admits, among those waiting, the prompt the reference admitted first on the fixed
+    workload: right there, by rote."""
+    prompts, _, _ = ch08.sjf_workload()
+    _, rids, _, log = ch08._run_sjf(sol8.ShortestFirstEngine)
+    index = {r: i for i, r in enumerate(rids)}
+    order = {}
+    for _, rid, _, ok in log:
+        if ok:
+            order.setdefault(tuple(prompts[index[rid]]), len(order))
+
+    class Replays(ServingEngine):
+        def next_to_admit(self):
+            return min(self.waiting, key=lambda r: order.get(tuple(r.prompt), len(order)))
+    return Replays
+
+
+def test_replaying_the_fixed_workloads_choices_fails():
+    Replays = replaying()
+    with pytest.raises(AssertionError, match="least work left|was chosen while"):
+        ch08.check_shortest_first(Replays, seed=0)
 
 
 class LongestFirst(ServingEngine):
@@ -305,11 +345,11 @@ def test_swapping_wrong_answers_fail(wrong, message):
 
 class PatchesTheOracle(TotalSize):
     def next_to_admit(self):
-        ch08._work_left = lambda engine, req: len(req.prompt) + req.max_new_tokens     # blind to the cache
+        ch08._check_admissions = lambda log, timeline, rids: None     # a check that no longer looks
         return super().next_to_admit()
 
 
-def test_patching_the_oracle_fails():
-    with pytest.raises(AssertionError, match="changed lab.exercises.ch08._work_left"):
+def test_patching_the_check_fails():
+    with pytest.raises(AssertionError, match="changed lab.exercises.ch08._check_admissions"):
         ch08.check_shortest_first(PatchesTheOracle)
-    assert ch08._work_left.__name__ == "_work_left"
+    assert ch08._check_admissions.__name__ == "_check_admissions"

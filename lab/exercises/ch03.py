@@ -106,14 +106,19 @@ def check_measured_attention_share(fn, name="smollm2", T=1024, path=COMMITTED):
     Open-ended: fill a StaticCache with T positions, time the decode step with attention and without it
     (give the cache an `attend` that stores k, v and returns q), in interleaved rounds with
     lab.bench.time_rounds. Rules: it is a measurement, so your function must run real decode steps with
-    attention (the check counts them: at least three per layer); and it may not call the book's own
-    `lab.step_cost.attention_share`, nor read the book's number (lab.results raises while it
-    runs). Then your number is set beside the book's
-    (`ch03.attention_share.<name>.T<T>` in results/results.json); returns yours over the book's.
+    attention over the T cached positions (the check counts them: at least three per layer, each attending
+    to at least T keys); and it may not call the book's own `lab.step_cost.attention_share`, nor read the
+    book's number (lab.results raises while it runs), nor return it. Then your number is set beside the
+    book's (`ch03.attention_share.<name>.T<T>` in results/results.json); returns yours over the book's.
     """
     model = load(name)
     measured_elsewhere = (attention_share, results.read, results.lookup, compare_with_book)
-    with unchanged(__name__), functions_raise(*measured_elsewhere), WatchTorch("scaled_dot_product_attention") as seen:
+
+    def over_context(args, kwargs):                            # the keys of an SDPA call: [..., S, D]
+        keys = args[1] if len(args) > 1 else kwargs.get("key")
+        return keys is not None and keys.shape[-2] >= T
+    with (unchanged(__name__), functions_raise(*measured_elsewhere),
+          WatchTorch("scaled_dot_product_attention", keep=over_context) as seen):
         share = fn(model, T)
     # A difference of two noisy medians: where attention is a small part of the step, noise can make
     # the measured share slightly negative, so the range allows it; anything outside is not a percentage.
@@ -123,4 +128,11 @@ def check_measured_attention_share(fn, name="smollm2", T=1024, path=COMMITTED):
     assert seen.calls >= 3 * layers, (
         f"your function attended {seen.calls} times; three decode steps through {layers} layers attend "
         f"{3 * layers} times: measure the step with attention, do not type or look up a number")
-    return compare_with_book(f"ch03.attention_share.{name}.T{T}", share, "%", path=path)
+    assert seen.kept >= 3 * layers, (
+        f"only {seen.kept} of your {seen.calls} attention calls read at least T={T} keys: measure decode "
+        f"steps over a cache of {T} positions, as the exercise asks")
+    key = f"ch03.attention_share.{name}.T{T}"
+    # A median of timed rounds does not land on the book's stored float by chance: equality is a copy.
+    assert share != results.lookup(results.read(path), key, source=str(path))["value"], (
+        f"your number is the book's {key} to the last digit: return what your rounds measured")
+    return compare_with_book(key, share, "%", path=path)

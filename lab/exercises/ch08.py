@@ -2,7 +2,8 @@
 
 Both answers are ServingEngine subclasses. The checks run them on the tiny model through a fixed workload
 (a small pool, so that requests queue or are preempted), step by step, and compare every request's tokens
-with the same prompt decoded alone; step numbers stand for time, so every run is deterministic.
+with the same prompt decoded alone; step numbers stand for time, so every run is deterministic. Exercise 1's
+check runs a second workload drawn fresh from the first, so that a list of choices cannot be replayed.
 """
 
 import contextlib
@@ -18,7 +19,7 @@ from ..engine import serving as serving_module
 from ..engine.fast import FusedStep
 from ..loadgen import percentile
 from ..models import forward_cached, load
-from .rules import unchanged
+from .rules import drawn_with, fresh_seed, unchanged
 
 # ---- shared: the model, each request alone, a driver that watches every step --------------------------
 
@@ -140,21 +141,21 @@ def cached_prefix(engine, req) -> int:
     return engine.cached_prefix(req)       # a page named for other tokens (a collision) is a miss
 
 
-def _work_left(engine, req) -> int:
-    """The oracle: len(prompt) + max_new_tokens less the positions admission would really take from the cache,
-    found by admitting req into a copy of the engine's block manager."""
-    manager = copy.deepcopy(engine.manager)
-    taken = manager.lookup(object(), engine._index_keys(req, (req.num_tokens - 1) // engine.page_size))
-    return len(req.prompt) + req.max_new_tokens - taken * engine.page_size
-
-
 def _watch_admissions(engine) -> list:
     """Record, at every admission the engine tries, (step, the request chosen, {waiting request id: (size,
-    work left)}) before anything changes, and whether it was admitted. Returns the list the records go to."""
+    work left)}) before anything changes, and whether it was admitted. Returns the list the records go to.
+    The work left is the check's oracle, kept inside this function so that no answer can call it:
+    len(prompt) + max_new_tokens less the positions admission would really take from the cache, found by
+    admitting the request into a copy of the engine's block manager."""
     log, admit = [], engine._admit
 
+    def work_left(req) -> int:
+        manager = copy.deepcopy(engine.manager)
+        taken = manager.lookup(object(), engine._index_keys(req, (req.num_tokens - 1) // engine.page_size))
+        return len(req.prompt) + req.max_new_tokens - taken * engine.page_size
+
     def watched(req, budget, now):
-        waiting = {r.id: (len(r.prompt) + r.max_new_tokens, _work_left(engine, r)) for r in engine.waiting}
+        waiting = {r.id: (len(r.prompt) + r.max_new_tokens, work_left(r)) for r in engine.waiting}
         n = admit(req, budget, now)
         log.append((now, req.id, waiting, n > 0))
         return n
@@ -173,10 +174,24 @@ def _ttft_summary(ttfts, longest) -> dict:
                 longest_job_ttft_steps=ttfts[longest])
 
 
-def _run_sjf(engine_class, check=None):
-    """(engine, request ids, timeline in request order, the admission log) of SJF_WORKLOAD served by
-    engine_class with prefix caching; check(engine) runs once it is built."""
+def sjf_draw(seed) -> tuple:
+    """(prompts, max_new_tokens, arrivals): SJF_WORKLOAD drawn again from `seed`. The same prompts, so the same
+    tokens decoded alone; each request's new tokens drawn from half of its own up to all of them (a prefix
+    of a continuation the tie test has cleared), each later arrival moved by up to two steps, and requests
+    that arrive in the same step submitted in a shuffled order: other sizes, so other choices."""
+    rng = random.Random(seed)
     prompts, news, arrivals = sjf_workload()
+    news = [rng.randint((n + 1) // 2, n) for n in news]
+    arrivals = [a and max(1, a + rng.randint(-2, 2)) for a in arrivals]
+    order = sorted(range(len(prompts)), key=lambda i: (arrivals[i], rng.random()))
+    return [prompts[i] for i in order], [news[i] for i in order], [arrivals[i] for i in order]
+
+
+def _run_sjf(engine_class, check=None, workload=None):
+    """(engine, request ids, timeline in request order, the admission log) of `workload` (prompts,
+    max_new_tokens, arrivals; SJF_WORKLOAD by default) served by engine_class with prefix caching;
+    check(engine) runs once it is built."""
+    prompts, news, arrivals = workload or sjf_workload()
     with unchanged(__name__):                      # the reader's engine may not change the check
         engine = engine_class(tiny_model(), **SJF_POOL, prefix_caching=True)
         if check:
@@ -222,7 +237,7 @@ def _check_admissions(log, timeline, rids):
         raise AssertionError(what)
 
 
-def check_shortest_first(engine_class):
+def check_shortest_first(engine_class, seed=None):
     """engine_class: a ServingEngine subclass whose `next_to_admit(self) -> Request` returns the waiting
     request (an element of `self.waiting`) with the least work left: its size, len(req.prompt) +
     req.max_new_tokens, less the positions it would take from cached pages if admitted now,
@@ -243,7 +258,10 @@ def check_shortest_first(engine_class):
       each waiting request into a copy of the block manager (ranking by size alone fails: a request that
       finds the system prompt, or its own pages, cached has that much less to compute than its size);
     - the median time to first token (TTFT, in steps) is below first come, first served's (the stock engine
-      on the same workload).
+      on the same workload);
+    - then the same requests with their sizes and arrivals drawn fresh (`sjf_draw`; `seed` draws them again):
+      every token again, and every admission again the least work left, so that replaying a list of choices
+      that suits the fixed workload fails.
     Returns the TTFTs of both policies (median, p99, and the longest job's), and prints them. Shortest job
     first starves long jobs: while short ones keep arriving, a long one waits, so its TTFT and the p99 grow
     even as the median falls. A server bounds that wait (ageing: a job's priority grows as it waits).
@@ -260,11 +278,17 @@ def check_shortest_first(engine_class):
     assert mine["ttft_median_steps"] < theirs["ttft_median_steps"], (
         f"median TTFT {mine['ttft_median_steps']} steps, first come first served's "
         f"{theirs['ttft_median_steps']}: shortest first should lower it")
+    seed = fresh_seed(seed)
+    drawn = sjf_draw(seed)
+    with drawn_with(seed, "check_shortest_first"):
+        engine, rids, timeline, log = _run_sjf(engine_class, workload=drawn)
+        _check_outputs(engine, rids, drawn[0], drawn[1])
+        _check_admissions(log, timeline, rids)
     print(f"TTFT in steps             median    p99   the longest job (size {sizes[longest]})")
     for name, t in (("first come, first served", theirs), ("shortest job first", mine)):
         print(f"{name:<25} {t['ttft_median_steps']:6.1f} {t['ttft_p99_steps']:6.1f}   "
               f"{t['longest_job_ttft_steps']}")
-    print("correct")
+    print(f"correct (the second workload drawn with seed={seed})")
     return {"fcfs": theirs, "shortest_first": mine}
 
 

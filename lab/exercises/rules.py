@@ -462,17 +462,19 @@ ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention",
 
 class WatchTorch(TorchFunctionMode):
     """Counts the calls of the torch function `name` (e.g. scaled_dot_product_attention), however it was
-    imported; with `forbid`, each call raises AssertionError(forbid) instead. Every other function runs."""
+    imported, and in `kept` those for which `keep(args, kwargs)` holds (all, without `keep`); with `forbid`,
+    each call raises AssertionError(forbid) instead. Every other function runs."""
 
-    def __init__(self, name, forbid=None):
+    def __init__(self, name, forbid=None, keep=None):
         super().__init__()
-        self.name, self.forbid, self.calls = name, forbid, 0
+        self.name, self.forbid, self.keep, self.calls, self.kept = name, forbid, keep, 0, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") == self.name:
             if self.forbid:
                 raise AssertionError(self.forbid)
             self.calls += 1
+            self.kept += self.keep is None or bool(self.keep(args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
