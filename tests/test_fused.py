@@ -148,3 +148,28 @@ def test_fused_block_leaves_a_batch_of_rows_to_the_reference():
     out = forward_cached(ids, w, model.config, StaticCache(model.config, 16, batch_size=2))
     w.block = block
     assert torch.equal(out, forward_cached(ids, w, model.config, StaticCache(model.config, 16, batch_size=2)))
+
+
+def test_the_fingerprints_kept_table_of_runs_follows_the_tensors():
+    """The C++ sample keeps its table of runs for the same tensors at the same addresses: a write in place
+    is read through it, and another tensor under the same name (another address or size), or the same
+    tensors in another order, gets a new table. Each result is set beside the PyTorch loop's bytes."""
+    def pytorch(weights):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(checks, "sample_runs", lambda *a, **k: None)
+            return checks.fingerprint(weights)
+
+    weights = dict(load("tiny-llama").weights)
+    first = checks.fingerprint(weights)
+    assert checks.fingerprint(weights) == first == pytorch(weights)           # the kept table
+    name = next(iter(weights))
+    with torch.inference_mode():
+        weights[name].add_(1)                                                 # in place: same address
+    written = checks.fingerprint(weights)
+    assert written != first and written == pytorch(weights)
+    weights[name] = weights[name].clone() + 1                                 # another tensor, another address
+    assert checks.fingerprint(weights) == pytorch(weights) != written
+    weights[name] = torch.cat([weights[name].reshape(-1), torch.ones(64)])    # another size
+    assert checks.fingerprint(weights) == pytorch(weights)
+    swapped = dict(reversed(list(weights.items())))                          # same tensors, another order
+    assert checks.fingerprint(swapped) == pytorch(swapped) != checks.fingerprint(weights)

@@ -3,8 +3,8 @@
 `paged_attention_gather` (reference.py) copies each sequence's pages end to end and attends over the copy. This
 kernel makes one pass over the pages with an online softmax per query head (running maximum m, running sum l of
 exp(score - m), running weighted sum acc of the values, rescaled whenever m grows). A page's positions are one
-contiguous block, read one kv head at a time, as float32, for the query heads that share it. For a head size of 64
-or 128 the compiler knows it, and a head's acc stays in registers.
+contiguous block, read in the order it lies (every kv head at once) as float32, then used by the query heads that
+share each kv head. For a head size of 64 or 128 the compiler knows it, and a head's acc stays in registers.
 
 Tasks of one sequence and a run of up to CHUNK positions (whole pages) run on PyTorch's intra-op threads
 (`at::parallel_for`: `torch.set_num_threads` applies), and a second loop merges a sequence's tasks by log-sum-exp,
@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sysconfig
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,29 +51,29 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
                 int64_t end, int64_t sinks, int64_t lo, int64_t N, int64_t Hq, int64_t Hkv,
                 int64_t head_dim, int64_t P, float* m, float* l, float* acc) {
   const int64_t D = DC ? DC : head_dim, G = Hq / Hkv, row = Hkv * D;  // G query heads per kv head
-  std::vector<float> s(P), k(P * D), v(P * D);  // a head's scores; a kv head's keys, values, a page
+  std::vector<float> s(P), k(P * row), v(P * row);   // a head's scores; a page's keys and values
   std::fill(m, m + N * Hq, LOWEST), std::fill(l, l + N * Hq, 0.f);
   std::fill(acc, acc + N * Hq * D, 0.f);
   for (int64_t first = start; first < end; first += P) {
     const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
     if (first >= sinks && first + n <= lo) continue;          // outside the sinks and the window
     const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
+    // The page's rows, every kv head, read in the order they lie, as floats. The next page lies
+    // anywhere, where no prefetcher would guess: ask for each of its rows while this one is read.
+    for (int64_t t = 0, at = 0; t < n; ++t, at += row) {
+      const char *nk = (const char*)(k_pool + next + at), *nv = (const char*)(v_pool + next + at);
+      for (int64_t byte = 0; byte < row * int64_t(sizeof(T)); byte += 64)
+        __builtin_prefetch(nk + byte), __builtin_prefetch(nv + byte);
+      for (int64_t d = 0; d < row; ++d)
+        k[at + d] = float(k_pool[page + at + d]), v[at + d] = float(v_pool[page + at + d]);
+    }
     for (int64_t h = 0; h < Hkv; ++h) {
-      // kv head h's rows, read where they lie as floats, once for its query heads. The next page
-      // lies anywhere, where no prefetcher would guess: ask for its rows while these are read.
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t at = t * row + h * D;
-        const char *nk = (const char*)(k_pool + next + at), *nv = (const char*)(v_pool + next + at);
-        for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64)
-          __builtin_prefetch(nk + byte), __builtin_prefetch(nv + byte);
-        for (int64_t d = 0; d < D; ++d)
-          k[t * D + d] = float(k_pool[page + at + d]), v[t * D + d] = float(v_pool[page + at + d]);
-      }
       for (int64_t i = 0; i < N * G; ++i) {   // the G query heads of kv head h, of every query
         const int64_t hq = i / G * Hq + h * G + i % G;
         for (int64_t t = 0; t < n; ++t) {     // scores: q . k
+          const float* kt = k.data() + t * row + h * D;   // its key
           float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += q[hq * D + d] * k[t * D + d];
+          for (int64_t d = 0; d < D; ++d) dot += q[hq * D + d] * kt[d];
           s[t] = first + t >= sinks && first + t < lo ? LOWEST : dot;   // a position no query reads
         }
         const float m_new = std::max(m[hq], *std::max_element(s.data(), s.data() + n));
@@ -83,7 +84,7 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
         l[hq] = l[hq] * c + sum, m[hq] = m_new;
         for (int64_t d = 0; d < D; ++d) a[d] = acc[hq * D + d] * c;
         for (int64_t t = 0; t < n; ++t)       // values, weighted
-          for (int64_t d = 0; d < D; ++d) a[d] += s[t] * v[t * D + d];
+          for (int64_t d = 0; d < D; ++d) a[d] += s[t] * v[(t * row + h * D) + d];
         if (DC) std::copy(o, o + D, acc + hq * D);
       }
     }
@@ -424,21 +425,33 @@ def cascade_attention_cpu(q, k_pool, v_pool, shared_table, shared_length: int, b
     return out
 
 
+_plans = {}      # (samples, run) -> the last plan: weak references to its tensors, their addresses and sizes,
+                 # the table of runs, the sample's bytes
+
+
 def sample_runs(tensors, samples: int, run: int) -> bytes | None:
     """The fingerprint's sample (lab/models/checks.py) in one call: the raw bytes of `samples`
     elements of each tensor, in runs of `run` consecutive ones evenly spaced over it (all of a
     smaller tensor), one tensor after another. None when the kernel is not built or a tensor is not
-    a contiguous CPU tensor: the caller samples in PyTorch, to the same bytes."""
+    a contiguous CPU tensor: the caller samples in PyTorch, to the same bytes. The table of runs is
+    kept for the same tensors at the same addresses and sizes (a serving engine asks once per step):
+    finding it costs a third of building it."""
     if not cpu_kernel_available():
         return None
-    rows = []                                     # per tensor: address, run and step in bytes, runs
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous():
-            return None
-        n, size = t.numel(), t.element_size()
-        k = 1 if n <= samples else samples // run                   # runs in this tensor
-        rows.append((t.data_ptr(), size * (n if k == 1 else run), size * (n // k), k))
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).T.contiguous()  # [4, tensors]
-    out = torch.empty(int((table[1] * table[3]).sum()), dtype=torch.uint8)
-    _library().sample_runs(*(row.data_ptr() for row in table), len(rows), out.data_ptr())
+    where = [(t.data_ptr(), t.numel()) for t in tensors]
+    plan = _plans.get((samples, run))
+    if plan is None or plan[1] != where or any(r() is not t for r, t in zip(plan[0], tensors, strict=True)):
+        rows = []                                 # per tensor: address, run and step in bytes, runs
+        for t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                return None
+            n, size = t.numel(), t.element_size()
+            k = 1 if n <= samples else samples // run               # runs in this tensor
+            rows.append((t.data_ptr(), size * (n if k == 1 else run), size * (n // k), k))
+        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).T.contiguous()  # [4, tensors]
+        nbytes = int((table[1] * table[3]).sum())
+        plan = _plans[samples, run] = ([weakref.ref(t) for t in tensors], where, table, nbytes)
+    table = plan[2]
+    out = torch.empty(plan[3], dtype=torch.uint8)
+    _library().sample_runs(*(row.data_ptr() for row in table), table.shape[1], out.data_ptr())
     return out.numpy().tobytes()

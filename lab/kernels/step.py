@@ -7,9 +7,9 @@ the matrix, and waits for the last thread before the next call starts. With 30 l
 the head's included, of a few hundred kilobytes to a few megabytes each, and between them the threads sleep.
 
 This kernel runs the step's 30 layers and the head inside one OpenMP parallel region, as llama.cpp does. Each
-thread takes a fixed share of the rows of every matrix, reads them in the order they lie (the next rows asked
-for while these are read), and meets the others at a barrier only where the next operation needs every row of
-the last:
+thread takes a fixed share of the rows of every matrix, reads them in the order they lie (asking for the row
+AHEAD bytes on while it reads this one), and meets the others at a barrier only where the next operation needs
+every row of the last:
 
     per layer: h = RMSNorm(x)                  every thread, all of it (D values: cheaper than waiting)
                q, k, v = h Wq, h Wk, h Wv      rows shared out                        | barrier
@@ -32,11 +32,12 @@ tests/test_step_kernel.py checks how closely.
 """
 
 CHUNK = 128    # positions per attention task: 4 tasks at 512 positions, so that both threads have work
+AHEAD = 8192   # bytes: a row this far on (at least four rows on) is asked for while this one is read
 ROWS = 4       # sequences per call at most (fast.py): with more, the reference step's matrix products (oneDNN's,
                # blocked for many rows) were faster on the machine the book was measured on
 
 # region decode_step_kernel
-SOURCE = f"constexpr int64_t ROWS = {ROWS};\n" + r"""
+SOURCE = f"constexpr int64_t ROWS = {ROWS}, AHEAD = {AHEAD};\n" + r"""
 #include <omp.h>
 #include <utility>
 
@@ -63,7 +64,7 @@ inline void dots(const T* w, int64_t K, const float* x, float* out) {
 }
 
 // Row w [K] (row-major, as nn.Linear stores a matrix) times each of the B rows of x [B, K], into out [B],
-// four rows of x at a time; the row `ahead` (a few rows on, or null) asked for meanwhile, as the prefetcher
+// four rows of x at a time; the row `ahead` (rows_ahead on, or null) asked for meanwhile, as the prefetcher
 // cannot guess it.
 template <typename T>
 inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, int64_t B, float* out) {
@@ -79,12 +80,17 @@ inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, int6
   }
 }
 
+// How many rows of K elements on the row to ask for lies: AHEAD bytes, at least four rows.
+template <typename T>
+inline int64_t rows_ahead(int64_t K) { return std::max(int64_t(4), AHEAD / (K * int64_t(sizeof(T)))); }
+
 // Rows [lo, hi) of W [R, K] times x [B, K]: fn(b, r, dot) for each.
 template <typename T, typename Fn>
 inline void products(const T* W, int64_t lo, int64_t hi, int64_t K, const float* x, int64_t B, Fn fn) {
   float d[ROWS];                                       // B <= ROWS
+  const int64_t ahead = rows_ahead<T>(K);
   for (int64_t r = lo; r < hi; ++r) {
-    row_dots(W + r * K, r + 4 < hi ? W + (r + 4) * K : nullptr, K, x, B, d);
+    row_dots(W + r * K, r + ahead < hi ? W + (r + ahead) * K : nullptr, K, x, B, d);
     for (int64_t b = 0; b < B; ++b) fn(b, r, d[b]);
   }
 }
@@ -158,10 +164,10 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
         x[b * D + r] = T(float(x[b * D + r]) + float(T(d))); });
       #pragma omp barrier
       norm(W[5]);
-      for (int64_t f = f0; f < f1; ++f) {                 // gate and up row f: a = SiLU(gate) * up
+      for (int64_t f = f0, ahead = rows_ahead<T>(D); f < f1; ++f) {   // gate and up row f: a = SiLU(gate) * up
         float g[ROWS], u[ROWS];
-        row_dots(W[6] + f * D, f + 4 < f1 ? W[6] + (f + 4) * D : nullptr, D, h.data(), B, g);
-        row_dots(W[7] + f * D, f + 4 < f1 ? W[7] + (f + 4) * D : nullptr, D, h.data(), B, u);
+        row_dots(W[6] + f * D, f + ahead < f1 ? W[6] + (f + ahead) * D : nullptr, D, h.data(), B, g);
+        row_dots(W[7] + f * D, f + ahead < f1 ? W[7] + (f + ahead) * D : nullptr, D, h.data(), B, u);
         for (int64_t b = 0; b < B; ++b) a[b * F + f] = silu_mul_one(T(g[b]), T(u[b]));
       }
       #pragma omp barrier
