@@ -54,8 +54,11 @@ def test_cached_prefix_is_what_admission_takes():
 
     _, _, _, log = ch08._run_sjf(Watched)
     assert len(log) == len(seen)
-    taken = [(looked, size - waiting[rid][1], took) for (looked, took), (_, rid, waiting, ok), size
-             in ((x, e, e[2][e[1]][0]) for x, e in zip(seen, log, strict=True) if x is not None)]
+    taken = []                                                     # (cached_prefix, the oracle's, _admit's)
+    for admitted, (_, rid, waiting, _) in zip(seen, log, strict=True):
+        if admitted is not None:
+            size, left = waiting[rid]
+            taken.append((admitted[0], size - left, admitted[1]))
     assert taken and all(a == b == c for a, b, c in taken)
     assert sum(c > 0 for _, _, c in taken) >= 4                    # the system prompt and preempted pages
     assert not hasattr(ch08, "_work_left")                         # the oracle is not a name an answer can call
@@ -118,23 +121,22 @@ def test_the_drawn_workload_passes_the_reference_and_asks_for_other_choices(seed
     assert drawn[2] == sorted(drawn[2])
     ch08.check_shortest_first(sol8.ShortestFirstEngine, seed=seed)
     # the reference's choices, as prompts, differ from those it makes on the fixed workload
-    chosen = [[tuple(w[0][index[rid]]) for _, rid, _, ok in log if ok]
-              for w in (ch08.sjf_workload(), drawn)
-              for _, rids, _, log in [ch08._run_sjf(sol8.ShortestFirstEngine, workload=w)]
-              for index in [{r: i for i, r in enumerate(rids)}]]
-    assert chosen[0] != chosen[1]
+    assert reference_admissions(drawn) != reference_admissions(ch08.sjf_workload())
+
+
+def reference_admissions(workload) -> list[tuple]:
+    """The prompts the reference solution admits on `workload`, in the order it admits them."""
+    _, rids, _, log = ch08._run_sjf(sol8.ShortestFirstEngine, workload=workload)
+    prompt = dict(zip(rids, map(tuple, workload[0]), strict=True))
+    return [prompt[rid] for _, rid, _, ok in log if ok]
 
 
 def replaying():
     """An engine that admits, among those waiting, the prompt the reference admitted first on the fixed
     workload: right there, by rote."""
-    prompts, _, _ = ch08.sjf_workload()
-    _, rids, _, log = ch08._run_sjf(sol8.ShortestFirstEngine)
-    index = {r: i for i, r in enumerate(rids)}
     order = {}
-    for _, rid, _, ok in log:
-        if ok:
-            order.setdefault(tuple(prompts[index[rid]]), len(order))
+    for prompt in reference_admissions(ch08.sjf_workload()):
+        order.setdefault(prompt, len(order))
 
     class Replays(ServingEngine):
         def next_to_admit(self):

@@ -442,12 +442,12 @@ def sample_runs(tensors, samples: int, run: int) -> bytes | None:
     plan = _plans.get((samples, run))
     if plan is None or plan[1] != where or any(r() is not t for r, t in zip(plan[0], tensors, strict=True)):
         rows = []                                 # per tensor: address, run and step in bytes, runs
-        for t in tensors:
+        for t, (address, n) in zip(tensors, where, strict=True):
             if t.device.type != "cpu" or not t.is_contiguous():
                 return None
-            n, size = t.numel(), t.element_size()
+            size = t.element_size()
             k = 1 if n <= samples else samples // run               # runs in this tensor
-            rows.append((t.data_ptr(), size * (n if k == 1 else run), size * (n // k), k))
+            rows.append((address, size * (n if k == 1 else run), size * (n // k), k))
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).T.contiguous()  # [4, tensors]
         nbytes = int((table[1] * table[3]).sum())
         plan = _plans[samples, run] = ([weakref.ref(t) for t in tensors], where, table, nbytes)
