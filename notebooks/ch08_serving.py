@@ -458,7 +458,7 @@ print("wrote section ch08 to", results.results_path())
 #    on a small pool, compares every request's tokens with the same prompt decoded alone, counts the work
 #    left of every waiting request at each admission, and fails a policy that chooses a request while one
 #    with less work left waits (ranking by size alone fails), and one that drops, cancels or shortens long
-#    jobs to look fast. It serves the same prompts again with sizes and arrivals drawn fresh, so a list
+#    jobs to look fast. It serves the same prompts again with answer lengths and arrivals drawn fresh, so a list
 #    of choices that suits the first workload fails; then it prints median and p99 time to first token
 #    against first come, first served. What happens to the longest job, and how would you bound its wait?
 # 2. **Preempt by swapping, not recomputing.** Recomputation throws away work the pool could not keep.
