@@ -146,29 +146,35 @@ def check_prefix_store(make_store, capacity=3):
     return hits / len(stream)
 
 
+def _measured_key_cost(fn, n):
+    """fn(n), refused unless it is a positive number that fits inside the time fn took."""
+    with unchanged(__name__), functions_raise(results.read, results.lookup, compare_with_book):
+        t0 = time.perf_counter()
+        us = fn(n)
+        took_us = (time.perf_counter() - t0) * 1e6
+    assert isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0, (
+        f"expected a positive number of microseconds, got {us!r}")
+    assert us <= took_us, (f"you report {us:.3g} µs for one key, but your function took only {took_us:.3g} "
+                           "µs in all: measure the key, do not type or look up a number")
+    return us
+
+
 def check_key_cost(fn, T=4096, path=COMMITTED):
     """fn(T) -> microseconds of one prefix key over T token ids, measured on this machine.
 
     Open-ended: time lab.engine.prefix_key, or a key of your own (the minimal key of the chapter's first
     cells), however you like (lab.bench.time_call excludes warm-up and reports the median).
     Rule: it is a measurement, so the time you report must fit inside the time your function took, and a key
-    over four times as many ids must cost more (the check runs fn(4 * T) too: at least 1.5 times as much; a
-    key reads every id). lab.results raises while your function runs. Then your number is set beside the
-    book's (`ch04.key_cost_us.T<T>` in results/results.json).
+    over four times as many ids must cost more (the check runs fn(4 * T) too: at least 1.5 times as much, in
+    one of three tries; a key reads every id). lab.results raises while your function runs. Then your number
+    is set beside the book's (`ch04.key_cost_us.T<T>` in results/results.json).
     """
-    costs = []
-    for n in (T, 4 * T):
-        with unchanged(__name__), functions_raise(results.read, results.lookup, compare_with_book):
-            t0 = time.perf_counter()
-            us = fn(n)
-            took_us = (time.perf_counter() - t0) * 1e6
-        assert isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0, (
-            f"expected a positive number of microseconds, got {us!r}")
-        assert us <= took_us, (f"you report {us:.3g} µs for one key, but your function took only {took_us:.3g} "
-                               "µs in all: measure the key, do not type or look up a number")
-        costs.append(us)
+    for _ in range(3):               # a busy machine can slow one call: an honest key passes one of three
+        costs = [_measured_key_cost(fn, n) for n in (T, 4 * T)]
+        if costs[1] >= 1.5 * costs[0]:
+            break
     assert costs[1] >= 1.5 * costs[0], (
-        f"a key over {4 * T} ids cost you {costs[1]:.3g} µs, over {T} ids {costs[0]:.3g} µs: a key reads every id, "
-        "so four times the ids cost more. Build T ids in your function and measure the key over them; do not "
-        "type a number")
+        f"a key over {4 * T} ids cost you {costs[1]:.3g} µs, over {T} ids {costs[0]:.3g} µs (three tries): a key "
+        "reads every id, so four times the ids cost more. Build T ids in your function and measure the key over "
+        "them; do not type a number")
     return compare_with_book(f"ch04.key_cost_us.T{T}", costs[0], path=path)
