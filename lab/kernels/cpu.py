@@ -58,18 +58,18 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
     const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
     if (first >= sinks && first + n <= lo) continue;          // outside the sinks and the window
     const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
-    // The page's rows, every kv head, read in the order they lie, as floats. The next page lies
-    // anywhere, where no prefetcher would guess: ask for each of its rows while this one is read.
-    for (int64_t t = 0, at = 0; t < n; ++t, at += row) {
-      const char *nk = (const char*)(k_pool + next + at), *nv = (const char*)(v_pool + next + at);
-      for (int64_t byte = 0; byte < row * int64_t(sizeof(T)); byte += 64)
-        __builtin_prefetch(nk + byte), __builtin_prefetch(nv + byte);
-      for (int64_t d = 0; d < row; ++d)
-        k[at + d] = float(k_pool[page + at + d]), v[at + d] = float(v_pool[page + at + d]);
-    }
+    // The page's rows, every kv head, read in the order they lie, as floats.
+    for (int64_t at = 0; at < n * row; ++at)
+      k[at] = float(k_pool[page + at]), v[at] = float(v_pool[page + at]);
+    // The next page lies anywhere, where no prefetcher would guess: ask for it into the L2, a slice
+    // per query head below (at once, into the L1, they waited on its few misses in flight).
+    const int64_t lines = (P * row * int64_t(sizeof(T)) + 63) / 64, slices = Hkv * N * G;
+    const char *nk = (const char*)(k_pool + next), *nv = (const char*)(v_pool + next);
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t i = 0; i < N * G; ++i) {   // the G query heads of kv head h, of every query
-        const int64_t hq = i / G * Hq + h * G + i % G;
+        const int64_t hq = i / G * Hq + h * G + i % G, slice = h * N * G + i;
+        for (int64_t line = lines * slice / slices; line < lines * (slice + 1) / slices; ++line)
+          __builtin_prefetch(nk + 64 * line, 0, 2), __builtin_prefetch(nv + 64 * line, 0, 2);
         for (int64_t t = 0; t < n; ++t) {     // scores: q . k
           const float* kt = k.data() + t * row + h * D;   // its key
           float dot = 0.f;

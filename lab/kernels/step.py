@@ -23,22 +23,26 @@ every row of the last:
 
 A weight row is read once for up to four sequences' dot products, each kept in 16 lanes and, for fewer than four
 sequences, in several partial sums along the row, so that several multiply-adds are in flight (a single sum would
-wait on the latency of each before the next). Attention is `attend_run` and `merge` from cpu.py, the kernel the
-engine's reference step calls; the norm, RoPE and SiLU are cpu.py's row functions, so every value is rounded to the
-weights' dtype exactly where the reference rounds it. The products accumulate in float32, as oneDNN's do, in another
-order: the logits agree with the reference's to float32's rounding (bfloat16's, in bfloat16),
-tests/test_step_kernel.py checks how closely.
+wait on the latency of each before the next). In bfloat16, on a processor with AVX-512 BF16, one instruction
+(vdpbf16ps) multiplies 32 pairs of bfloat16 values and adds them to 16 float32 sums: a step of four sequences took
+about 15% less than with the values widened to float32 (one sequence's, bound by reading the weights, about the
+same). Attention is `attend_run` and `merge` from cpu.py, the kernel the engine's reference step calls; the norm,
+RoPE and SiLU are cpu.py's row functions, so every value is rounded to the weights' dtype exactly where the
+reference rounds it. The products accumulate in float32, as oneDNN's do, in another order: the logits agree with the
+reference's to float32's rounding (bfloat16's, in bfloat16), tests/test_step_kernel.py checks how closely.
 `lab/engine/fast.py` calls it; chapter 3 measures what it buys.
 """
 
 CHUNK = 128    # positions per attention task: 4 tasks at 512 positions, so that both threads have work
-AHEAD = 8192   # bytes: a row this far on (at least four rows on) is asked for while this one is read
+AHEAD = 8192   # bytes: a row this far on (at least four rows on) is asked for, into the L2 cache, while this one
+               # is read (into the L1, one sequence's float32 step took about 10% longer)
 ROWS = 4       # sequences per call at most (fast.py): with more, the reference step's matrix products (oneDNN's,
                # blocked for many rows) were faster on the machine the book was measured on
 
 # region decode_step_kernel
 SOURCE = f"constexpr int64_t ROWS = {ROWS}, AHEAD = {AHEAD};\n" + r"""
 #include <omp.h>
+#include <type_traits>
 #include <utility>
 
 // Row w [K] times NB rows of x [NB, K] (floats, row stride K), into out [NB]: 16 lanes per row and A partial
@@ -63,15 +67,57 @@ inline void dots(const T* w, int64_t K, const float* x, float* out) {
   }
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+// dots for bfloat16 on a processor with AVX-512 BF16: x [NB, K] as bfloat16 too, and one instruction
+// (vdpbf16ps) multiplies 32 pairs and adds each lane's two products to its float32 sum. A product of two
+// bfloat16 values is exact in float32, so only the sums round, as in `dots`.
+template <int NB, int A = (NB >= 4 ? 1 : 4 / NB)>
+inline void dots_bf16(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, float* out) {
+  __m512 acc[NB][A];
+  for (int b = 0; b < NB; ++b)
+    for (int a = 0; a < A; ++a) acc[b][a] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * A <= K; k += 32 * A)
+    for (int a = 0; a < A; ++a) {
+      const auto wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * a);
+      for (int b = 0; b < NB; ++b)
+        acc[b][a] = _mm512_dpbf16_ps(acc[b][a], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k + 32 * a));
+    }
+  for (; k + 32 <= K; k += 32) {
+    const auto wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int b = 0; b < NB; ++b)
+      acc[b][0] = _mm512_dpbf16_ps(acc[b][0], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k));
+  }
+  for (int b = 0; b < NB; ++b) {
+    for (int a = 1; a < A; ++a) acc[b][0] = _mm512_add_ps(acc[b][0], acc[b][a]);
+    float sum = _mm512_reduce_add_ps(acc[b][0]);
+    for (int64_t j = k; j < K; ++j) sum += float(w[j]) * float(x[b * K + j]);
+    out[b] = sum;
+  }
+}
+#endif
+
 // Row w [K] (row-major, as nn.Linear stores a matrix) times each of the B rows of x [B, K], into out [B],
 // four rows of x at a time; the row `ahead` (rows_ahead on, or null) asked for meanwhile, as the prefetcher
-// cannot guess it.
+// cannot guess it, into the L2 cache (locality 2). xt: x in T (the same values), for the bfloat16 dot product.
 template <typename T>
-inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, int64_t B, float* out) {
+inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, const T* xt, int64_t B, float* out) {
   if (ahead)
-    for (int64_t byte = 0; byte < K * int64_t(sizeof(T)); byte += 64) __builtin_prefetch((const char*)ahead + byte);
+    for (int64_t byte = 0; byte < K * int64_t(sizeof(T)); byte += 64)
+      __builtin_prefetch((const char*)ahead + byte, 0, 2);
   for (int64_t b = 0; b < B; b += 4) {
     const int64_t n = std::min(B - b, int64_t(4));
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const T* xb = xt + b * K;
+      if (n == 4) dots_bf16<4>(w, K, xb, out + b);
+      else if (n == 3) dots_bf16<3>(w, K, xb, out + b);
+      else if (n == 2) dots_bf16<2>(w, K, xb, out + b);
+      else dots_bf16<1>(w, K, xb, out + b);
+      continue;
+    }
+#endif
     const float* xb = x + b * K;
     if (n == 4) dots<T, 4>(w, K, xb, out + b);
     else if (n == 3) dots<T, 3>(w, K, xb, out + b);
@@ -86,11 +132,11 @@ inline int64_t rows_ahead(int64_t K) { return std::max(int64_t(4), AHEAD / (K * 
 
 // Rows [lo, hi) of W [R, K] times x [B, K]: fn(b, r, dot) for each.
 template <typename T, typename Fn>
-inline void products(const T* W, int64_t lo, int64_t hi, int64_t K, const float* x, int64_t B, Fn fn) {
+inline void products(const T* W, int64_t lo, int64_t hi, int64_t K, const float* x, const T* xt, int64_t B, Fn fn) {
   float d[ROWS];                                       // B <= ROWS
   const int64_t ahead = rows_ahead<T>(K);
   for (int64_t r = lo; r < hi; ++r) {
-    row_dots(W + r * K, r + ahead < hi ? W + (r + ahead) * K : nullptr, K, x, B, d);
+    row_dots(W + r * K, r + ahead < hi ? W + (r + ahead) * K : nullptr, K, x, xt, B, d);
     for (int64_t b = 0; b < B; ++b) fn(b, r, d[b]);
   }
 }
@@ -100,6 +146,11 @@ inline std::pair<int64_t, int64_t> share(int64_t R, int id, int n) { return {R *
 
 template <typename T>
 inline void widen(const T* x, int64_t n, float* out) { for (int64_t i = 0; i < n; ++i) out[i] = float(x[i]); }
+
+template <typename T>      // h [n] (T's values, as floats) into ht [n], for the bfloat16 dot product
+inline void narrow(const float* h, int64_t n, T* ht) {
+  if (std::is_same_v<T, c10::BFloat16>) for (int64_t i = 0; i < n; ++i) ht[i] = T(h[i]);
+}
 
 // One decode step (step.py's docstring). x [B, D]: the tokens' embeddings in, the last layer's output out.
 // layers [L, 9]: the addresses of each layer's input norm, q, k, v, o, post-attention norm, gate, up and down
@@ -119,9 +170,11 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
   {
     const int id = omp_get_thread_num(), n = omp_get_num_threads();
     std::vector<float> h(B * std::max({D, Q, F})), o(Dh);
+    std::vector<T> ht(h.size());                       // h in T
     auto norm = [&](const T* w) {                      // h = RMSNorm(x) * w, all of it, in every thread
       widen(x, B * D, h.data());
       for (int64_t b = 0; b < B; ++b) rms_row(h.data() + b * D, w, D, eps, h.data() + b * D);
+      narrow(h.data(), B * D, ht.data());
     };
     const auto [q0, q1] = share(Q, id, n);
     const auto [k0, k1] = share(KV, id, n);
@@ -131,9 +184,9 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
       const T* const* W = reinterpret_cast<const T* const*>(layers + l * 9);
       T *kp = k_pools + l * ls, *vp = v_pools + l * ls;
       norm(W[0]);
-      products(W[1], q0, q1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { q[b * Q + r] = T(d); });
-      products(W[2], k0, k1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { k[b * KV + r] = T(d); });
-      products(W[3], k0, k1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { v[b * KV + r] = T(d); });
+      products(W[1], q0, q1, D, h.data(), ht.data(), B, [&](int64_t b, int64_t r, float d) { q[b * Q + r] = T(d); });
+      products(W[2], k0, k1, D, h.data(), ht.data(), B, [&](int64_t b, int64_t r, float d) { k[b * KV + r] = T(d); });
+      products(W[3], k0, k1, D, h.data(), ht.data(), B, [&](int64_t b, int64_t r, float d) { v[b * KV + r] = T(d); });
       #pragma omp barrier
       #pragma omp for schedule(static)
       for (int64_t i = 0; i < B * (Hq + Hkv); ++i) {     // one head: turned; a key head and its value stored
@@ -159,26 +212,26 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
       for (int64_t bh = 0; bh < B * Hq; ++bh)              // a query head's runs merged
         merge(Runs{parts.data() + bh / Hq * runs * part, runs, part, Hq}, bh % Hq, Runs{}, 0, Dh, o.data(),
               att.data() + bh * Dh);
-      widen(att.data(), B * Q, h.data());
-      products(W[4], d0, d1, Q, h.data(), B, [&](int64_t b, int64_t r, float d) {
+      widen(att.data(), B * Q, h.data()), narrow(h.data(), B * Q, ht.data());
+      products(W[4], d0, d1, Q, h.data(), ht.data(), B, [&](int64_t b, int64_t r, float d) {
         x[b * D + r] = T(float(x[b * D + r]) + float(T(d))); });
       #pragma omp barrier
       norm(W[5]);
       for (int64_t f = f0, ahead = rows_ahead<T>(D); f < f1; ++f) {   // gate and up row f: a = SiLU(gate) * up
         float g[ROWS], u[ROWS];
-        row_dots(W[6] + f * D, f + ahead < f1 ? W[6] + (f + ahead) * D : nullptr, D, h.data(), B, g);
-        row_dots(W[7] + f * D, f + ahead < f1 ? W[7] + (f + ahead) * D : nullptr, D, h.data(), B, u);
+        row_dots(W[6] + f * D, f + ahead < f1 ? W[6] + (f + ahead) * D : nullptr, D, h.data(), ht.data(), B, g);
+        row_dots(W[7] + f * D, f + ahead < f1 ? W[7] + (f + ahead) * D : nullptr, D, h.data(), ht.data(), B, u);
         for (int64_t b = 0; b < B; ++b) a[b * F + f] = silu_mul_one(T(g[b]), T(u[b]));
       }
       #pragma omp barrier
-      widen(a.data(), B * F, h.data());
-      products(W[8], d0, d1, F, h.data(), B, [&](int64_t b, int64_t r, float d) {
+      widen(a.data(), B * F, h.data()), narrow(h.data(), B * F, ht.data());
+      products(W[8], d0, d1, F, h.data(), ht.data(), B, [&](int64_t b, int64_t r, float d) {
         x[b * D + r] = T(float(x[b * D + r]) + float(T(d))); });
       #pragma omp barrier
     }
     norm(final_norm);
     const auto [v0, v1] = share(V, id, n);
-    products(head, v0, v1, D, h.data(), B, [&](int64_t b, int64_t r, float d) { logits[b * V + r] = T(d); });
+    products(head, v0, v1, D, h.data(), ht.data(), B, [&](int64_t b, int64_t r, float d) { logits[b * V + r] = T(d); });
   }
 }
 """
