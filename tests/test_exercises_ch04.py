@@ -5,6 +5,7 @@ offered only under its own identity (model, dtype, tenant), only for ids that ex
 the store must actually keep states (a store that never stores is always correct and useless).
 """
 
+import json
 import time
 from collections import OrderedDict
 
@@ -178,3 +179,20 @@ def test_ch04_key_cost_check_refuses_reading_the_books_number(book):
         return results.lookup(results.read(book), f"ch04.key_cost_us.T{T}")["value"]
     with pytest.raises(AssertionError, match="forbidden shortcut"):
         ch04.check_key_cost(looked_up, T=512, path=book)
+
+
+def test_ch04_key_cost_check_refuses_a_number_made_from_T(book):
+    def made_up(T):
+        time.sleep(0.02)              # long enough for the number to "fit inside" the call
+        return T * 1e-3               # grows with T, as a key's cost does, but nothing was timed
+    with pytest.raises(AssertionError, match="do not type or compute a number"):
+        ch04.check_key_cost(made_up, T=2048, path=book)
+
+
+def test_ch04_key_cost_check_refuses_the_books_number_read_from_the_file(book):
+    def copied(T):
+        sol.key_cost_us(T)            # time spent, so the number fits inside the call
+        stored = json.loads(book.read_text())["sections"]["ch04"]["values"]["key_cost_us"]["T2048"]["value"]
+        return stored * T / 2048      # the book's number, scaled for 4 * T
+    with pytest.raises(AssertionError, match="the book's ch04.key_cost_us.T2048 to the last digit"):
+        ch04.check_key_cost(copied, T=2048, path=book)

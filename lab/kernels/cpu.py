@@ -62,7 +62,7 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
     for (int64_t at = 0; at < n * row; ++at)
       k[at] = float(k_pool[page + at]), v[at] = float(v_pool[page + at]);
     // The next page lies anywhere, where no prefetcher would guess: ask for it into the L2, a slice
-    // per query head below (at once, into the L1, they waited on its few misses in flight).
+    // per query head below (the L1 holds few misses in flight; a whole page at once waits on them).
     const int64_t lines = (P * row * int64_t(sizeof(T)) + 63) / 64, slices = Hkv * N * G;
     const char *nk = (const char*)(k_pool + next), *nv = (const char*)(v_pool + next);
     for (int64_t h = 0; h < Hkv; ++h) {
