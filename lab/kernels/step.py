@@ -170,7 +170,7 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
   {
     const int id = omp_get_thread_num(), n = omp_get_num_threads();
     std::vector<float> h(B * std::max({D, Q, F})), o(Dh);
-    std::vector<T> ht(h.size());                       // h in T
+    std::vector<T> ht(std::is_same_v<T, c10::BFloat16> ? h.size() : 0);   // h in T, for bfloat16 only
     auto norm = [&](const T* w) {                      // h = RMSNorm(x) * w, all of it, in every thread
       widen(x, B * D, h.data());
       for (int64_t b = 0; b < B; ++b) rms_row(h.data() + b * D, w, D, eps, h.data() + b * D);
