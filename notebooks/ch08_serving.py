@@ -314,10 +314,12 @@ beside("ch08", "ch08.prefix", values=ch08.values(m),
 #
 # A decode step with a full batch, timed in parts: the check that the weights are still the pages' owner
 # (chapter 4), the scheduler (Python), building the step's batch (block tables and slots), attention over
-# the pages, and the rest of the forward (the weight matrices).
+# the pages, and the rest of the forward (the weight matrices). This is the reference step (`fast=False`),
+# which the engine runs for a step with a prefill chunk or more decodes than its fused step takes
+# (chapter 3): the fused step does all of it in one C++ call, with no parts to time from Python.
 
 # %%
-prof = step_cost.profile(smol, S["profile_batch"], S["prompt"])
+prof = step_cost.profile(smol, S["profile_batch"], S["prompt"], fast=False)
 display(show(pd.DataFrame({k: {"time (ms)": t * 1e3, "share of the step": t / prof["step_s"]}
                            for k, t in prof["parts"].items()}).T.rename_axis("part"), percent=["share of the step"],
              caption=f"one decode step of {S['profile_batch']} sequences"))

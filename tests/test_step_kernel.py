@@ -4,10 +4,14 @@ reference step's logits (forward_cached over the same pages) and stores the same
 The oracle is the engine's reference step on a second pool filled the same way. Both accumulate the products in
 float32 in different orders, so logits agree to rounding, not bit for bit. float32: within 1e-3 (SmolLM2's logits
 reach about 30, so a few hundred float32 ulps). bfloat16 rounds every product and residual add of 30 layers to 8
-bits of mantissa, and a sum in another order can land on the next bfloat16 value: within 0.5, four bfloat16 steps
-at logits of 16 to 32, as far as the book's oracle itself (the uncached forward) lies from the reference cached
-step on these sequences (0.375 to 0.5 measured). The greedy token must be the same wherever the reference's top
-two logits lie further apart than twice the tolerance.
+bits of mantissa, and a sum in another order can land on the next bfloat16 value, so two bfloat16 steps part by
+several of its units: within 1.0, eight bfloat16 steps at logits of 16 to 32 (0.125 to 0.5 measured between the
+kernel and the reference; the reference's oneDNN products differ by processor: AMX or AVX-512). A second oracle
+says which of the two rounds better: the float32 reference step over float32 pages filled the same way. The
+kernel's bfloat16 logits must lie no farther from it than the bfloat16 reference's do, give or take a quarter
+(two bfloat16 steps at 16 to 32; measured: the kernel 0.42 to 0.57 from float32, the reference 0.46 to 0.90).
+The greedy token must be the same wherever the reference's top two logits lie further apart than twice the
+tolerance.
 """
 
 import pytest
@@ -15,12 +19,12 @@ import torch
 
 from lab.cache.pool import PagePool
 from lab.engine import ServingEngine
-from lab.engine.fast import ROWS, FusedStep
+from lab.engine.fast import ROWS, FusedStep, rows_for
 from lab.kernels.cpu import cpu_kernel_available
 from lab.models import forward_cached, load, owner
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="needs a C++ compiler for the CPU kernels")
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5}
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1.0}
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -44,20 +48,47 @@ def filled_pool(model, lengths, page_size=16):
     return pool, pool.plan_step([(seq, 1) for seq in seqs])
 
 
-@pytest.mark.parametrize("lengths", [[37], [200, 5, 129], [600]], ids=["one", "three", "several-runs"])
-def test_step_matches_the_reference_step(model, lengths):
-    cfg, state = model.config, owner(model.weights, model.config)
+def reference_step(model, lengths, ids):
+    """(pool, step, logits [1, B, V]) of the engine's reference step over a pool filled as filled_pool fills it."""
+    pool, step = filled_pool(model, lengths)
+    logits = forward_cached(ids, model.weights, model.config, step, positions=step.positions,
+                            state=owner(model.weights, model.config), logits_at=torch.arange(len(lengths)))
+    return pool, step, logits
+
+
+@pytest.fixture(scope="module")
+def float32_model():
+    return load("smollm2", torch.float32)
+
+
+# one sequence; three (a tile of three); several runs of attention; 7 and 16 (tiles of four and what is left)
+CASES = {"one": [37], "three": [200, 5, 129], "several-runs": [600], "seven": [30 + 11 * i for i in range(7)],
+         "sixteen": [20 + 5 * i for i in range(16)]}
+
+
+@pytest.mark.parametrize("threads", [2, 3], ids=["2-threads", "3-threads"])   # 3: shares of rows not whole tiles
+@pytest.mark.parametrize("lengths", CASES.values(), ids=CASES.keys())
+def test_step_matches_the_reference_step(model, float32_model, lengths, threads):
+    state = owner(model.weights, model.config)
     ids = torch.tensor([[11 + 17 * i for i in range(len(lengths))]])
     pool, step = filled_pool(model, lengths)
     fast = FusedStep.build(model, pool)
+    fast.rows = ROWS                  # the kernel takes ROWS anywhere; rows_for picks what the engine gives it
     assert fast is not None and fast.takes(step)
-    got = fast(ids, step, state)                                            # [1, B, V]
-    ref_pool, ref_step = filled_pool(model, lengths)
-    want = forward_cached(ids, model.weights, cfg, ref_step, positions=ref_step.positions, state=state,
-                          logits_at=torch.arange(len(lengths)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = fast(ids, step, state)                                        # [1, B, V]
+    finally:
+        torch.set_num_threads(before)
+    ref_pool, ref_step, want = reference_step(model, lengths, ids)
     tol = TOLERANCE[model.dtype]
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got.float() - want.float()).abs().max().item() < tol
+    if model.dtype == torch.bfloat16:                                       # which rounds closer to float32's
+        truth = reference_step(float32_model, lengths, ids)[2]
+        ours, theirs = ((x.float() - truth).abs().max().item() for x in (got, want))
+        assert ours <= theirs + 0.25, (ours, theirs)
     top2 = want[0].float().topk(2, dim=-1).values                           # [B, 2]
     clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
     assert torch.equal(got[0].argmax(-1)[clear], want[0].argmax(-1)[clear])
@@ -71,7 +102,7 @@ def test_step_matches_the_reference_step(model, lengths):
 
 
 def test_engine_tokens_match_with_and_without_the_fast_step(model):
-    prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(3)]
+    prompts = [list(range(100 + 7 * i, 140 + 9 * i)) for i in range(10)]     # steps of 10 decodes and fewer
     runs = {}
     for fast in (True, False):
         engine = ServingEngine(model, num_pages=32, fast_decode=fast)
@@ -84,11 +115,12 @@ def test_engine_tokens_match_with_and_without_the_fast_step(model):
 
 
 def test_the_fast_step_declines_what_it_does_not_run(model):
-    pool, step = filled_pool(model, [20] * (ROWS + 1))
+    rows = rows_for(model.dtype)
+    pool, step = filled_pool(model, [20] * (rows + 1))
     fast = FusedStep.build(model, pool)
-    assert not fast.takes(step)                                   # more sequences than ROWS
+    assert fast.rows == rows <= ROWS and not fast.takes(step)    # more sequences than it takes
     with pytest.raises(ValueError, match="at most"):
-        fast(torch.zeros(1, ROWS + 1, dtype=torch.long), step, owner(model.weights, model.config))
+        fast(torch.zeros(1, rows + 1, dtype=torch.long), step, owner(model.weights, model.config))
     pool2 = PagePool.for_model(model.config, num_pages=4, dtype=model.dtype)
     seq = pool2.new_id()
     pool2.reserve([(seq, 3)])

@@ -1,10 +1,11 @@
 """The serving engine's fast path: a step that only decodes a few sequences, in one C++ call.
 
 `forward_cached` is the step the book teaches and the engine's reference: every other step runs through it. A
-step whose every token is a decode, for at most ROWS sequences, runs instead through `lab/kernels/step.py`: all
-layers and the head in one OpenMP region, which reads the weights at the machine's rate rather than waking the
-thread pool for every product (chapter 3 measures both). It applies to Llama-shaped models as trained (no biases,
-no per-head norms, no windows) whose weights and pages share a float32 or bfloat16 dtype on the CPU.
+step whose every token is a decode, for at most `rows_for(dtype)` sequences, runs instead through
+`lab/kernels/step.py`: all layers and the head in one OpenMP region, which reads the weights at the machine's rate
+rather than waking the thread pool for every product (chapter 3 measures both). It applies to Llama-shaped models as
+trained (no biases, no per-head norms, no windows) whose weights and pages share a float32 or bfloat16 dtype on the
+CPU.
 
     fast = FusedStep.build(model, pool)      # None where it does not apply
     if fast and fast.takes(step):
@@ -18,17 +19,27 @@ from ..kernels.step import CHUNK, ROWS
 from ..models import check_ids, check_positions
 from ..models.llama import rope_tables
 
+AMX_ROWS = 8   # bfloat16 on a processor with AMX: oneDNN multiplies on its matrix tiles, and on an Intel Xeon the
+               # reference step of 8 sequences was as fast as the kernel's (of 4: about 60% slower; of 16: 35% faster)
+
+
+def rows_for(dtype) -> int:
+    """How many decodes a fused step takes at most: ROWS, or AMX_ROWS for bfloat16 where the processor has AMX."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return AMX_ROWS if dtype == torch.bfloat16 and amx else ROWS
+
+
 LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")   # the kernel's order
 
 
 class FusedStep:
-    """A decode step of up to ROWS sequences for `model`'s weights over the pages of `pool` or of a pool of the
-    same shape (module docstring)."""
+    """A decode step of up to `rows` sequences (rows_for) for `model`'s weights over the pages of `pool` or of a
+    pool of the same shape (module docstring)."""
 
     def __init__(self, model, pool):
         cfg, w = model.config, model.weights
-        self.config, self.page_size = cfg, pool.page_size
+        self.config, self.page_size, self.rows = cfg, pool.page_size, rows_for(pool.dtype)
         # the kernel reads the weights where they lie, by address: hold the tensors, so that none is freed
         # while the engine lives (an engine whose model's weights change refuses to step: ServingEngine.step)
         self.tensors = [[w[f"model.layers.{i}.{n}.weight"] for n in LAYER] for i in range(cfg.n_layers)]
@@ -57,9 +68,9 @@ class FusedStep:
         return cls(model, pool)
 
     def takes(self, step) -> bool:
-        """Whether the planned step is for this path: every token a decode, at most ROWS of them, none read
+        """Whether the planned step is for this path: every token a decode, at most `rows` of them, none read
         through a shared prefix (cascade attention stays with the reference)."""
-        return step.n_tokens == len(step.decode_at) <= ROWS and not step.cascades["full"]
+        return step.n_tokens == len(step.decode_at) <= self.rows and not step.cascades["full"]
 
     @torch.inference_mode()
     def __call__(self, ids, step, state) -> torch.Tensor:
@@ -67,7 +78,7 @@ class FusedStep:
         their keys and values and advances the step, as forward_cached does. state: `owner(weights, config)`."""
         cfg = self.config
         if not self.takes(step):
-            raise ValueError(f"a fused step takes at most {ROWS} decodes and no shared prefix: this step plans "
+            raise ValueError(f"a fused step takes at most {self.rows} decodes and no shared prefix: this step plans "
                              f"{step.n_tokens} tokens, {len(step.decode_at)} of them decodes")
         step.check_model(cfg, state)
         ids = check_ids(ids, cfg)

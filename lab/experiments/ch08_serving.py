@@ -261,7 +261,7 @@ def measure(quick_mode=None, http_runs=True) -> dict:
     m["chunked"] = chunked_prefill(smol, s)
     m["preemption"] = preemption(smol, s)
     m["prefix"] = prefix_sharing(smol, s)
-    m["profile"] = step_cost.profile(smol, s["profile_batch"], s["prompt"])
+    m["profile"] = step_cost.profile(smol, s["profile_batch"], s["prompt"], fast=False)   # the reference step's parts
     m["step_costs"] = step_cost.step_costs(smol, s["profile_batch"], s["prompt"])
     m["timeline"] = timeline_run(smol)
     m["http"] = http(s) if http_runs else None

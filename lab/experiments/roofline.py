@@ -13,8 +13,8 @@ step (`forward_cached`, fast_decode=False): the engine's own work (the identity 
 batch), attention, and the forward's matrix products timed alone (`lab.roofline.products`, with the rate at which
 they read the weights) against the rest of the forward (norms, RoPE, activations, residual adds, sampling, and the
 Python between them). Beside it the same step as the engine runs it, in one C++ call (`lab/engine/fast.py`):
-its time, and the rate at which it reads the step's bytes. The steps of 1 and 4 sequences above are the fused
-ones; 16 sequences run the reference. Quick mode:
+its time, and the rate at which it reads the step's bytes. The steps above are the fused ones where the fused step
+takes that many decodes (`fused_rows`, per dtype: `lab.engine.fast.rows_for`), the reference ones beyond. Quick mode:
 batches 1 and 4, 128 and 512 positions, float32, a quarter-GiB buffer.
 """
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .. import roofline
 from ..engine import ServingEngine
+from ..engine.fast import rows_for
 from ..models import load
 from ..results import figures_dir, provenance, quick, require_clean, start_clock, value, write_section
 from ..step_cost import engine_steps, profile
@@ -73,7 +74,8 @@ def measure(quick_mode=None) -> dict:
                         "steps": {t: profile(models[d], 1, t, steps=s["rounds"], fast=False) for t in s["contexts"]},
                         "fused": {t: profile(models[d], 1, t, steps=s["rounds"]) for t in s["contexts"]}}
     return dict(settings=s, machine=ceilings, steps=steps, breakdown=breakdown, manifest=manifest,
-                threads=torch.get_num_threads(), config={d: m.config for d, m in models.items()})
+                threads=torch.get_num_threads(), config={d: m.config for d, m in models.items()},
+                fused_rows={d: rows_for(models[d].dtype) for d in s["dtypes"]})
 
 
 def cases(m: dict):
@@ -93,6 +95,9 @@ def values(m: dict) -> dict:
                      "peak": {d: value(f, "GFLOP/s", note=f"a @ a, {c['matmul']} x {c['matmul']}")
                               for d, f in c["flops"].items()}},
          "steps": {}}
+    if "fused_rows" in m:
+        v["fused_rows"] = {d: value(n, "decodes", note="the most a step may hold to run in one C++ call")
+                           for d, n in m["fused_rows"].items()}
     for d, b, t, measured, step, bound in cases(m):
         v["steps"].setdefault(d, {}).setdefault(f"b{b}", {})[f"t{t}"] = {
             "step_ms": value(measured["step_s"] * 1e3, "ms", note="median of the rounds"),

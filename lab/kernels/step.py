@@ -21,23 +21,29 @@ every row of the last:
                x += a Wdown                    rows shared out                        | barrier
     then:      logits = RMSNorm(x) Whead       rows shared out
 
-A weight row is read once for up to four sequences' dot products, each kept in 16 lanes and, for fewer than four
-sequences, in several partial sums along the row, so that several multiply-adds are in flight (a single sum would
-wait on the latency of each before the next). In bfloat16, on a processor with AVX-512 BF16, one instruction
-(vdpbf16ps) multiplies 32 pairs of bfloat16 values and adds them to 16 float32 sums: a step of four sequences took
-about 15% less than with the values widened to float32 (one sequence's, bound by reading the weights, about the
-same). Attention is `attend_run` and `merge` from cpu.py, the kernel the engine's reference step calls; the norm,
-RoPE and SiLU are cpu.py's row functions, so every value is rounded to the weights' dtype exactly where the
-reference rounds it. The products accumulate in float32, as oneDNN's do, in another order: the logits agree with the
-reference's to float32's rounding (bfloat16's, in bfloat16), tests/test_step_kernel.py checks how closely.
+The products take a matrix four rows at a time. With AVX-512, a tile of four rows times up to four sequences keeps
+its sixteen sums in registers, 16 lanes each: each vector of the weights is read once for four sequences, each of
+the sequences' once for four rows, and even one sequence has four sums in flight (a single sum would wait on the
+latency of each multiply-add before the next). A sequence's four sums are folded together once, at the end of the
+rows. While a tile reads its rows, it asks for the same vectors of the rows AHEAD bytes on, one at a time, so that
+the prefetches do not queue behind each other. On the Intel Xeon where the tiles were written, in float32, they
+made a step of 16 sequences at 128 positions 5-30% faster than the reference step's oneDNN products (the rounds
+of two runs), and a step of one sequence about 10% faster than reading a row at a time (`row_dots`, which serves
+the last rows of a share and processors without AVX-512). In bfloat16, with AVX-512 BF16, one instruction
+(vdpbf16ps) multiplies 32 pairs of bfloat16 values and adds them to 16 float32 sums.
+
+Attention is `attend_run` and `merge` from cpu.py, the kernel the engine's reference step calls; the norm, RoPE and
+SiLU are cpu.py's row functions, so every value is rounded to the weights' dtype exactly where the reference rounds
+it. The products accumulate in float32, as oneDNN's do, in another order: the logits agree with the reference's to
+float32's rounding (bfloat16's, in bfloat16), tests/test_step_kernel.py checks how closely.
 `lab/engine/fast.py` calls it; chapter 3 measures what it buys.
 """
 
 CHUNK = 128    # positions per attention task: 4 tasks at 512 positions, so that both threads have work
-AHEAD = 8192   # bytes: a row this far on (at least four rows on) is asked for, into the L2 cache, while this one
-               # is read (into the L1, one sequence's float32 step took about 10% longer)
-ROWS = 4       # sequences per call at most (fast.py): with more, the reference step's matrix products (oneDNN's,
-               # blocked for many rows) were faster on the machine the book was measured on
+AHEAD = 8192   # bytes: rows this far on (at least four rows on) are asked for, into the L2 cache, while these
+               # are read (into the L1, one sequence's float32 step took about 10% longer)
+ROWS = 16      # sequences per call at most (fast.py): with 32 or more, the reference step's matrix products
+               # (oneDNN's, blocked for many rows) were as fast or faster
 
 # region decode_step_kernel
 SOURCE = f"constexpr int64_t ROWS = {ROWS}, AHEAD = {AHEAD};\n" + r"""
@@ -99,13 +105,9 @@ inline void dots_bf16(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x,
 #endif
 
 // Row w [K] (row-major, as nn.Linear stores a matrix) times each of the B rows of x [B, K], into out [B],
-// four rows of x at a time; the row `ahead` (rows_ahead on, or null) asked for meanwhile, as the prefetcher
-// cannot guess it, into the L2 cache (locality 2). xt: x in T (the same values), for the bfloat16 dot product.
+// four rows of x at a time. xt: x in T (the same values), for the bfloat16 dot product.
 template <typename T>
-inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, const T* xt, int64_t B, float* out) {
-  if (ahead)
-    for (int64_t byte = 0; byte < K * int64_t(sizeof(T)); byte += 64)
-      __builtin_prefetch((const char*)ahead + byte, 0, 2);
+inline void row_dots(const T* w, int64_t K, const float* x, const T* xt, int64_t B, float* out) {
   for (int64_t b = 0; b < B; b += 4) {
     const int64_t n = std::min(B - b, int64_t(4));
 #ifdef __AVX512BF16__
@@ -126,18 +128,112 @@ inline void row_dots(const T* w, const T* ahead, int64_t K, const float* x, cons
   }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// The sums of the 16 lanes of a, b, c and d, as [a, b, c, d]: 13 shuffles and adds, where four horizontal
+// sums take about 32.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));   // per 128 bits:
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));   // a b a b, c d c d
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),      // a b c d
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// A tile: four rows of w [4, K] (row stride K) times NB rows of x [NB, K], into out [NB, 4]. Its 4 x NB sums
+// stay in registers, so that each vector of w and of x is read once per tile; the last vector of a row is read
+// masked. The same vectors of the four rows at `ahead` (or none: null) are asked for as these are read.
+template <typename T, int NB>
+inline void tile(const T* w, const T* ahead, int64_t K, const float* x, const T* xt, float* out) {
+  __m512 acc[NB][4];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < 4; ++j) acc[b][j] = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      __m512 wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + k);
+      if (ahead)
+        for (int j = 0; j < 4; ++j) __builtin_prefetch(ahead + j * K + k, 0, 2);
+      for (int b = 0; b < NB; ++b) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * K + k);
+        for (int j = 0; j < 4; ++j) acc[b][j] = _mm512_fmadd_ps(wv[j], xv, acc[b][j]);
+      }
+    }
+  } else {
+#ifdef __AVX512BF16__
+    for (int64_t k = 0; k < K; k += 32) {       // 32 pairs at a time, into 16 float32 sums (dots_bf16)
+      const __mmask32 m = K - k >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << (K - k)) - 1);
+      __m512bh wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + j * K + k);
+      if (ahead)
+        for (int j = 0; j < 4; ++j) __builtin_prefetch(ahead + j * K + k, 0, 2);
+      for (int b = 0; b < NB; ++b) {
+        const auto xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xt + b * K + k);
+        for (int j = 0; j < 4; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wv[j], xv);
+      }
+    }
+#endif
+  }
+  for (int b = 0; b < NB; ++b) _mm_storeu_ps(out + b * 4, sum4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]));
+}
+#endif
+
+// Whether `tile` serves T on this processor: float32 with AVX-512, bfloat16 with AVX-512 BF16 as well.
+template <typename T>
+constexpr bool tiled() {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#elif defined(__AVX512F__)
+  return std::is_same_v<T, float>;
+#else
+  return false;
+#endif
+}
+
+// Rows w [nw, K] (nw <= 4, row stride K) times the B rows of x [B, K], into out [B, 4]; the nw rows at `ahead`
+// (or none: null) asked for meanwhile, as the prefetcher cannot guess them, into the L2 cache (locality 2).
+template <typename T>
+inline void block_dots(const T* w, int nw, const T* ahead, int64_t K, const float* x, const T* xt, int64_t B,
+                       float* out) {
+#ifdef __AVX512F__
+  if constexpr (tiled<T>()) {
+    if (nw == 4) {
+      using Tile = void (*)(const T*, const T*, int64_t, const float*, const T*, float*);
+      static constexpr Tile tiles[] = {tile<T, 1>, tile<T, 2>, tile<T, 3>, tile<T, 4>};
+      for (int64_t b = 0; b < B; b += 4, ahead = nullptr)      // asked for once, with the first rows of x
+        tiles[std::min(B - b, int64_t(4)) - 1](w, ahead, K, x + b * K, xt + b * K, out + b * 4);
+      return;
+    }
+  }
+#endif
+  if (ahead)
+    for (int64_t byte = 0; byte < nw * K * int64_t(sizeof(T)); byte += 64)
+      __builtin_prefetch((const char*)ahead + byte, 0, 2);
+  float d[ROWS];
+  for (int j = 0; j < nw; ++j) {
+    row_dots(w + j * K, K, x, xt, B, d);
+    for (int64_t b = 0; b < B; ++b) out[b * 4 + j] = d[b];
+  }
+}
+
 // How many rows of K elements on the row to ask for lies: AHEAD bytes, at least four rows.
 template <typename T>
 inline int64_t rows_ahead(int64_t K) { return std::max(int64_t(4), AHEAD / (K * int64_t(sizeof(T)))); }
 
-// Rows [lo, hi) of W [R, K] times x [B, K]: fn(b, r, dot) for each.
+// Rows [lo, hi) of W [R, K] times x [B, K], four rows at a time: fn(b, r, dot) for each.
 template <typename T, typename Fn>
 inline void products(const T* W, int64_t lo, int64_t hi, int64_t K, const float* x, const T* xt, int64_t B, Fn fn) {
-  float d[ROWS];                                       // B <= ROWS
+  float d[ROWS * 4];                                   // B <= ROWS
   const int64_t ahead = rows_ahead<T>(K);
-  for (int64_t r = lo; r < hi; ++r) {
-    row_dots(W + r * K, r + ahead < hi ? W + (r + ahead) * K : nullptr, K, x, xt, B, d);
-    for (int64_t b = 0; b < B; ++b) fn(b, r, d[b]);
+  for (int64_t r = lo; r < hi; r += 4) {
+    const int nw = int(std::min(hi - r, int64_t(4)));
+    block_dots(W + r * K, nw, r + ahead + nw <= hi ? W + (r + ahead) * K : nullptr, K, x, xt, B, d);
+    for (int j = 0; j < nw; ++j)
+      for (int64_t b = 0; b < B; ++b) fn(b, r + j, d[b * 4 + j]);
   }
 }
 
@@ -217,11 +313,14 @@ void step(T* x, const int64_t* layers, int64_t L, const T* final_norm, const T* 
         x[b * D + r] = T(float(x[b * D + r]) + float(T(d))); });
       #pragma omp barrier
       norm(W[5]);
-      for (int64_t f = f0, ahead = rows_ahead<T>(D); f < f1; ++f) {   // gate and up row f: a = SiLU(gate) * up
-        float g[ROWS], u[ROWS];
-        row_dots(W[6] + f * D, f + ahead < f1 ? W[6] + (f + ahead) * D : nullptr, D, h.data(), ht.data(), B, g);
-        row_dots(W[7] + f * D, f + ahead < f1 ? W[7] + (f + ahead) * D : nullptr, D, h.data(), ht.data(), B, u);
-        for (int64_t b = 0; b < B; ++b) a[b * F + f] = silu_mul_one(T(g[b]), T(u[b]));
+      for (int64_t f = f0, ahead = rows_ahead<T>(D); f < f1; f += 4) {   // gate and up rows: a = SiLU(gate) * up
+        const int nw = int(std::min(f1 - f, int64_t(4)));
+        const bool pre = f + ahead + nw <= f1;
+        float g[ROWS * 4], u[ROWS * 4];
+        block_dots(W[6] + f * D, nw, pre ? W[6] + (f + ahead) * D : nullptr, D, h.data(), ht.data(), B, g);
+        block_dots(W[7] + f * D, nw, pre ? W[7] + (f + ahead) * D : nullptr, D, h.data(), ht.data(), B, u);
+        for (int j = 0; j < nw; ++j)
+          for (int64_t b = 0; b < B; ++b) a[b * F + f + j] = silu_mul_one(T(g[b * 4 + j]), T(u[b * 4 + j]));
       }
       #pragma omp barrier
       widen(a.data(), B * F, h.data()), narrow(h.data(), B * F, ht.data());
