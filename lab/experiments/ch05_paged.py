@@ -414,8 +414,8 @@ def plot_speed(times: dict, path=None):
         a.set_xticks(contexts, [f"{L:,}" for L in contexts])
         a.minorticks_off()
         a.set_xlabel("context (positions)")
-    ax.legend()
-    ax_ratio.legend(loc="best")
+    for a in (ax, ax_ratio):                  # below the axes: inside, they covered the highest points
+        a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     return finish(fig, path)
 
 
