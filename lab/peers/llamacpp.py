@@ -2,10 +2,11 @@
 
 `python -m lab.peers.llamacpp build` (what `make llamacpp` runs) takes llama-cpp-python==0.3.36's source
 distribution from the package index (checked against the index's sha256), unpacks it into `.llamacpp/`
-(outside git), and builds the llama.cpp it vendors for this CPU (`GGML_NATIVE`, OpenMP) with cmake:
+(outside git), and builds the llama.cpp it vendors for this CPU (`GGML_NATIVE`, OpenMP; on x86 without its AMX
+matrix-tile path, which stopped with an illegal instruction on the Q4_1 file on an Intel Xeon with AMX) with cmake:
 `llama-server`, `llama-bench`, `llama-perplexity`, `llama-batched-bench` and `llama-quantize`. It is
-idempotent: a finished build is not redone. `.llamacpp/build.json` records the version, the flags and how
-long the build took.
+idempotent: a finished build with the same flags is not redone. `.llamacpp/build.json` records the version, the
+flags and how long the build took.
 
 Every program runs with an environment of its own (`clean_env`): `import lab` puts OMP_WAIT_POLICY=PASSIVE
 into this process's environment for torch, and llama.cpp, which also runs on OpenMP, would inherit it and run
@@ -15,6 +16,7 @@ with a wait policy chosen for torch on a shared machine instead of its own defau
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -33,6 +35,9 @@ INDEX = "https://pypi.org/simple/llama-cpp-python/"
 TARGETS = ("llama-server", "llama-bench", "llama-perplexity", "llama-batched-bench", "llama-quantize")
 FLAGS = ("-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
+if platform.machine().lower() in ("x86_64", "amd64"):   # no AMX: an -mno-* flag wins over -march=native's set
+    NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    FLAGS += (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 
 
 def bin_dir() -> Path:
@@ -105,7 +110,7 @@ def _upstream(src: Path) -> str:
 
 def build(jobs: int | None = None) -> dict:
     """Download, unpack and build (once); the build record."""
-    if available() and build_info().get("complete"):
+    if available() and build_info().get("complete") and build_info().get("flags") == list(FLAGS):
         print(f"llama.cpp is built in {bin_dir()} ({build_info()['seconds']:.0f} s when it was built)")
         return build_info()
     HOME.mkdir(exist_ok=True)
