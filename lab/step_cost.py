@@ -211,7 +211,7 @@ def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=1
     forward (matrix products, norms, sampling). Seconds per step, medians over `steps` steps. packed=False
     runs the projections through F.linear instead of the engine's prepacked weights, and the reference
     layers; fused=False keeps the prepacked products with the reference layers (`llama.block`) instead of
-    the fused ones; fast=False keeps a step of a few decodes in forward_cached too (else it is one C++ call,
+    the fused ones; fast=False keeps a step the fused step would take in forward_cached too (else it is one C++ call,
     lab/engine/fast.py, and its attention is inside the forward). The engine holds pages of `page_size`
     positions and takes 256 tokens a step; the prompts are seeded random ids."""
 
@@ -266,7 +266,7 @@ def profile(model, batch, context, steps=8, packed=True, fused=True, page_size=1
 
 
 def step_costs(model, batch, context) -> dict:
-    """The reference decode step's time (profile, fast=False: a batch the fused step does not take) four ways: as
+    """The reference decode step's time (profile, fast=False: forced even on a batch the fused step takes) four ways: as
     the engine runs it; with the reference layers instead of the fused ones (`unfused`); with F.linear instead of
     prepacked weights as well (`unpacked`); and run from a second thread, as a server that steps its engine off the
     main thread would."""
