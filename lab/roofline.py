@@ -75,8 +75,9 @@ def step_model(config: ModelConfig, batch: int, context: int, weight_bytes: int 
 
 
 def bound(step: dict, ceilings: dict, dtype: str) -> dict:
-    """The least time a step can take on this machine: {"memory_s": bytes / read bandwidth, "compute_s":
-    flops / peak (at `dtype`), "bound_s": the larger, "bound_by": "memory" or "compute"}."""
+    """The time a step takes at the measured rates (the roofline: a floor as far as those rates are the most the
+    machine gives): {"memory_s": bytes / read bandwidth, "compute_s": flops / peak (at `dtype`), "bound_s": the
+    larger, "bound_by": "memory" or "compute"}."""
     memory = step["bytes"] / (ceilings["read_gb_s"] * 1e9)
     compute = step["flops"] / (ceilings["flops"][dtype] * 1e9)
     return {"memory_s": memory, "compute_s": compute, "bound_s": max(memory, compute),

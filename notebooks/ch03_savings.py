@@ -217,12 +217,13 @@ beside("ch03", "ch03.attention_share", "ch03.attention_flop_share", "ch03.attent
 # coincide. Which prediction the measurement follows is recorded in results.json
 # (`ch03.attention_share_follows`).
 #
-# ## The roofline: the least time a step can take
+# ## The roofline: the time a step's bytes and FLOPs allow
 #
 # A decode step multiplies every weight matrix by one vector per sequence, so it must at least *read* every
 # weight once, plus each sequence's cached keys and values. However clever the code, a step cannot take less
-# than those bytes over the rate at which this machine reads memory, nor less than its FLOPs over the rate at
-# which it computes: the **roofline**. First by hand, for SmolLM2 in float32 at 512 cached positions:
+# than those bytes over the fastest rate at which this machine reads memory, nor less than its FLOPs over the
+# fastest rate at which it computes: the **roofline**. A benchmark only estimates those rates (a plain sum
+# below), so a step can beat the estimate, never the machine. First by hand, for SmolLM2 in float32 at 512 cached positions:
 
 # %%
 c = smol.config
