@@ -223,7 +223,8 @@ beside("ch03", "ch03.attention_share", "ch03.attention_flop_share", "ch03.attent
 # weight once, plus each sequence's cached keys and values. However clever the code, a step cannot take less
 # than those bytes over the fastest rate at which this machine reads memory, nor less than its FLOPs over the
 # fastest rate at which it computes: the **roofline**. A benchmark only estimates those rates (a plain sum
-# below), so a step can beat the estimate, never the machine. First by hand, for SmolLM2 in float32 at 512 cached positions:
+# below), so a step can beat the estimate, never the machine. First by hand, for SmolLM2 in float32 at 512
+# cached positions:
 
 # %%
 c = smol.config
