@@ -1,11 +1,12 @@
 """The roofline of a decode step: what this machine can read and compute per second, what a step must read
-and compute, and so the least time the step can take.
+and compute, and so the time the step's bytes and FLOPs take at the measured rates.
 
 A decode step of B sequences at context T reads every weight matrix once (whatever B is: the B rows of
 activations share each weight as it streams past) and each sequence's cached keys and values, and does
 about 2 FLOPs per weight per sequence plus attention's 4 per attended position per query feature. Its
-time cannot be below either `bytes / bandwidth` or `flops / peak`: the roofline (Williams, Waterman and
-Patterson, 2009). A step whose measured time is close to `bytes / bandwidth` is bound by reading memory,
+time cannot be below either `bytes / bandwidth` or `flops / peak` at the machine's fastest rates: the roofline
+(Williams, Waterman and Patterson, 2009). A benchmark only estimates those rates, so a step can beat the
+estimate. A step whose measured time is close to `bytes / bandwidth` is bound by reading memory,
 and only reading fewer bytes (smaller dtypes, fewer weights, a smaller cache) makes it faster.
 
 `machine()` measures the two ceilings in one run, with torch's own operators on this process's threads:

@@ -239,14 +239,15 @@ x.sum()
 read_gb_s = x.numel() * 4 / (time.perf_counter() - t0) / 1e9
 del x
 print(f"weights {weight_bytes / 1e6:,.0f} MB + cache {cache_bytes / 1e6:,.1f} MB, read at {read_gb_s:.1f} GB/s: "
-      f"at least {(weight_bytes + cache_bytes) / read_gb_s / 1e6:.1f} ms a step")
+      f"{(weight_bytes + cache_bytes) / read_gb_s / 1e6:.1f} ms a step at that rate")
 assert weight_bytes == roofline.step_model(c, batch=1, context=512)["weight_bytes"]
 
 # %% [markdown]
-# `lab.roofline` counts the same bytes (and the FLOPs) for any batch and context. The experiment measures
-# the ceilings properly (the fastest of several reads, a copy, and a large matrix product for the peak FLOP
-# rate), then times the serving engine's decode step of 1 to 16 sequences and sets each beside its bound.
-# `fraction` is the bound over the measured step: 100% would be a step that only reads its bytes. Then
+# `lab.roofline` counts the same bytes (and the FLOPs) for any batch and context. The experiment estimates
+# the ceilings more carefully (the fastest of several reads, a copy, and a large matrix product for the peak
+# FLOP rate), then times the serving engine's decode step of 1 to 16 sequences and sets each beside its bound.
+# `fraction` is the bound over the measured step: 100% would be a step that only reads its bytes at the
+# sum's rate, and over 100% one that reads them faster than the sum did. Then
 # one sequence's step by part, through the reference step (`forward_cached`): the engine's own work (the
 # identity check, scheduling, the step's batch), attention, the matrix products timed alone (every weight
 # read once), and the rest of the forward; beside it the same step in one C++ call (`lab/engine/fast.py`),

@@ -5,8 +5,8 @@ decode steps they bound.
 For SmolLM2 in float32 and bfloat16, the serving engine's decode step of B sequences at T cached positions
 each (random ids: a step's time does not depend on the text), timed in rounds after the prefill
 (`lab.step_cost.engine_steps`); beside it what the step must read and compute (`lab.roofline.step_model`)
-and the least time that allows (`bound`). `fraction` is that least time over the measured one: 100% would
-be a step that does nothing but read its bytes at the machine's full bandwidth.
+and the time that allows at the measured rates (`bound`). `fraction` is that time over the measured one: 100%
+would be a step that does nothing but read its bytes at the rate the sum read; over 100%, a step that read faster.
 
 `breakdown`: where one sequence's step goes, at each context (`lab.step_cost.profile`), through the reference
 step (`forward_cached`, fast_decode=False): the engine's own work (the identity check, scheduling, the step's
@@ -136,7 +136,7 @@ def values(m: dict) -> dict:
 
 
 def plot(m: dict, path=None):
-    """Measured step time (solid) and the roofline's least time (dashed) against context, per batch."""
+    """Measured step time (solid) and the roofline's time at the measured rates (dashed) against context, per batch."""
     dtypes = list(m["steps"])
     fig, axes = plots.figure(ncols=len(dtypes), height=3.4, squeeze=False)
     for ax, d in zip(axes[0], dtypes, strict=True):
@@ -157,8 +157,8 @@ def record(m: dict) -> dict:
     path = figures_dir() / "roofline.png"
     plot(m, path)
     write_section(SECTION, v, provenance(manifest=m["manifest"], threads=m["threads"]),
-                  figures={"roofline": {"path": path, "caption": "A decode step against the least time the "
-                                        "machine's bandwidth and FLOP rate allow"}})
+                  figures={"roofline": {"path": path, "caption": "A decode step against the time the "
+                                        "measured bandwidth and FLOP rate allow"}})
     return v
 
 
