@@ -32,3 +32,22 @@ def test_durations_sum_the_sections_clocks_and_name_the_untimed():
     del doc["sections"]["ch03"]
     assert durations(doc).startswith("A full `make results` measured its sections in 4 minutes")
     assert "Not timed" not in durations(doc)
+
+
+def test_measured_on_names_each_machine_with_its_dates_and_sections():
+    from lab.book.readme import durations, measured_on
+
+    def prov(processor, date, seconds):
+        return {"provenance": {"machine": {"processor": processor, "cpu_count": 2, "torch_threads": 2}, "gpu": None,
+                               "versions": {"torch": "2.13.0+cpu"}, "mode": "full", "date": f"{date}T10:00:00+00:00",
+                               "wall_seconds": seconds}}
+
+    doc = {"sections": {"ch01": prov("A", "2026-12-01", 60.0), "ch02": prov("B", "2026-12-02", 60.0),
+                        "ch03": prov("A", "2026-12-03", 60.0)}}
+    text = measured_on(doc)
+    assert text.startswith("A (2 CPUs, 2 torch threads), no GPU, torch 2.13.0+cpu, full mode, "
+                           "2026-12-01 to 2026-12-03: ch01, ch03; B (")
+    assert text.endswith("2026-12-02: ch02")
+    assert "on two cores of more than one machine (see above)" in durations(doc)
+    del doc["sections"]["ch02"]
+    assert "2 minutes on two cores of the A (minutes" in durations(doc)

@@ -193,8 +193,21 @@ def table(doc, source="results") -> str:
         specs = spec if isinstance(spec, tuple) else (spec,) * len(keys)        # one format, or one per key
         cells = [_cell(lookup(doc, k, source), f) for k, f in zip(keys, specs, strict=True)]
         rows.append(f"| {what} | {' / '.join(cells)} |")
-    machines = sorted({_machine(s["provenance"]) for s in doc["sections"].values()})
-    return "\n".join(rows) + "\n\nMeasured on: " + "; ".join(machines) + "."
+    return "\n".join(rows) + "\n\nMeasured on: " + measured_on(doc) + "."
+
+
+def measured_on(doc) -> str:
+    """Each machine that measured a section, with its dates and its sections: which numbers can be compared."""
+    runs = {}
+    for name, section in doc["sections"].items():
+        p = section["provenance"]
+        runs.setdefault(_machine(p), []).append((name, p["date"][:10]))
+    parts = []
+    for machine, sections in sorted(runs.items()):
+        dates = sorted({d for _, d in sections})
+        when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+        parts.append(f"{machine}, {when}: {', '.join(n for n, _ in sections)}")
+    return "; ".join(parts)
 
 
 def _cell(leaf, spec) -> str:
@@ -206,7 +219,7 @@ def _machine(p) -> str:
     m = p["machine"]
     gpu = f", GPU {p['gpu']}" if p.get("gpu") else ", no GPU"
     return (f"{m.get('processor', '?')} ({m.get('cpu_count', '?')} CPUs, {m.get('torch_threads', '?')} torch threads)"
-            f"{gpu}, torch {p['versions'].get('torch')}, {p['mode']} mode, {p['date'][:10]}")
+            f"{gpu}, torch {p['versions'].get('torch')}, {p['mode']} mode")
 
 
 # Where the lab stands beside llama.cpp, in words the results choose (rendered as the book's prose is, so that a
@@ -240,8 +253,11 @@ def durations(doc) -> str:
     parts = ", ".join(f"{n} {t / 60:.1f}" for n, t in timed.items())
     missing = [n for n, t in seconds.items() if t is None]
     what = "The sections that recorded their time took" if missing else "A full `make results` measured its sections in"
-    text = (f"{what} {sum(timed.values()) / 60:.0f} minutes on two cores (minutes per section: {parts}), besides "
-            f"building the peers and the book.")
+    processors = {doc["sections"][n]["provenance"].get("machine", {}).get("processor") for n in timed}
+    where = (f" of the {processors.pop()}" if len(processors) == 1 and None not in processors
+             else " of more than one machine (see above)" if len(processors) > 1 else "")
+    text = (f"{what} {sum(timed.values()) / 60:.0f} minutes on two cores{where} (minutes per section: {parts}), "
+            f"besides building the peers and the book.")
     return text + (f" Not timed (measured before sections recorded their time): {', '.join(missing)}." if missing
                    else "")
 
