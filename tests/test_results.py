@@ -508,6 +508,30 @@ def test_campaign_status_flags_dirty_sections_and_commits_off_this_history(prov)
     assert "notebooks" in campaign.sources("notebooks")
 
 
+def test_campaign_tells_a_change_of_docstrings_and_comments_from_a_change_of_code():
+    from lab import campaign
+
+    old = 'def f(x):\n    """Add one."""\n    return x + 1  # one more\n'
+    assert campaign.same_code(old, old.replace("Add one.", "Add one to x.").replace("# one more", "# plus one"))
+    assert not campaign.same_code(old, old.replace("x + 1", "x + 2"))
+    assert not campaign.same_code(old, old.replace('"""Add one."""', 'y = "Add one."'))  # no longer a docstring
+    assert campaign.same_code(None, None) and not campaign.same_code(old, None)
+
+
+def test_campaign_sources_are_what_a_section_runs():
+    """A section's sources follow its experiment's imports, the modules it starts by name and the scripts beside
+    a module that it runs: chapter 8 runs the fused step and starts the server, chapter 11 also the disaggregated
+    workers, which chapter 1 never reaches."""
+    from lab import campaign
+
+    ch01, ch07, ch08, ch11 = (set(campaign.sources(s)) for s in ("ch01", "ch07", "ch08", "ch11"))
+    assert {"lab/experiments/ch08_serving.py", "lab/kernels/step.py", "lab/serve/__main__.py"} <= ch08
+    assert "lab/peers/kvpress_run.py" in ch07                   # run as a script beside compare_kvpress.py
+    assert "lab/serve/disagg.py" in ch11 and "lab/serve/disagg.py" not in ch01
+    assert {"lab/__init__.py", "lab/cache/__init__.py", "lab/experiments/ch01_recompute.py"} <= ch01
+    assert not any(f.startswith("lab/exercises/") for f in ch01 | ch08 | ch11)
+
+
 def test_committed_results_were_measured_on_committed_code():
     """Every section of the committed results.json was measured on a clean tree, at a commit of this history, and
     not as work in progress: what `make results-status` reports as problems."""
