@@ -361,7 +361,9 @@ print(f"mean over requests of the share found cached, never evicting: {moon['unb
 # %%
 beside("ch06", "mooncake.pool", values=mooncake.values({"pool": moon}), section="mooncake",
        why=f"your run serves the trace's first {len(trace):,} requests, the book all 12,031: the first minutes "
-           "of the hour hold few second turns, so less of each prompt is found cached.")
+           "of the hour hold few second turns, so less of each prompt is found cached; and those requests hold "
+           "fewer distinct pages, so a pool of a given size keeps a larger share of what a pool that never "
+           "evicts would.")
 
 # %% [markdown]
 # ### llama.cpp's prompt cache

@@ -291,7 +291,9 @@ m["engine"] = e
 m["http"] = "the notebook does not start servers; `make results` compares the lab's server with vLLM's"
 beside("ch12", "ch12.engine", "ch12.http", values=ch12.values(m),
        why=f"your run: {S['engine_prompts']} prompts of {S['engine_prompt']} tokens, {S['engine_new']} new each; "
-           f"the book's {FULL['engine_prompts']} of {FULL['engine_prompt']}, {FULL['engine_new']} new")
+           f"the book's {FULL['engine_prompts']} of {FULL['engine_prompt']}, {FULL['engine_new']} new. With few new "
+           "tokens the prompts are most of the work, and the fork computes each prompt once where the n requests "
+           "compute part of it again for every answer, so the fork's ratio over them is larger than the book's.")
 
 # %% [markdown]
 # ## Record

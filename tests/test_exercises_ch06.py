@@ -173,6 +173,25 @@ def test_a_test_that_checks_only_the_type_fails():
         ch06.check_invalidation_test(only_the_type)
 
 
+def test_a_test_that_checks_which_functions_the_module_holds_fails():
+    """The shortcut a reader's pass found: the broken backends replace names in lab.engine.prefix, so a test that
+    checks those names are the originals, and serves nothing, passed every run. The real runs replace them too."""
+    from lab.engine import hashing, identity
+    from lab.engine import prefix as prefix_module
+
+    def the_originals(make_backend):
+        assert prefix_module.identity_of is identity.identity_of and prefix_module.page_keys is hashing.page_keys
+
+    def the_names(make_backend):
+        for name in ("identity_of", "page_keys"):
+            fn = getattr(prefix_module, name)
+            assert (fn.__name__, fn.__qualname__) == (name, name) and "<locals>" not in fn.__qualname__
+
+    for shortcut in (the_originals, the_names):
+        with pytest.raises(AssertionError, match="failed on the real PrefixCachingBackend|passed a backend"):
+            ch06.check_invalidation_test(shortcut, seed=0)
+
+
 def test_a_test_that_counts_its_runs_fails():
     runs = []
 

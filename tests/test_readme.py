@@ -30,7 +30,7 @@ def test_durations_sum_the_sections_clocks_and_name_the_untimed():
     assert text.startswith("The sections that recorded their time took 4 minutes") and "ch01 1.0, ch02 2.5" in text
     assert text.endswith("Not timed (measured before sections recorded their time): ch03.")
     del doc["sections"]["ch03"]
-    assert durations(doc).startswith("A full `make results` measured its sections in 4 minutes")
+    assert durations(doc).startswith("The sections of a full `make results`, each measured on its own, took 4 minutes")
     assert "Not timed" not in durations(doc)
 
 

@@ -177,11 +177,11 @@ HEADLINES = [
     ("Beside llama.cpp — greedy answers identical on the same float32 weights (passages)",
      ("llamacpp.agreement.float32.identical", "llamacpp.agreement.float32.passages"), ""),
     ("Beside llama.cpp — `make llamacpp`, building it from source on two cores", "llamacpp.build_seconds", ".0f"),
-    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 / 11 "
+    ("Time to run each chapter's notebook in quick mode, chapters 1 / 2 / 3 / 4 / 5 / 6 / 7 / 8 / 9 / 10 / 11 / 12 "
      "(two CPU cores)", tuple(f"notebooks.seconds.{name}" for name in
                               ("ch01_recompute", "ch02_build", "ch03_savings", "ch04_identity", "ch05_paged",
                                "ch06_prefix", "ch07_compress", "ch08_serving", "ch09_speculation",
-                               "ch10_architecture", "ch11_beyond")), ".0f"),
+                               "ch10_architecture", "ch11_beyond", "ch12_branches")), ".0f"),
 ]
 
 
@@ -252,7 +252,8 @@ def durations(doc) -> str:
     timed = {n: t for n, t in seconds.items() if t is not None}
     parts = ", ".join(f"{n} {t / 60:.1f}" for n, t in timed.items())
     missing = [n for n, t in seconds.items() if t is None]
-    what = "The sections that recorded their time took" if missing else "A full `make results` measured its sections in"
+    what = ("The sections that recorded their time took" if missing
+            else "The sections of a full `make results`, each measured on its own, took")
     processors = {doc["sections"][n]["provenance"].get("machine", {}).get("processor") for n in timed}
     where = (f" of the {processors.pop()}" if len(processors) == 1 and None not in processors
              else " of more than one machine (see above)" if len(processors) > 1 else "")

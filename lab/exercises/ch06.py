@@ -150,8 +150,24 @@ def compare_lfu_lru(lfu_cached_tokens, requests=None, num_pages=12, page_size=4)
 # ---- exercise 2: a test that an in-place weight update invalidates every page ----------------------------
 #
 # The broken backends are PrefixCachingBackend itself, run while one of the names it uses in lab.engine.prefix
-# (identity_of, page_keys) is replaced by a broken one: a test cannot tell them apart by type or attributes,
-# only by what they serve.
+# (identity_of, page_keys) is replaced by a broken one. The real backend runs with both names replaced too, by
+# functions that do what the originals do, under the same names: a test cannot tell them apart by type,
+# attributes or which functions the module holds, only by what the backend names and serves.
+
+
+def _as(fn, original):
+    """A function that calls fn, under the name, qualified name, docstring and module of `original`."""
+    def patch(*args, **kwargs):
+        return fn(*args, **kwargs)
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(patch, attr, getattr(original, attr))
+    return patch
+
+
+def _faithful():
+    """identity_of and page_keys that call the originals: the patches of the real backend's runs."""
+    return {name: _as(getattr(prefix_module, name), getattr(prefix_module, name))
+            for name in ("identity_of", "page_keys")}, None
 
 def _frozen_identity(at_build):
     """identity_of that gives each backend's pool the identity its model had when the backend was built
@@ -164,7 +180,7 @@ def _frozen_identity(at_build):
         return dataclasses.replace(frozen[cache], salt=salt)
 
     built = (lambda backend: identity_of(backend.model, backend.pool)) if at_build else None
-    return {"identity_of": identity_of}, built
+    return {"identity_of": _as(identity_of, real)}, built
 
 
 def _salt_only(ids, page_size, extra=()):
@@ -181,17 +197,19 @@ def _first_page_only(ids, page_size, extra=()):
 STALE_BACKENDS = {  # what each broken backend does -> (patches of lab.engine.prefix, called on each backend built)
     "it names its pages under the identity the model had when the backend was built": lambda: _frozen_identity(True),
     "it remembers the identity the model had when it first named a page": lambda: _frozen_identity(False),
-    "it names its pages by the ids and the salt alone, not by the model": lambda: ({"page_keys": _salt_only}, None),
+    "it names its pages by the ids and the salt alone, not by the model":
+        lambda: ({"page_keys": _as(_salt_only, page_keys)}, None),
     "a weight update renames only the first page; once that page is computed again, the later pages computed "
-    "with the old weights are found again": lambda: ({"page_keys": _first_page_only}, None),
+    "with the old weights are found again": lambda: ({"page_keys": _as(_first_page_only, page_keys)}, None),
 }
 INVALIDATION_PAGES = (64, 4)  # (num_pages, page_size) of the backends make_backend builds
 
 
 @contextlib.contextmanager
 def stale_backend(how=None):
-    """A make_backend(model) for the backend STALE_BACKENDS[how] describes (None: the real one), valid inside."""
-    patches, built = STALE_BACKENDS[how]() if how else ({}, None)
+    """A make_backend(model) for the backend STALE_BACKENDS[how] describes (None: the real one, its names
+    replaced by faithful copies), valid inside."""
+    patches, built = STALE_BACKENDS[how]() if how else _faithful()
     saved = {name: getattr(prefix_module, name) for name in patches}
 
     def make_backend(model):
@@ -219,7 +237,9 @@ def check_invalidation_test(reader_test, seed=None):
     and once on each of four backends that serve stale pages, where it must fail, in an order drawn fresh: one
     names pages under the identity the model had when the backend was built; one remembers the identity of its
     first call; one names pages by the ids and the salt alone; one renames only the first page, keeping every
-    later page reachable. Each is a PrefixCachingBackend: only what it serves tells it apart.
+    later page reachable. Each is a PrefixCachingBackend, run with the names it calls in lab.engine.prefix
+    replaced, and so is the real one (by copies that do what the originals do): only what a backend names and
+    serves tells it apart.
     """
     seed = fresh_seed(seed)
     runs = [None, None, *STALE_BACKENDS]
