@@ -414,9 +414,10 @@ print(f"on every call: {per_call * 1e6:.3g} µs; once after a change: {cc['rehas
 m = dict(settings=S, manifest=smol.manifest, engine=eng, key_cost=kc, check_cost=cc)
 beside("ch04", "ch04.key_cost_us", "ch04.check_us", "ch04.weights_check", values=ch04.values(m),
        why=f"your run times each key {S['key_reps']} times and each decode step {S['step_reps']} times, the book "
-           f"{FULL['key_reps']} and {FULL['step_reps']}: microseconds move with whatever else the machine runs. And "
-           "the check reads the fingerprint twice (in the manifest and in the owner), so one fingerprint is about "
-           "half of the check at 16 ids, in the book's run too: which side of half it falls is noise.")
+           f"{FULL['key_reps']} and {FULL['step_reps']}: microseconds move with whatever else the machine runs, and "
+           "not all parts alike: the check reads the manifest, with its fingerprint, once, and the rest of it "
+           "(the key, the versions) stretches most on a busy machine, so the fingerprint's share of the check "
+           "moves from run to run.")
 
 # %% [markdown]
 # Noticing changed weights costs the same on every call, whatever the context, most of it the fingerprint
@@ -647,7 +648,8 @@ print("wrote section ch04 to", results.results_path())
 # with recomputation and reports your hit rate. It fails a store that offers a state under another
 # identity, offers more than the common prefix, or keeps nothing; one that runs the model to make a state
 # (a store hands out forks of the states it was given: the model's code raises while its methods run);
-# and one that keeps more than `capacity` caches (the check counts the caches still alive afterwards).
+# and one that keeps more than `capacity` states (the check counts the caches still alive afterwards, and the
+# bytes of the tensors still alive, in caches or not).
 
 # %%
 from lab.exercises import ch04 as ex

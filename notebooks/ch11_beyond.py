@@ -449,7 +449,7 @@ print("wrote section ch11 to", results.results_path())
 #    hidden traces through `lab.fleet.simulate` with 4 and 8 workers: your policy must win back most of
 #    what round robin loses against one pool of the whole fleet's memory, with requests spread evenly.
 #    Sending everything to one worker fails, and so, on these traces, does Dynamo's cost at its default
-#    weight (`"kv_aware"`).
+#    weight (`"kv_aware"`). The policy must be your own: `lab.fleet.choose` and `kv_cost` raise inside.
 # 3. **Open-ended: restore or recompute on your machine.** `ex.measure_restore()` times a page restored from
 #    host memory and from disk against the same page computed again, and sets your numbers beside the
 #    book's. At what model size would your disk lose?

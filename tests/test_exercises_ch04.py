@@ -94,6 +94,40 @@ def test_ch04_prefix_store_refuses_a_store_that_breaks_a_rule(store, message):
         ch04.check_prefix_store(store)
 
 
+class KeepsTensors:
+    """Keeps every state it is given as plain tensors, no cache object kept, and builds a ConcatCache on lookup: no
+    cache outlives the stream, and the capacity is never honoured (a reader's pass found the cache count alone
+    passed it, with 45 hits of 48 at capacity 3)."""
+
+    def __init__(self, capacity):
+        self.entries = []
+
+    def insert(self, identity, ids, cache):
+        kv = [(k[..., :len(ids), :].clone(), v[..., :len(ids), :].clone())
+              for k, v in zip(cache.keys, cache.values, strict=True)]
+        self.entries.append((identity, list(ids), kv, cache.config))
+
+    def lookup(self, identity, ids):
+        best, n = None, 0
+        for ident, stored, kv, cfg in self.entries:
+            m = next((i for i, (x, y) in enumerate(zip(stored, ids[:-1], strict=False)) if x != y),
+                     min(len(stored), len(ids) - 1))
+            if ident == identity and m > n:
+                best, n = (kv, cfg), m
+        if best is None:
+            return None, 0
+        cache = ConcatCache(best[1])
+        for i, (k, v) in enumerate(best[0]):
+            cache.update(i, k[..., :n, :].clone(), v[..., :n, :].clone())
+        cache.advance(n)
+        return cache, n
+
+
+def test_ch04_prefix_store_counts_the_state_kept_outside_caches():
+    with pytest.raises(AssertionError, match="holds .* KiB of tensors"):
+        ch04.check_prefix_store(KeepsTensors)
+
+
 class Recomputes(sol.LRUPrefixStore):
     """Keeps only ids, and computes the state of the common prefix on lookup: always right, and every
     "hit" computed again. It knows the check's models by their manifests."""

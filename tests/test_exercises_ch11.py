@@ -748,3 +748,15 @@ def test_measure_restore_on_smollm2(smollm2, book):
     """A page of SmolLM2 computed costs more than one copied back from host memory."""
     r = ch11.measure_restore(pages=8, rounds=3, model=smollm2, path=book)
     assert r["recompute_ms_per_page"] > r["host_ms_per_page"] and r["ratio"]["recompute_ms_per_page"] > 0
+
+
+def test_the_librarys_router_is_refused_inside_the_routing_check():
+    """A reader's pass found that Dynamo's cost from the library, at weight 3, passed 4 seeds in 6."""
+    from lab.fleet import choose
+
+    def librarys(ids, workers):
+        return choose("kv_aware", workers, weight=3)
+
+    with pytest.raises(AssertionError, match="forbidden shortcut.*own policy"):
+        ch11.check_routing_policy(librarys, seed=1)
+

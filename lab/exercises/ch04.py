@@ -70,6 +70,14 @@ def _live_caches() -> set:
     return {id(x) for x in gc.get_objects() if issubclass(type(x), KVCache)}
 
 
+def _live_storages() -> dict:
+    """{storage address: bytes} of every tensor alive in the process: a store that keeps keys and values as plain
+    tensors, not in caches, holds them too."""
+    gc.collect()
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+            if issubclass(type(t), torch.Tensor) and not t.is_meta}
+
+
 @torch.inference_mode()
 def check_prefix_store(make_store, capacity=3):
     """make_store(capacity) -> an object with lookup(identity, ids) -> (cache or None, n) and
@@ -79,7 +87,9 @@ def check_prefix_store(make_store, capacity=3):
     caller may extend; insert keeps the state of ids. The check serves a stream of requests through your
     store, compares every answer with recomputation, and reports the hit rate of your eviction rule.
     Rules: the store never runs the model (lookup hands out stored states, it does not compute them), and it
-    keeps at most `capacity` caches: after the stream, the caches still alive are counted.
+    keeps at most `capacity` caches: after the stream, the caches still alive are counted, and so are the bytes
+    of the tensors still alive, which may not exceed `capacity` of the stream's largest states (a store that
+    keeps keys and values as tensors of its own keeps them too).
     """
     base = load("tiny-llama")
     # layer 0: the keys and values of layer 1 depend on it (the last layer's MLP changes no cached state)
@@ -110,7 +120,8 @@ def check_prefix_store(make_store, capacity=3):
                          "request: a stored state is reusable only up to the common prefix")
 
     del store, cache, other, got
-    before = _live_caches()
+    before, tensors_before = _live_caches(), _live_storages()
+    largest = 0
     with _no_model():
         store = _StoreOnly(make_store(capacity))
     hits, saved, total = 0, 0, 0
@@ -133,18 +144,29 @@ def check_prefix_store(make_store, capacity=3):
         assert (got - want).abs().max() < 1e-5, (
             f"request {text!r} ({who}): served from a stored prefix of {n} tokens, the scores differ from "
             "recomputation: the stored state was not the state of ids[:n] under this identity")
+        largest = max(largest, cache.nbytes())
         store.insert(identity, ids, cache)
         hits, saved, total = hits + (n > 0), saved + n, total + len(ids)
-    del cache
+    del cache, got, want
     held = len(_live_caches() - before)
     assert held <= capacity, (f"after the stream {held} caches are still alive, held by your store: more than its "
                               f"capacity of {capacity}. Evict: that is the rule you choose")
+    kept = sum(b for a, b in _live_storages().items() if a not in tensors_before)
+    assert kept <= STATE_SLACK * capacity * largest, (
+        f"after the stream your store holds {kept / 2**10:,.0f} KiB of tensors, {kept / largest:.1f} times the "
+        f"largest state of the stream ({largest / 2**10:,.0f} KiB): more than its capacity of {capacity} states, "
+        "whether in caches or not. Evict: that is the rule you choose")
     stream = request_stream()
     assert hits >= len(stream) // 4, (f"only {hits} of {len(stream)} requests reused a prefix: "
                                       "the store keeps too little")
     print(f"correct: {hits} of {len(stream)} requests reused a prefix; {saved} of {total} positions "
           f"({saved / total:.0%}) were not recomputed (capacity {capacity})")
     return hits / len(stream)
+
+
+# The bytes a store may keep after the stream, over capacity x the largest state: a state's tensors may sit in a
+# buffer somewhat larger than they are (a slice of a grown one); a store that keeps every state keeps ~15x.
+STATE_SLACK = 1.5
 
 
 # How far a reader's key may be from prefix_key's time, either way: on the book's machine the chapter's minimal

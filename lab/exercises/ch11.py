@@ -27,12 +27,12 @@ from ..bench import summarize
 from ..cache import BlockManager
 from ..engine import PrefixCachingBackend, RadixCache
 from ..engine.tiers import Tiers
-from ..fleet import FleetError, Router, simulate
+from ..fleet import FleetError, Router, choose, kv_cost, simulate
 from ..models import load
 from ..results import COMMITTED, ResultsKeyError
 from ..workloads import random_tokens, shape
 from . import compare_with_book
-from .rules import counting_steps, drawn_with, fresh_seed, functions_raise, no_escape, unchanged
+from .rules import counting_steps, drawn_with, fresh_seed, functions_raise, unchanged
 
 # ---- exercise 1: a radix tree -----------------------------------------------------------------------------------
 
@@ -41,6 +41,7 @@ _RADIX = sys.modules[RadixCache.__module__]
 RADIX_LIBRARY = tuple(v for v in vars(_RADIX).values()
                       if isinstance(v, (type, types.FunctionType)) and v.__module__ == _RADIX.__name__)
 NO_LIBRARY = "forbidden shortcut: this exercise asks you to write the radix tree, not to run the library's RadixCache"
+NO_ROUTER = "forbidden shortcut: this exercise asks for your own policy, not the library's router (lab.fleet.choose)"
 
 # The step budget of one insert or match: STEPS_PER_TOKEN x (tokens + 1) + STEPS_FLAT steps of Python (a line run,
 # or a call), whatever the number of sequences stored. The tree gets its token ids as Tokens, whose comparisons
@@ -433,6 +434,7 @@ def check_routing_policy(policy, seed=None) -> dict:
     - give no worker more than MOST_IMBALANCE x the mean number of requests (sending everything to the worker
       that holds the most is not a fleet);
     - reach at least RECOVER of the way from round robin's hit rate to the one pool's.
+    The policy is yours: the library's router (`lab.fleet.choose`, `kv_cost`, `Router.costs`) raises while it runs.
     """
     assert callable(policy), (
         f"check_routing_policy takes your own function, policy(ids, workers) -> index, not {policy!r:.40}")
@@ -442,7 +444,7 @@ def check_routing_policy(policy, seed=None) -> dict:
         for j, c in enumerate(cases):
             W = c["workers"]
             try:
-                with unchanged(__name__), no_escape():
+                with unchanged(__name__), functions_raise(choose, kv_cost, Router.costs, why=NO_ROUTER):
                     run = simulate(c["trace"], W, policy, c["pages"], model=model)
             except FleetError as e:
                 raise AssertionError(f"{W} workers: {e}") from None
