@@ -38,9 +38,7 @@ def closure(path: Path) -> set[Path]:
         if f in seen:
             continue
         seen.add(f)
-        parts = list(f.relative_to(REPO_ROOT).with_suffix("").parts)
-        package = parts if parts[-1] == "__init__" else parts[:-1]
-        package = [p for p in package if p != "__init__"]
+        package = list(f.relative_to(REPO_ROOT).parts[:-1])          # lab/x/y.py and lab/x/__init__.py: lab.x
         names = [".".join(package[:i]) for i in range(1, len(package) + 1)]  # the packages above it run too
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):

@@ -169,6 +169,7 @@ def _faithful():
     return {name: _as(getattr(prefix_module, name), getattr(prefix_module, name))
             for name in ("identity_of", "page_keys")}, None
 
+
 def _frozen_identity(at_build):
     """identity_of that gives each backend's pool the identity its model had when the backend was built
     (at_build), or when the backend first named a page; (its patches, what to do with a backend just built)."""
