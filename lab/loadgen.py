@@ -295,6 +295,7 @@ def summarize(records: list, slo_ttft: float, slo_itl: float) -> dict:
 
 SLO = dict(slo_ttft=2.0, slo_itl=0.5)   # goodput's targets: first token within 2 s, no gap over 0.5 s
 SETTLE_S = 3.0                          # pause before each run: vLLM's worker spins ~1 s after its last step
+WARM_OUTPUT = 16                        # tokens per request of a compared level's warm-up (compare_servers)
 
 
 def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate_requests: int, max_prompt: int,
@@ -309,7 +310,9 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
     - "concurrency": for each c in `levels`, c requests of `prompt` random ids and `output` tokens sent at
       once; at each level of `compare_at` `rounds` times, the order of the servers alternating, the median
       run (by throughput) kept with every round's throughput; the servers named in `compare_only` run only
-      at those levels;
+      at those levels. With more than one round, every server first runs the level once untimed (c requests
+      of WARM_OUTPUT tokens): its steps meet the level's batch shapes before a round is timed (the first
+      rounds of a server that had not were up to a fifth slower than its later ones);
     - "sequential" (the first server only): `sequential` such requests, one at a time;
     - "rates": for each offered rate, `rate_requests` requests of `workload` (Poisson arrivals, lengths
       clipped to max_prompt and max_output), on every server but those in `compare_only`.
@@ -333,6 +336,9 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
         for c in tqdm(levels, desc="concurrency", leave=False):
             names = [name for name in urls if name not in compare_only or c in compare_at]
             runs = {name: [] for name in names}
+            if c in compare_at and rounds > 1:
+                for name in names:                                     # the level's warm-up, untimed
+                    run(name, fixed_requests(c, prompt, min(output, WARM_OUTPUT), seed=990 + c, vocab=vocab), c)
             for r in range(rounds if c in compare_at else 1):
                 for name in names[::(-1) ** r]:                         # first to last, then last to first, ...
                     recs = run(name, fixed_requests(c, prompt, output, seed=100 + c + 1000 * r, vocab=vocab), c)

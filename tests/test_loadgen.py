@@ -171,6 +171,14 @@ def test_compare_servers_sends_every_server_the_same_loads_in_turns(tiny, monkey
             yield None, f"http://127.0.0.1:{port}"
 
     servers = {name: (in_thread(), loadgen.LAB_FIELDS) for name in ("a", "b", "c")}
+    monkeypatch.setattr(loadgen, "WARM_OUTPUT", 2)
+    sent, run_load = [], loadgen.run_load                      # (base_url, [(prompt, max_tokens)]) of every run
+
+    def counted(url, reqs, *args):
+        sent.append((url, [(r.prompt, r.max_tokens) for r in reqs]))
+        return run_load(url, reqs, *args)
+
+    monkeypatch.setattr(loadgen, "run_load", counted)
     out = loadgen.compare_servers(servers, levels=(1, 3), prompt=8, output=4, rates=(50.0,), rate_requests=3,
                                   max_prompt=8, max_output=4, sequential=2, rounds=2, compare_at=(3,),
                                   compare_only=("c",), timeout_s=60, model_name="tiny-llama", vocab=320)
@@ -185,6 +193,12 @@ def test_compare_servers_sends_every_server_the_same_loads_in_turns(tiny, monkey
         prompts = [q.prompt for q in loadgen.fixed_requests(c, 8, 4, seed=100 + c, vocab=320)]   # round 0's
         assert r["tokens"] == ServingEngine(tiny, 128, 16, 64).generate(prompts, 4)
     assert all(out[n]["rates"][50.0]["completed"] == 3 for n in ("a", "b"))
+    # the compared level (3, two rounds) was first run once untimed on every server, with WARM_OUTPUT tokens;
+    # the level of one round (1) was not
+    level = [(r.prompt, 2) for r in loadgen.fixed_requests(3, 8, 2, seed=993, vocab=320)]
+    warm = [url for url, reqs in sent if reqs == level]
+    assert len(warm) == len(set(warm)) == 3
+    assert not any(len(reqs) == 1 and reqs[0][1] == 2 for _, reqs in sent)
 
 
 # ---- servers as processes ----
@@ -224,14 +238,15 @@ def test_vllm_server_answers_exactly_max_tokens():
 
 
 def test_ratio_pairs_each_round_of_two_servers():
-    """ratio: the median runs' throughputs divided, and each round's pair divided (the spread); a round's
-    pair is the i-th entry of both servers' rounds, as compare_servers records them."""
+    """ratio: each round's pair divided, and the median of those (not the median runs' throughputs divided,
+    1.5 here: a slow round falls on both servers of its pair); a round's pair is the i-th entry of both
+    servers' rounds, as compare_servers records them."""
     from lab.experiments import ch08_serving as ch08
 
     out = {"a": {"concurrency": {16: {"throughput_tok_s": 150.0, "rounds": [140.0, 150.0, 160.0]}}},
            "b": {"concurrency": {16: {"throughput_tok_s": 100.0, "rounds": [100.0, 120.0, 80.0]}}}}
     r = ch08.ratio(out, "a", "b", 16)
-    assert r["value"] == pytest.approx(1.5) and r["unit"] == "x"
+    assert r["value"] == pytest.approx(1.4) and r["unit"] == "x"
     assert r["rounds"] == pytest.approx([1.4, 1.25, 2.0]) and (r["low"], r["high"]) == pytest.approx((1.25, 2.0))
     g = ch08.ratios(out, {"f32": ("a", "b")}, (16,))["f32"]["c16"]
-    assert (g["ratio"]["value"], g["low"]["value"], g["high"]["value"]) == pytest.approx((1.5, 1.25, 2.0))
+    assert (g["ratio"]["value"], g["low"]["value"], g["high"]["value"]) == pytest.approx((1.4, 1.25, 2.0))

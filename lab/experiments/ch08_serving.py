@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import loadgen, step_cost
+from ..bench import ratio_summary
 from ..engine import ServingEngine
 from ..loadgen import random_prompts
 from ..models import load
@@ -46,7 +47,7 @@ def settings(quick_mode: bool) -> dict:
                 pool_requests=16, long=1536, chunk=256,
                 decoders=4, shared_system=512, shared_requests=16, profile_batch=16,
                 http_levels=(1, 2, 4, 8, 16, 32, 64), http_prompt=128, http_output=64,
-                rates=(0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), rate_requests=24, rounds=3, max_prompt=256,
+                rates=(0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), rate_requests=24, rounds=5, max_prompt=256,
                 max_output=64,
                 vllm=True, timeout_s=300)
 
@@ -403,13 +404,15 @@ def agreement_values(a: dict) -> dict:
 
 
 def ratio(out: dict, a: str, b: str, c: int, note: str = "") -> dict:
-    """Server a's throughput over server b's at c requests in flight, as a results value: the ratio of their
-    median runs, with the ratio of each round's pair (a round sends the load to both, one after the
-    other) and the lowest and highest of those, the spread a reader should allow."""
+    """Server a's throughput over server b's at c requests in flight, as a results value: the median over
+    rounds of each round's ratio (a round sends the load to both, one after the other, so a slow spell of
+    the machine falls on both sides of a ratio), with every round's ratio, the lowest and highest (the spread
+    a reader should allow) and the quartiles, as chapter 3's timings are compared (`lab.bench.ratio_summary`)."""
     x, y = out[a]["concurrency"][c], out[b]["concurrency"][c]
-    pairs = [p / q for p, q in zip(x["rounds"], y["rounds"], strict=True) if q]
-    return value(x["throughput_tok_s"] / y["throughput_tok_s"], "x", rounds=pairs, low=min(pairs), high=max(pairs),
-                 note=note or f"{a} over {b}, {c} requests in flight")
+    kept = [(p, q) for p, q in zip(x["rounds"], y["rounds"], strict=True) if q]   # b served nothing: left out
+    r = ratio_summary([p for p, _ in kept], [q for _, q in kept])
+    return value(r["median"], "x", rounds=[p / q for p, q in kept], low=r["min"], high=r["max"], q1=r["q1"],
+                 q3=r["q3"], note=note or f"{a} over {b}, {c} requests in flight")
 
 
 def ratios(out: dict, pairs: dict, levels) -> dict:

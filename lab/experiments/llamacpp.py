@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import data, loadgen
+from ..bench import ratio_summary
 from ..engine import ServingEngine
 from ..models import load
 from ..peers import llamacpp
@@ -46,7 +47,7 @@ def settings(quick_mode: bool) -> dict:
                     levels=(1, 4), compared=(4,), prompt=32, output=8, serve_rounds=1, vllm=False,
                     system=64, turns=3, user=16, reply=16, chat_rounds=1, timeout_s=120)
     return dict(depths=(512, 4096), new_tokens=64, rounds=3, passages=8, passage_tokens=128, answer=32,
-                levels=(1, 16, 64), compared=(16, 64), prompt=128, output=64, serve_rounds=3, vllm=True,
+                levels=(1, 16, 64), compared=(16, 64), prompt=128, output=64, serve_rounds=5, vllm=True,
                 system=512, turns=6, user=64, reply=64, chat_rounds=3, timeout_s=300)
 
 
@@ -202,9 +203,12 @@ def values(m: dict) -> dict:
              for name, x in sides.items()}
         for dt in DTYPES:
             lab, ref = sides[f"lab_{dt}"], sides[f"llamacpp_{dt}"]
+            r = ratio_summary(lab["rounds"], ref["rounds"])          # the median of the rounds' ratios
             pairs = [a / b for a, b in zip(lab["rounds"], ref["rounds"], strict=True)]
-            d[f"ratio_{dt}"] = value(lab["tok_s"] / ref["tok_s"], "x", rounds=pairs, low=min(pairs), high=max(pairs),
-                                     note=f"the lab's engine over llama-bench, one sequence, {dt}")
+            d[f"ratio_{dt}"] = value(r["median"], "x", rounds=pairs, low=r["min"], high=r["max"], q1=r["q1"],
+                                     q3=r["q3"],
+                                     note=f"the lab's engine over llama-bench, one sequence, {dt}: the median of "
+                                          "the rounds' ratios")
         v["decode"][f"d{depth}"] = d
     v["serving"] = serving_values(m["serving"], s)
     v["prompt_cache"] = prompt_cache_values(m["prompt_cache"])
