@@ -532,6 +532,44 @@ def test_campaign_sources_are_what_a_section_runs():
     assert not any(f.startswith("lab/exercises/") for f in ch01 | ch08 | ch11)
 
 
+def test_campaign_reaches_the_definitions_a_section_can_call(tmp_path, monkeypatch):
+    """reached: a name imported from a module, named on it or named by a reached definition of the same file
+    is reached; one nothing names is not, unless decorated; a program, or a module passed around as a value,
+    is reached as a whole."""
+    from lab import campaign
+
+    files = {"__init__.py": "",
+             "a.py": "def f():\n    return g()\ndef g():\n    return 1\ndef h():\n    return 2\nX = 3\n",
+             "b.py": "from .a import f\nfrom . import c\ndef run():\n    return f() + c.k()\n",
+             "c.py": "def k():\n    return 1\ndef unused():\n    pass\n@register\ndef hook():\n    pass\n",
+             "d.py": "from . import a as mod\nFAMILIES = {'a': mod}\n"}
+    (tmp_path / "lab").mkdir()
+    for name, text in files.items():
+        (tmp_path / "lab" / name).write_text(text)
+    monkeypatch.setattr(campaign, "REPO_ROOT", tmp_path)
+    lab = {name: tmp_path / "lab" / name for name in files}
+    used = campaign.reached({lab[n] for n in ("__init__.py", "a.py", "b.py", "c.py")}, {lab["b.py"]})
+    assert used[lab["a.py"]] == {"f", "g"} and used[lab["c.py"]] == {"k", "hook"}
+    assert campaign.ALL in used[lab["b.py"]]
+    assert campaign.ALL in campaign.reached(set(lab.values()), {lab["b.py"]})[lab["a.py"]]   # d passes a around
+
+
+def test_campaign_counts_a_change_only_where_a_section_reaches_it(monkeypatch):
+    """The commit that gave compare_servers its warm-up (4083ff6) changed lab/loadgen.py: chapter 8 runs
+    compare_servers, chapter 3 imports only loadgen.random_prompts (through step_cost), so, that commit
+    against its parent, chapter 8's code changed and chapter 3's did not."""
+    from lab import campaign
+
+    git = campaign._git
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false" or \
+            git("cat-file", "-e", "4083ff6^{commit}").returncode:
+        pytest.skip("not a full git checkout of this history")
+    at = lambda a: "4083ff6" if a == "HEAD" else a.replace("HEAD:", "4083ff6:", 1)   # that commit as HEAD
+    monkeypatch.setattr(campaign, "_git", lambda *args: git(*map(at, args)))
+    assert campaign.changed_since("4083ff6~1", "ch08") is True
+    assert campaign.changed_since("4083ff6~1", "ch03") is False
+
+
 def test_committed_results_were_measured_on_committed_code():
     """Every section of the committed results.json was measured on a clean tree, at a commit of this history, and
     not as work in progress: what `make results-status` reports as problems."""
