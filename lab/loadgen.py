@@ -311,8 +311,8 @@ def compare_servers(servers: dict, levels, prompt: int, output: int, rates, rate
       once; at each level of `compare_at` `rounds` times, the order of the servers alternating, the median
       run (by throughput) kept with every round's throughput; the servers named in `compare_only` run only
       at those levels. With more than one round, every server first runs the level once untimed (c requests
-      of WARM_OUTPUT tokens): its steps meet the level's batch shapes before a round is timed (the first
-      rounds of a server that had not were up to a fifth slower than its later ones);
+      of WARM_OUTPUT tokens): its steps meet the level's batch shapes before a round is timed (without it a
+      server's first round can run slower than the rounds after it);
     - "sequential" (the first server only): `sequential` such requests, one at a time;
     - "rates": for each offered rate, `rate_requests` requests of `workload` (Poisson arrivals, lengths
       clipped to max_prompt and max_output), on every server but those in `compare_only`.

@@ -544,11 +544,17 @@ show(table, digits=2)
 fig = ch04.plot_hazards(haz | {"lora_adapter": lora})
 
 # %%
-for name, r in (haz | {"lora_adapter": lora}).items():
-    kept = r["argmax_agree"] / r["trials"]
-    print(f"{name:22s} top token kept in {r['argmax_agree']:2d}/{r['trials']}: "
-          f"{'loud' if kept < 0.5 else 'quiet' if kept >= 0.9 else 'in between'}; "
+def loudness(kept):                  # the share of trials (or positions) whose top token stayed the right one
+    return "loud" if kept < 0.5 else "quiet" if kept >= 0.9 else "in between"
+
+
+for name, r in haz.items():
+    print(f"{name:22s} top token kept in {r['argmax_agree']:2d}/{r['trials']} trials: "
+          f"{loudness(r['argmax_agree'] / r['trials'])}; "
           f"refused by the backend in {r['refused']}/{r['trials']}, by the cache in {r['refused_by_cache']}")
+print(f"{'lora_adapter':22s} top token kept at {lora['cont_argmax_agree']}/{lora['positions']} positions of the "
+      f"continuation: {loudness(lora['cont_argmax_agree'] / lora['positions'])}; refused by the backend in "
+      f"{lora['refused']}/{lora['trials']}, by the cache in {lora['refused_by_cache']}")
 print("the quietest, by the median KL:", min(haz, key=lambda n: haz[n]["kl_median"]))
 changed = [n for n in haz if ch04.IDENTITY_CHANGES[n]]
 every = all(h["refused"] == h["backend_correct"] == h["trials"] for h in [haz[n] for n in changed] + [lora])
@@ -593,7 +599,8 @@ beside("ch04", "ch04.hazards", "ch04.lora", values=ch04.values(m),
            "the trials, nine in ten).")
 
 # %% [markdown]
-# **Loud and quiet**, as the lines above classify them (loud: the top token moves in most trials).
+# **Loud and quiet**, as the lines above classify them (loud: the top token moves in most trials; the LoRA
+# swap, whose effect is on every token, by the positions of its continuation, far more than its trials).
 # Another prompt, a wrong position and draft tokens left behind move the top token in most trials: a
 # test that compares generated text catches them. The MLP scaled by 1.02, the in-place update and the
 # bfloat16 cache move every score a little and leave the top token alone: greedy text looks right while
