@@ -223,7 +223,7 @@ def same_code(old: str | None, new: str | None) -> bool:
 
 def changed_since(commit: str, section: str) -> bool | str | None:
     """Whether the code `section` runs differs between `commit` and HEAD: True; "docs" when every changed file
-    is Python whose code is the same (`same_code`) or whose changed definitions the section does not reach
+    is Python whose `definitions` are the same (`same_code`) or whose changed definitions the section does not reach
     (`reached`), one at least in its docstrings; False when nothing it reaches changed (None: git cannot say)."""
     r = _git("diff", "--name-only", commit, "HEAD", "--", *sources(section))
     if r.returncode:
@@ -251,7 +251,7 @@ def changed_since(commit: str, section: str) -> bool | str | None:
         reach = use.get(REPO_ROOT / f, {ALL})
         if changed and (ALL in reach or changed & (reach | {""})):
             return True
-        docs = docs or same_code(old, new)
+        docs = docs or not changed                   # the same definitions: docstrings or comments only
     return "docs" if docs else False
 
 

@@ -410,9 +410,15 @@ def ratio(out: dict, a: str, b: str, c: int, note: str = "") -> dict:
     a reader should allow) and the quartiles, as chapter 3's timings are compared (`lab.bench.ratio_summary`)."""
     x, y = out[a]["concurrency"][c], out[b]["concurrency"][c]
     kept = [(p, q) for p, q in zip(x["rounds"], y["rounds"], strict=True) if q]   # b served nothing: left out
-    r = ratio_summary([p for p, _ in kept], [q for _, q in kept])
-    return value(r["median"], "x", rounds=[p / q for p, q in kept], low=r["min"], high=r["max"], q1=r["q1"],
-                 q3=r["q3"], note=note or f"{a} over {b}, {c} requests in flight")
+    return rounds_ratio([p for p, _ in kept], [q for _, q in kept], note or f"{a} over {b}, {c} requests in flight")
+
+
+def rounds_ratio(num: list, den: list, note: str) -> dict:
+    """num[i] / den[i] for each round i as a results value: their median, every round's ratio, the lowest and
+    highest and the quartiles (`lab.bench.ratio_summary`)."""
+    r = ratio_summary(num, den)
+    return value(r["median"], "x", rounds=[p / q for p, q in zip(num, den, strict=True)], low=r["min"],
+                 high=r["max"], q1=r["q1"], q3=r["q3"], note=note)
 
 
 def ratios(out: dict, pairs: dict, levels) -> dict:

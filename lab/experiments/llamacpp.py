@@ -26,7 +26,6 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import data, loadgen
-from ..bench import ratio_summary
 from ..engine import ServingEngine
 from ..models import load
 from ..peers import llamacpp
@@ -185,6 +184,7 @@ def measure(quick_mode=None) -> dict:
 
 
 def values(m: dict) -> dict:
+    from .ch08_serving import rounds_ratio
     s = m["settings"]
     v = {"threads": value(THREADS, "threads", note="llama.cpp's -t and -tb, the lab's torch threads, on cores "
                                                     f"{CORES}"),
@@ -203,12 +203,8 @@ def values(m: dict) -> dict:
              for name, x in sides.items()}
         for dt in DTYPES:
             lab, ref = sides[f"lab_{dt}"], sides[f"llamacpp_{dt}"]
-            r = ratio_summary(lab["rounds"], ref["rounds"])          # the median of the rounds' ratios
-            pairs = [a / b for a, b in zip(lab["rounds"], ref["rounds"], strict=True)]
-            d[f"ratio_{dt}"] = value(r["median"], "x", rounds=pairs, low=r["min"], high=r["max"], q1=r["q1"],
-                                     q3=r["q3"],
-                                     note=f"the lab's engine over llama-bench, one sequence, {dt}: the median of "
-                                          "the rounds' ratios")
+            d[f"ratio_{dt}"] = rounds_ratio(lab["rounds"], ref["rounds"], f"the lab's engine over llama-bench, "
+                                            f"one sequence, {dt}: the median of the rounds' ratios")
         v["decode"][f"d{depth}"] = d
     v["serving"] = serving_values(m["serving"], s)
     v["prompt_cache"] = prompt_cache_values(m["prompt_cache"])
