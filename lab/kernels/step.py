@@ -26,11 +26,18 @@ its sixteen sums in registers, 16 lanes each: each vector of the weights is read
 the sequences' once for four rows, and even one sequence has four sums in flight (a single sum would wait on the
 latency of each multiply-add before the next). A sequence's four sums are folded together once, at the end of the
 rows. While a tile reads its rows, it asks for the same vectors of the rows AHEAD bytes on, one at a time, so that
-the prefetches do not queue behind each other. On the Intel Xeon where the tiles were written, in float32, they
-made a step of 16 sequences at 128 positions 5-30% faster than the reference step's oneDNN products (the rounds
-of two runs), and a step of one sequence about 10% faster than reading a row at a time (`row_dots`, which serves
-the last rows of a share and processors without AVX-512). In bfloat16, with AVX-512 BF16, one instruction
-(vdpbf16ps) multiplies 32 pairs of bfloat16 values and adds them to 16 float32 sums.
+the prefetches do not queue behind each other. With more than four sequences a tile reads its rows once for every
+four (from the L1 cache after the first pass), and each pass asks for a share of the rows ahead: asked for all in
+the first pass, they came late, the core waited on the weights' first reads and then computed with the memory idle.
+The loop over whole vectors loads them unmasked and the last, partial vector is read masked after it: with the mask
+computed inside the loop, GCC kept the sixteen sums in memory as well and stored them at every step. On the Intel
+Xeon where the tiles were written, in float32, they made a step of 16 sequences at 128 positions 5-30% faster than
+the reference step's oneDNN products (the rounds of two runs), and a step of one sequence about 10% faster than
+reading a row at a time (`row_dots`, which serves the last rows of a share and processors without AVX-512). The
+shared prefetches and the unmasked loop then made the C++ call of 16 sequences' step about 1.5 times as fast
+(35-38 ms against 53-55, about 50 positions, three runs of each; each change alone: 46-49 and 43-44 ms), and one
+sequence's no slower. In bfloat16, with AVX-512 BF16, one instruction (vdpbf16ps) multiplies 32 pairs of bfloat16
+values and adds them to 16 float32 sums.
 
 Attention is `attend_run` and `merge` from cpu.py, the kernel the engine's reference step calls; the norm, RoPE and
 SiLU are cpu.py's row functions, so every value is rounded to the weights' dtype exactly where the reference rounds
@@ -145,37 +152,43 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // A tile: four rows of w [4, K] (row stride K) times NB rows of x [NB, K], into out [NB, 4]. Its 4 x NB sums
 // stay in registers, so that each vector of w and of x is read once per tile; the last vector of a row is read
-// masked. The same vectors of the four rows at `ahead` (or none: null) are asked for as these are read.
+// masked, after the loop (a mask in the loop kept the sums in memory too). The same vectors of the first `na` rows
+// at `ahead` (row stride K) are asked for as these are read.
 template <typename T, int NB>
-inline void tile(const T* w, const T* ahead, int64_t K, const float* x, const T* xt, float* out) {
+inline void tile(const T* w, const T* ahead, int na, int64_t K, const float* x, const T* xt, float* out) {
   __m512 acc[NB][4];
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < 4; ++j) acc[b][j] = _mm512_setzero_ps();
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    auto at = [&](int64_t k, auto load) {      // the 16 columns from k
       __m512 wv[4];
-      for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * K + k);
-      if (ahead)
-        for (int j = 0; j < 4; ++j) __builtin_prefetch(ahead + j * K + k, 0, 2);
+      for (int j = 0; j < 4; ++j) wv[j] = load(w + j * K + k);
+      for (int j = 0; j < 4; ++j)
+        if (j < na) __builtin_prefetch(ahead + j * K + k, 0, 2);
       for (int b = 0; b < NB; ++b) {
-        const __m512 xv = _mm512_maskz_loadu_ps(m, x + b * K + k);
+        const __m512 xv = load(x + b * K + k);
         for (int j = 0; j < 4; ++j) acc[b][j] = _mm512_fmadd_ps(wv[j], xv, acc[b][j]);
       }
-    }
+    };
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) at(k, [](const float* p) { return _mm512_loadu_ps(p); });
+    if (k < K) at(k, [m = __mmask16((1u << (K - k)) - 1)](const float* p) { return _mm512_maskz_loadu_ps(m, p); });
   } else {
 #ifdef __AVX512BF16__
-    for (int64_t k = 0; k < K; k += 32) {       // 32 pairs at a time, into 16 float32 sums (dots_bf16)
-      const __mmask32 m = K - k >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << (K - k)) - 1);
+    auto at = [&](int64_t k, auto load) {      // 32 pairs from k, into 16 float32 sums (dots_bf16)
       __m512bh wv[4];
-      for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + j * K + k);
-      if (ahead)
-        for (int j = 0; j < 4; ++j) __builtin_prefetch(ahead + j * K + k, 0, 2);
+      for (int j = 0; j < 4; ++j) wv[j] = load(w + j * K + k);
+      for (int j = 0; j < 4; ++j)
+        if (j < na) __builtin_prefetch(ahead + j * K + k, 0, 2);
       for (int b = 0; b < NB; ++b) {
-        const auto xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xt + b * K + k);
+        const __m512bh xv = load(xt + b * K + k);
         for (int j = 0; j < 4; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wv[j], xv);
       }
-    }
+    };
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) at(k, [](const T* p) { return (__m512bh)_mm512_loadu_si512(p); });
+    if (k < K)
+      at(k, [m = __mmask32((1ull << (K - k)) - 1)](const T* p) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); });
 #endif
   }
   for (int b = 0; b < NB; ++b) _mm_storeu_ps(out + b * 4, sum4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]));
@@ -202,10 +215,14 @@ inline void block_dots(const T* w, int nw, const T* ahead, int64_t K, const floa
 #ifdef __AVX512F__
   if constexpr (tiled<T>()) {
     if (nw == 4) {
-      using Tile = void (*)(const T*, const T*, int64_t, const float*, const T*, float*);
+      using Tile = void (*)(const T*, const T*, int, int64_t, const float*, const T*, float*);
       static constexpr Tile tiles[] = {tile<T, 1>, tile<T, 2>, tile<T, 3>, tile<T, 4>};
-      for (int64_t b = 0; b < B; b += 4, ahead = nullptr)      // asked for once, with the first rows of x
-        tiles[std::min(B - b, int64_t(4)) - 1](w, ahead, K, x + b * K, xt + b * K, out + b * 4);
+      const int64_t passes = (B + 3) / 4;        // over the rows of x, four at a time: the four rows at `ahead`
+      for (int64_t b = 0, i = 0; b < B; b += 4, ++i) {             // asked for a share in each pass
+        const int j0 = int(4 * i / passes), na = ahead ? int(4 * (i + 1) / passes) - j0 : 0;
+        tiles[std::min(B - b, int64_t(4)) - 1](w, ahead ? ahead + j0 * K : nullptr, na, K, x + b * K, xt + b * K,
+                                               out + b * 4);
+      }
       return;
     }
   }
