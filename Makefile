@@ -52,7 +52,7 @@ SLOW_NOTEBOOKS = build/notebooks/ch03_savings.ipynb build/notebooks/ch06_prefix.
 	build/notebooks/ch11_beyond.ipynb build/notebooks/ch12_branches.ipynb
 NBVAL = LAB_FULL= LAB_QUICK=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest --nbval-lax -p no:cacheprovider -n 2 --dist loadfile
 test: lint notebooks $(LAB_READY)
-	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers"
+	LAB_FULL= LAB_QUICK=1 $(VENV)/bin/pytest -m "not slow and not peers" --durations=25
 	$(NBVAL) $(filter-out $(SLOW_NOTEBOOKS),$(patsubst notebooks/%.py,build/notebooks/%.ipynb,$(NOTEBOOKS)))
 
 # pytest exits with 5 when no test is selected: no test marked slow is not a failure. Among them, JupyterLab
