@@ -137,7 +137,11 @@ class Disaggregated:
                     continue
                 raise WorkerError(f"no worker said anything for {self.timeout_s} s") from None
             if message[0] in ("failed", "exited", "stopped"):
-                # a worker that dies breaks the other's pipe: name it too, whichever of the two spoke first
+                # a worker that dies breaks the other's pipe: name it too, whichever of the two spoke first. Its
+                # pipe closes before its exit can be seen, so give the others a moment to be seen exiting
+                for x in self.workers:
+                    if x is not w:
+                        x.process.join(timeout=1.0)
                 dead = [x.process.name for x in self.workers if x is not w and not x.process.is_alive()]
                 raise WorkerError(f"{w.process.name} failed: {message[1] if len(message) > 1 else 'it stopped'}"
                                   + (f" ({', '.join(dead)} is not running)" if dead else ""))
