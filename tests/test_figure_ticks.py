@@ -119,6 +119,22 @@ def test_chapter1_step_time_figure_passes(contexts):
     assert plots.tick_problems(fig) == [] and plots.too_small(fig) == []
 
 
+@pytest.mark.parametrize("span", [(0.93, 1.4), (1.1, 1.9), (0.97, 1.02)])
+def test_log_ticks_labels_a_span_narrower_than_two_steps(span):
+    """A tiny model's step times (two contexts, about a millisecond each) can span less than the gap between
+    two of 1, 2, ..., 9: log_ticks then labels evenly spaced round values inside the limits, two at least."""
+    fig, ax = plots.plt.subplots(figsize=(5, 3))
+    ax.plot([8, 16], span)
+    ax.set(xscale="log", yscale="log")
+    plots.log_ticks(ax.yaxis)
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    shown = [t for side in plots.tick_labels(ax.yaxis) for t in side]
+    assert len({t.get_text() for t in shown}) >= 2
+    assert all(lo <= float(t.get_text()) <= hi for t in shown)
+    assert not [p for p in plots.tick_problems(fig) if "y axis" in p]
+
+
 def test_finish_labels_a_log_axis_the_data_left_with_one_label(tmp_path):
     """Where a log axis lands depends on the data: a quick run's step times span less than a decade and the
     default labels would leave one ("100"); finish() labels such an axis in plain numbers before checking."""

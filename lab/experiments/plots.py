@@ -68,14 +68,21 @@ LOG_STEPS = ((1.0,), (1.0, 2.0, 5.0), tuple(float(k) for k in range(1, 10)))   #
 def log_ticks(axis, steps=None):
     """Label a log axis (ax.xaxis or ax.yaxis, its data already plotted) in plain numbers at steps that give
     it at least two labels: every decade over more than three decades, 1-2-5 over more than 0.8 of one,
-    1 to 9 below that (or the `steps` given, one of LOG_STEPS); the other ticks unlabelled."""
+    1 to 9 below that (or the `steps` given, one of LOG_STEPS), evenly spaced round values where fewer than two
+    of those fall inside the limits; the other ticks unlabelled."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     lo, hi = sorted(axis.axes.get_xlim() if axis is axis.axes.xaxis else axis.axes.get_ylim())
     decades = math.log10(hi / lo)
     if steps is None:
         steps = LOG_STEPS[0] if decades > 3 else LOG_STEPS[1] if decades > 0.8 else LOG_STEPS[2]
-    axis.set_major_locator(LogLocator(base=10, subs=steps))
+    locator = LogLocator(base=10, subs=steps)
+    if sum(lo <= t <= hi for t in locator.tick_values(lo, hi)) < 2:
+        # a span narrower than two of the finest steps (0.93 to 1.4 holds 1 only): evenly spaced round values
+        from matplotlib.ticker import FixedLocator, MaxNLocator
+
+        locator = FixedLocator([t for t in MaxNLocator(nbins=4).tick_values(lo, hi) if lo <= t <= hi])
+    axis.set_major_locator(locator)
     axis.set_major_formatter(FuncFormatter(plain))
     axis.set_minor_formatter(NullFormatter())
 
