@@ -17,6 +17,10 @@ from lab.peers import hf_quantized as hq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# quanto compiles its C++ unpacking at its first use in an environment (24-34 s, measured; cached in its package
+# folder after that), so the tests that quantize with quanto run in `make test-slow`, keeping it out of `make test`
+QUANTO = pytest.mark.slow
+
 
 # ---- the tiny model: 2 layers, 2 KV heads of 16 channels ---------------------------------------------------
 
@@ -35,6 +39,7 @@ def test_dynamic_cache_matches_the_plain_forward_tiny(tiny):
     assert (got - ref).abs().max().item() < 1e-5   # the tiny models' float32 parity bound (test_models.py)
 
 
+@QUANTO
 def test_quality_compares_each_cache_with_the_labs_oracle_tiny(tiny):
     """hf_quantized.quality against lab.metrics.reference (the lab's plain forward): the float DynamicCache
     is the oracle up to float32 rounding (KL < 1e-9 nats, the float cache's bound in test_ch07.py), and
@@ -51,6 +56,7 @@ def test_quality_compares_each_cache_with_the_labs_oracle_tiny(tiny):
     assert r["quanto_4"]["nbytes"] < r["float"]["nbytes"] and (r["float"]["length"], r["float"]["batch"]) == (24, 2)
 
 
+@QUANTO
 def test_stored_bytes_counted_by_hand_tiny(tiny):
     """4-bit quanto, groups of 16 (one token of one head), residual 8: a prefill of 12 quantized at once,
     then 5 steps left in the float residual."""
@@ -68,6 +74,7 @@ def test_stored_bytes_counted_by_hand_tiny(tiny):
     assert hq.bytes_per_position(cache) == 2 * L * B * H * (D // 2 + 8) == 256
 
 
+@QUANTO
 def test_bytes_per_position_equals_the_labs_per_token_4_bit_with_zero_points(tiny):
     """A group of head_dim channels is the lab's per_token scheme with zero points and float32 scales:
     the same codes, scales and zero points per position."""
@@ -87,6 +94,7 @@ def test_fp8_holds_one_byte_per_value_and_two_scalar_scales_tiny(tiny):
     assert hq.held(cache) == dict(codes=2 * L * B * H * T * D, scales=2 * L * 4, zero_points=0, float=0)
 
 
+@QUANTO
 @pytest.mark.parametrize("residual, kept", [(8, 17 % 8), (5, 17 % 5), (0, 0)])
 def test_residual_holds_the_steps_since_the_last_flush_tiny(tiny, residual, kept):
     """The residual flushes when it would reach residual_length: after 17 decode steps it holds 17 mod R
@@ -98,6 +106,7 @@ def test_residual_holds_the_steps_since_the_last_flush_tiny(tiny, residual, kept
     assert hq.compressed_positions(cache) == 24 - kept and cache.get_seq_length() == 24
 
 
+@QUANTO
 def test_a_used_cache_is_refused_and_a_new_one_reproduces_the_run_tiny(tiny):
     model, hf, ids = tiny
     cache = hq.make_cache(hf, "quanto", nbits=4, q_group_size=16, residual_length=4)
