@@ -3,8 +3,9 @@
 `paged_attention_gather` (reference.py) copies each sequence's pages end to end and attends over the copy. This
 kernel makes one pass over the pages with an online softmax per query head (running maximum m, running sum l of
 exp(score - m), running weighted sum acc of the values, rescaled whenever m grows). A page's positions are one
-contiguous block, read in the order it lies (every kv head at once) as float32, then used by the query heads that
-share each kv head. For a head size of 64 or 128 the compiler knows it, and a head's acc stays in registers.
+contiguous block: a float32 page is read where it lies, a bfloat16 or float16 one is converted first, in the order it
+lies (every kv head at once), into a float32 copy; then the query heads that share each kv head use it. For a head
+size of 64 or 128 the compiler knows it, and a head's acc stays in registers.
 
 Tasks of one sequence and a run of up to CHUNK positions (whole pages) run on PyTorch's intra-op threads
 (`at::parallel_for`: `torch.set_num_threads` applies), and a second loop merges a sequence's tasks by log-sum-exp,
@@ -30,7 +31,6 @@ from .checks import check_cascade_inputs, check_paged_inputs
 CHUNK = 512        # positions per task: 8 tasks for one sequence of 4,096, partials of a few KiB each
 DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
 
-# region paged_attention_cpu_kernel
 SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -39,8 +39,12 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+"""
 
+# region paged_attention_cpu_kernel
+SOURCE += r"""
 const float LOWEST = std::numeric_limits<float>::lowest();   // no infinities under -ffast-math
 
 // One task: positions [start, end) of a table but [sinks, lo), a local layer's past (never read),
@@ -51,16 +55,20 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
                 int64_t end, int64_t sinks, int64_t lo, int64_t N, int64_t Hq, int64_t Hkv,
                 int64_t head_dim, int64_t P, float* m, float* l, float* acc) {
   const int64_t D = DC ? DC : head_dim, G = Hq / Hkv, row = Hkv * D;  // G query heads per kv head
-  std::vector<float> s(P), k(P * row), v(P * row);   // a head's scores; a page's keys and values
+  constexpr bool F32 = std::is_same_v<T, float>;     // a float32 page is used where it lies
+  std::vector<float> s(P), k(F32 ? 0 : P * row), v(F32 ? 0 : P * row);   // scores; a page as floats
   std::fill(m, m + N * Hq, LOWEST), std::fill(l, l + N * Hq, 0.f);
   std::fill(acc, acc + N * Hq * D, 0.f);
   for (int64_t first = start; first < end; first += P) {
     const int64_t n = std::min(P, end - first), page = table[first / P] * P * row;  // [P, Hkv, D]
     if (first >= sinks && first + n <= lo) continue;          // outside the sinks and the window
     const int64_t next = (first + P < end ? table[first / P + 1] : table[first / P]) * P * row;
-    // The page's rows, every kv head, read in the order they lie, as floats.
-    for (int64_t at = 0; at < n * row; ++at)
-      k[at] = float(k_pool[page + at]), v[at] = float(v_pool[page + at]);
+    // Another dtype's page: its rows, every kv head, read in the order they lie, as floats.
+    const float *kp = k.data(), *vp = v.data();
+    if constexpr (F32) kp = k_pool + page, vp = v_pool + page;
+    else
+      for (int64_t at = 0; at < n * row; ++at)
+        k[at] = float(k_pool[page + at]), v[at] = float(v_pool[page + at]);
     // The next page lies anywhere, where no prefetcher would guess: ask for it into the L2, a slice
     // per query head below (the L1 holds few misses in flight; a whole page at once waits on them).
     const int64_t lines = (P * row * int64_t(sizeof(T)) + 63) / 64, slices = Hkv * N * G;
@@ -71,7 +79,7 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
         for (int64_t line = lines * slice / slices; line < lines * (slice + 1) / slices; ++line)
           __builtin_prefetch(nk + 64 * line, 0, 2), __builtin_prefetch(nv + 64 * line, 0, 2);
         for (int64_t t = 0; t < n; ++t) {     // scores: q . k
-          const float* kt = k.data() + t * row + h * D;   // its key
+          const float* kt = kp + t * row + h * D;   // its key
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += q[hq * D + d] * kt[d];
           s[t] = first + t >= sinks && first + t < lo ? LOWEST : dot;   // a position no query reads
@@ -84,7 +92,7 @@ void attend_run(const float* q, const T* k_pool, const T* v_pool, const int* tab
         l[hq] = l[hq] * c + sum, m[hq] = m_new;
         for (int64_t d = 0; d < D; ++d) a[d] = acc[hq * D + d] * c;
         for (int64_t t = 0; t < n; ++t)       // values, weighted
-          for (int64_t d = 0; d < D; ++d) a[d] += s[t] * v[(t * row + h * D) + d];
+          for (int64_t d = 0; d < D; ++d) a[d] += s[t] * vp[(t * row + h * D) + d];
         if (DC) std::copy(o, o + D, acc + hq * D);
       }
     }
