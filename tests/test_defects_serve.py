@@ -193,14 +193,23 @@ class SlowBytes(ByteTokenizer):
         return super().encode(text)
 
 
+class SlowSteps(ServingEngine):
+    """A ServingEngine whose every step takes 1.2 ms more (sleeping, in the engine's thread), so that a stream
+    of 1,800 tokens lasts 2 s at least on any machine."""
+
+    def step(self):
+        time.sleep(0.0012)
+        return super().step()
+
+
 def test_tokenizing_a_prompt_does_not_stall_other_streams(tiny):
     """A stream's tokens keep coming while another prompt is tokenized: no gap between two of its events
     reaches 0.5 s (a tiny-llama step takes milliseconds; tokenizing on the event loop made a gap of 1 s). The
-    stream's 2,000 tokens take about 2 s on a fast machine, so it outlives the slow request (a 2 s tokenizer
-    outlived it on one machine, and the check had nothing to look at)."""
+    stream's 1,800 tokens take 2 s at least (SlowSteps), so it outlives the slow request (without that delay a
+    fast machine finished the stream first, and the check had nothing to look at)."""
     model = dataclasses.replace(tiny, tokenizer=SlowBytes())
-    with serving(ServingEngine(model, 128, PAGE_SIZE)) as (port, _):                  # 2,048 positions
-        resp = send(port, dict(prompt=[1, 2, 3], max_tokens=2000, stream=True)).getresponse()
+    with serving(SlowSteps(model, 128, PAGE_SIZE)) as (port, _):                      # 2,048 positions
+        resp = send(port, dict(prompt=[1, 2, 3], max_tokens=1800, stream=True)).getresponse()
         resp.readline()
         times, started = [], threading.Event()
 
@@ -304,3 +313,45 @@ def test_cancel_with_a_bool_or_float_id_is_a_type_error(server):
     for conn in conns:
         leave(conn)
     wait_until(lambda: not (engine.running or engine.waiting), what="an idle engine")
+
+
+HEALTHY = """import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+PARENT = """import sys, time
+from lab.serve.process import free_port, server_process
+port = free_port()
+with server_process([sys.executable, "-c", sys.argv[1], str(port)], {}, port, 30) as (proc, url):
+    print(proc.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_script_stopped_with_sigterm_stops_its_servers():
+    """A server runs in a session of its own, so it outlives a script that started it and was stopped with `kill`
+    (SIGTERM), unless the script stops it on the way out (four lab servers and two vLLM ones outlived an
+    experiment so stopped): server_process turns SIGTERM into SystemExit while it runs, and its `finally` stops
+    the server before the script exits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, HEALTHY], stdout=subprocess.PIPE, text=True,
+                              env=os.environ | {"PYTHONPATH": str(root)})
+    child = int(parent.stdout.readline())
+    try:
+        assert psutil.pid_exists(child)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(30) == 128 + signal.SIGTERM      # SystemExit(143): it exited through its finally blocks
+        assert not psutil.pid_exists(child)
+    finally:
+        parent.kill()
+        if psutil.pid_exists(child):
+            psutil.Process(child).kill()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -71,15 +72,38 @@ def stop_server(proc, timeout_s: float = 60) -> int:
 
 
 @contextlib.contextmanager
-def server_process(command: list, env: dict, port: int, timeout_s: float):
-    """Start the server (start_server) on 127.0.0.1:`port`, yield (process, base_url), stop it (stop_server)."""
-    base_url = f"http://127.0.0.1:{port}"
-    proc = start_server(command, env, base_url, timeout_s)
+def exit_on_sigterm():
+    """While the block runs, SIGTERM raises SystemExit(143) in the main thread instead of ending the process at
+    once, so that the `finally` blocks stopping servers run: a server lives in a session of its own and would
+    outlive a parent stopped with `kill`. Nothing changes off the main thread or where a handler is already set
+    (an outer block's, or a program's own)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        yield proc, base_url
+        yield
     finally:
-        stop_server(proc)
-        proc.log_path.unlink(missing_ok=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def server_process(command: list, env: dict, port: int, timeout_s: float):
+    """Start the server (start_server) on 127.0.0.1:`port`, yield (process, base_url), stop it (stop_server),
+    also when this process is sent SIGTERM (exit_on_sigterm)."""
+    base_url = f"http://127.0.0.1:{port}"
+    with exit_on_sigterm():
+        proc = start_server(command, env, base_url, timeout_s)
+        try:
+            yield proc, base_url
+        finally:
+            stop_server(proc)
+            proc.log_path.unlink(missing_ok=True)
 
 
 def pinned(cores: str | None) -> list:
