@@ -350,10 +350,10 @@ beside("ch08", "ch08.profile", values=ch08.values(m),
 costs = step_cost.step_costs(smol, S["profile_batch"], S["prompt"])
 display(show(pd.DataFrame({k: {"step (ms)": r["step_s"] * 1e3, "attention (ms)": r["parts"]["attention"] * 1e3}
                            for k, r in costs.items()}).T.rename(index={"engine": "prepacked, fused layers, main thread",
-                           "unfused": "prepacked, reference layers", "unpacked": "F.linear, reference layers",
+                           "unfused": "prepacked, unfused layers", "unpacked": "F.linear, unfused layers",
                            "thread": "prepacked, fused layers, second thread"})))
 base = costs["engine"]["step_s"]
-print(f"reference layers: {costs['unfused']['step_s'] / base:.2f}x the fused layers; F.linear: "
+print(f"unfused layers (llama.block): {costs['unfused']['step_s'] / base:.2f}x the fused ones; F.linear: "
       f"{costs['unpacked']['step_s'] / costs['unfused']['step_s']:.2f}x the prepacked one; a second thread: "
       f"{costs['thread']['step_s'] / base:.2f}x the main thread's, on this machine in this run")
 m["step_costs"] = costs
