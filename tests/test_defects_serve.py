@@ -10,12 +10,16 @@ import http.client
 import itertools
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -337,11 +341,6 @@ def test_a_script_stopped_with_sigterm_stops_its_servers():
     (SIGTERM), unless the script stops it on the way out (four lab servers and two vLLM ones outlived an
     experiment so stopped): server_process turns SIGTERM into SystemExit while it runs, and its `finally` stops
     the server before the script exits."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     parent = subprocess.Popen([sys.executable, "-c", PARENT, HEALTHY], stdout=subprocess.PIPE, text=True,
                               env=os.environ | {"PYTHONPATH": str(root)})
