@@ -5,6 +5,7 @@ ceilings themselves are measurements (chapter 3's roofline section), never asser
 import pytest
 
 from lab import results, roofline
+from lab.engine import ServingEngine
 from lab.models import load
 from lab.step_cost import counted_step, profile
 
@@ -61,10 +62,11 @@ def test_experiment_values_hold_together(tiny):
 
     ceilings = {"read_gb_s": 10.0, "copy_gb_s": 9.0, "flops": {"float32": 50.0}, "buffer_bytes": 1, "matmul": 1}
     products = roofline.products(tiny.weights, tiny.config, rounds=2)
-    m = dict(machine=ceilings, steps={"float32": {2: {16: exp.decode_step(tiny, 2, 16, rounds=2)}}},
+    fast = ServingEngine(tiny, 8, 16, 16, fast_decode="measure").fast
+    m = dict(machine=ceilings, steps={"float32": {2: {16: exp.decode_step(tiny, 2, 16, rounds=2, rows=fast.rows)}}},
              breakdown={"float32": {"products": products, "steps": {16: profile(tiny, 1, 16, steps=2, fast=False)},
                                     "fused": {16: profile(tiny, 1, 16, steps=2)}}},
-             config={"float32": tiny.config})
+             config={"float32": tiny.config}, fused_rows={"float32": fast.rows}, fused_tune={"float32": fast.timings})
     v = exp.values(m)
     results.validate({"schema_version": 1, "sections": {"roofline": {   # every leaf as the file's schema wants
         "provenance": results.provenance(mode="quick", manifest="sha256:test"), "values": v}}})
@@ -86,6 +88,10 @@ def test_experiment_values_hold_together(tiny):
     assert parts["fused_gb_s"]["value"] == pytest.approx(
         roofline.step_model(tiny.config, 1, 16)["bytes"] / fused["parts"]["forward"] / 1e9)
     assert parts["fused_gain"]["value"] == pytest.approx(parts["step_ms"]["value"] / parts["fused_step_ms"]["value"])
+    # the fused step's sizes as measured: the most it takes is the largest size it was no slower at
+    tune = v["fused_tune"]["float32"]
+    won = [int(b[1:]) for b, t in tune.items() if t["fused_ms"]["value"] <= t["reference_ms"]["value"]]
+    assert v["fused_rows"]["float32"]["value"] == max(won, default=0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

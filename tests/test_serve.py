@@ -9,6 +9,7 @@ snapshots; one test starts `python -m lab.serve` as a process and stops it with 
 and fixed have their regression tests in tests/test_defects_serve.py.
 """
 
+import argparse
 import dataclasses
 import http.client
 import importlib
@@ -419,7 +420,8 @@ def test_a_draining_server_refuses_new_requests(server):
 # ---- the engine in a process of its own ----
 @pytest.fixture(scope="module")
 def remote(tiny):
-    client = EngineClient(EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1))
+    client = EngineClient(EngineProcess("tiny-llama", NUM_PAGES, PAGE_SIZE, max_batch_tokens=64, threads=1,
+                                        fast_decode="measure"))     # as `python -m lab.serve` starts it
     client.start()
     try:
         with serving(client) as (port, app):
@@ -435,6 +437,18 @@ def wait_idle_remote(engine, timeout=10) -> dict:
         assert time.monotonic() < deadline, f"the engine's process did not go idle: {snap}"
         time.sleep(0.01)
     return snap
+
+
+def test_the_engine_process_reports_its_measured_fused_step(remote):
+    from lab.serve.cli import fast_decode_arg, fused_line
+
+    fast = remote[1].engine.fast
+    assert 0 <= fast["rows"] <= 16 and sorted(fast["timings"])[0] == 1
+    assert fused_line(remote[1].engine).startswith(f"fused decode steps of up to {fast['rows']} sequences (measured")
+    assert [fast_decode_arg(t) for t in ("measure", "off", "0", "16")] == ["measure", False, 0, 16]
+    for bad in ("17", "-1", "on", "2.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="measure, off or a number"):
+            fast_decode_arg(bad)
 
 
 def test_an_engine_process_answers_what_the_engine_computes(remote, tiny):

@@ -156,3 +156,56 @@ def test_the_book_says_how_many_decodes_the_fused_step_takes():
     texts = [(root / p).read_text() for p in ("book/ch03_savings.md", "book/ch08_serving.md", "lab/book/readme.py")]
     words = {1: "one", 2: "two", 3: "three", 4: "four", 8: "eight", 16: "sixteen"}
     assert all(f"up to {words[ROWS]} decodes" in t or f"at most {words[ROWS]} decodes" in t for t in texts)
+
+
+def test_tune_keeps_the_fused_step_as_far_as_it_was_measured_no_slower(monkeypatch):
+    """tune follows what it times: with the reference step slowed (a sleep in forward_cached) it takes every size,
+    with the fused step slowed it takes none, and the engine's "measure" gives the same tokens as the reference."""
+    import time
+
+    import lab.engine.fast as fast_module
+
+    model = load("tiny-llama")
+    engine = ServingEngine(model, num_pages=64, fast_decode=1)
+    fast = engine.fast
+    assert fast.rows == 1 and fast.timings is None
+    real_reference, real_call = fast_module.forward_cached, FusedStep.__call__
+
+    def slow(fn):
+        def wrapper(*a, **k):
+            time.sleep(0.005)
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(fast_module, "forward_cached", slow(real_reference))
+    assert fast.tune(engine.weights, engine.owner, sizes=(1, 2, 4), rounds=2) == 4
+    assert set(fast.timings) == {1, 2, 4} and all(t["fused"] < t["reference"] for t in fast.timings.values())
+    monkeypatch.setattr(fast_module, "forward_cached", real_reference)
+    monkeypatch.setattr(FusedStep, "__call__", slow(real_call))
+    assert fast.tune(engine.weights, engine.owner, sizes=(1, 2, 4), rounds=2) == 0
+    monkeypatch.setattr(FusedStep, "__call__", real_call)
+    with pytest.raises(ValueError, match="sizes"):
+        fast.tune(engine.weights, engine.owner, sizes=(4, 2))
+    with pytest.raises(ValueError, match="sizes"):
+        fast.tune(engine.weights, engine.owner, sizes=(1, ROWS + 1))
+    prompts = [list(range(10 + 3 * i, 30 + 5 * i)) for i in range(6)]
+    measured = ServingEngine(model, num_pages=64, fast_decode="measure")
+    assert 0 <= measured.fast.rows <= ROWS and measured.fast.timings
+    assert measured.generate(prompts, 8) == ServingEngine(model, num_pages=64, fast_decode=False).generate(prompts, 8)
+
+
+def test_a_fast_decode_limit_sends_larger_steps_to_the_reference():
+    model = load("tiny-llama")
+    engine = ServingEngine(model, num_pages=64, fast_decode=2)
+    calls = []
+    real = engine.fast.__call__
+    engine.fast = type("Counting", (), dict(takes=engine.fast.takes, __call__=lambda self, *a: calls.append(
+        a[0].shape[1]) or real(*a)))()
+    for i in range(3):                                     # 3 decodes, then 2, then 1
+        engine.add_request(list(range(5, 15 + i)), 3 + 3 * i)
+    while engine.running or engine.waiting:
+        engine.step()
+    assert calls and max(calls) == 2                       # three sequences decode through the reference
+    for bad in ("fast", 1.5, ROWS + 1, -1):
+        with pytest.raises(Exception, match="fast_decode|decodes"):
+            ServingEngine(model, num_pages=64, fast_decode=bad)

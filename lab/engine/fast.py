@@ -10,13 +10,22 @@ CPU.
     fast = FusedStep.build(model, pool)      # None where it does not apply
     if fast and fast.takes(step):
         logits = fast(ids, step, state)      # [1, B, V], as forward_cached(..., logits_at=every token) gives
+
+How many decodes the fused step should take depends on the processor more than on the model: its products read
+each weight once for four sequences, in hand-written tiles, and past a few sequences oneDNN's products, blocked for
+many rows, catch up. On an Intel Xeon the fused step of 16 float32 sequences was faster than the reference; on an
+AMD EPYC, 1.5 times slower. `rows_for` is a default; `tune` measures both steps on this machine, at 1, 2, 4, 8 and
+16 sequences, and keeps the fused one as far as it is no slower (the server does this when it starts).
 """
+
+from time import perf_counter
 
 import torch
 
+from ..cache.pool import PagePool
 from ..kernels.cpu import _call, cpu_kernel_available
 from ..kernels.step import CHUNK, ROWS
-from ..models import check_ids, check_positions
+from ..models import check_ids, check_positions, forward_cached
 from ..models.llama import rope_tables
 
 AMX_ROWS = 8   # bfloat16 on a processor with AMX: oneDNN multiplies on its matrix tiles, and on an Intel Xeon the
@@ -37,9 +46,13 @@ class FusedStep:
     """A decode step of up to `rows` sequences (rows_for) for `model`'s weights over the pages of `pool` or of a
     pool of the same shape (module docstring)."""
 
-    def __init__(self, model, pool):
+    def __init__(self, model, pool, rows: int | None = None):
         cfg, w = model.config, model.weights
-        self.config, self.page_size, self.rows = cfg, pool.page_size, rows_for(pool.dtype)
+        if rows is not None and not (isinstance(rows, int) and 0 <= rows <= ROWS):
+            raise ValueError(f"a fused step takes 0 to {ROWS} decodes at most (the kernel's ROWS), got {rows!r}")
+        self.config, self.page_size = cfg, pool.page_size
+        self.rows = rows_for(pool.dtype) if rows is None else rows
+        self.dtype, self.timings = pool.dtype, None     # timings: what tune measured
         # the kernel reads the weights where they lie, by address: hold the tensors, so that none is freed
         # while the engine lives (an engine whose model's weights change refuses to step: ServingEngine.step)
         self.tensors = [[w[f"model.layers.{i}.{n}.weight"] for n in LAYER] for i in range(cfg.n_layers)]
@@ -49,8 +62,9 @@ class FusedStep:
         self.shapes = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, self.head.shape[0])
 
     @classmethod
-    def build(cls, model, pool) -> "FusedStep | None":
-        """The fast step for `model` and `pool`, or None where it does not apply (module docstring)."""
+    def build(cls, model, pool, rows: int | None = None) -> "FusedStep | None":
+        """The fast step for `model` and `pool`, taking at most `rows` decodes (default rows_for(dtype)), or None
+        where it does not apply (module docstring)."""
         cfg, w = model.config, model.weights
         if cfg.arch == "gpt2" or not cfg.as_trained or pool.manager.groups != ["full"] or cfg.kv_layout[0] != \
                 cfg.n_layers or any(cfg.window_of(i)[0] for i in range(cfg.n_layers)):
@@ -65,7 +79,7 @@ class FusedStep:
         if any(t.device.type != "cpu" or t.dtype != pool.dtype or not t.is_contiguous() for t in tensors) or \
                 pool.dtype not in (torch.float32, torch.bfloat16):
             return None
-        return cls(model, pool)
+        return cls(model, pool, rows)
 
     def takes(self, step) -> bool:
         """Whether the planned step is for this path: every token a decode, at most `rows` of them, none read
@@ -97,3 +111,48 @@ class FusedStep:
         step.stored(B)
         step.advance(B)
         return logits[None]
+
+    # region fused_tune
+    @torch.inference_mode()
+    def tune(self, weights, state, sizes=(1, 2, 4, 8, ROWS), context: int = 128, rounds: int = 5) -> int:
+        """Time this step and forward_cached (over `weights`, as the engine runs it) on decode steps of each of
+        `sizes` sequences at about `context` positions, on a scratch pool, and take as many decodes as the
+        largest size at which the fused step was no slower (the fastest of `rounds` steps each, taken in turns,
+        after one of each: the fastest, as a step another process interrupted is only ever slower). Sets and
+        returns `rows`; `timings`: {size: {"fused": s, "reference": s}}."""
+        if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1 or sizes[-1] > ROWS:
+            raise ValueError(f"sizes: increasing numbers of sequences from 1 to {ROWS}, got {sizes!r}")
+        cfg, P = self.config, self.page_size
+        steps = len(sizes) * 2 * (rounds + 1)                  # positions each sequence may gain
+        pool = PagePool.for_model(cfg, sizes[-1] * (-(-(context + steps) // P) + 1), P, dtype=self.dtype)
+        seqs = [pool.new_id() for _ in range(sizes[-1])]
+        pool.reserve([(s, context) for s in seqs])             # keys and values as the pool holds them: timing only
+        ids = torch.randint(cfg.vocab_size, (1, sizes[-1]), generator=torch.Generator().manual_seed(0))
+
+        def fused(B):
+            return lambda step: self(ids[:, :B], step, state)
+
+        def reference(B):
+            return lambda step: forward_cached(ids[:, :B], weights, cfg, step, positions=step.positions, state=state,
+                                               logits_at=torch.arange(B))
+
+        def timed(B, run):
+            pool.reserve([(s, 1) for s in seqs[:B]])
+            step = pool.plan_step([(s, 1) for s in seqs[:B]])
+            t = perf_counter()
+            run(step)
+            return perf_counter() - t
+
+        rows, self.timings, self.rows = 0, {}, sizes[-1]      # every size through this step while timing
+        for B in sizes:
+            runs = {"fused": fused(B), "reference": reference(B)}
+            times = {k: [] for k in runs}
+            for r in range(rounds + 1):
+                for k in (("fused", "reference") if r % 2 else ("reference", "fused")):
+                    times[k].append(timed(B, runs[k]))
+            self.timings[B] = {k: min(v[1:]) for k, v in times.items()}
+            if self.timings[B]["fused"] <= self.timings[B]["reference"]:
+                rows = B
+        self.rows = rows
+        return rows
+    # endregion

@@ -72,8 +72,9 @@ class ServingEngine:
     prefix_caching: True or "hash" (chapter 6's page names), "radix" (a RadixCache: to the token with page_size=1),
     or False. schedule: "fcfs" or, with prefix caching, "lpm" (longest cached prefix first, SGLang's policy).
     local_pages: the local layers' pages (chapter 10; default num_pages), at least a one-token step's; a chunk
-    shrinks to fit. fast_decode: a step of a few decodes only runs in one C++ call where it applies (fast.py);
-    False runs every step through forward_cached.
+    shrinks to fit. fast_decode: a step of a few decodes only runs in one C++ call where it applies (fast.py): True
+    takes up to rows_for(dtype) decodes, an int up to that many, "measure" as many as FusedStep.tune finds it no
+    slower for on this machine (about a second for SmolLM2, at start); False runs every step through forward_cached.
 
     `stats`: totals of steps, preemptions, cached_tokens (from named pages), computed_tokens (run through the
     model, recomputation included), evicted_pages; held_pages and peak_held_pages per group ({"full": n, "local":
@@ -82,7 +83,7 @@ class ServingEngine:
 
     def __init__(self, model, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool | str = True, draft=None, k: int = 4, local_pages: int | None = None,
-                 schedule: str = "fcfs", fast_decode: bool = True):
+                 schedule: str = "fcfs", fast_decode: bool | int | str = True):
         cfg = model.config
         if prefix_caching not in (True, False, "hash", "radix"):
             raise CacheInputError(f'prefix_caching is True or "hash" (page names), "radix" or False, '
@@ -113,7 +114,12 @@ class ServingEngine:
         packs = cfg.arch != "gpt2" and Prepacked.applies(model.weights)
         self.weights = Prepacked(model.weights) if packs else model.weights
         # a step of a few decodes in one C++ call where it applies (fast.py); every other step: forward_cached
-        self.fast = FusedStep.build(model, self.pool) if fast_decode else None
+        if not (isinstance(fast_decode, bool | int) or fast_decode == "measure"):
+            raise CacheInputError(f'fast_decode is True, False, a number of decodes or "measure", got {fast_decode!r}')
+        rows = None if isinstance(fast_decode, bool | str) else fast_decode
+        self.fast = FusedStep.build(model, self.pool, rows) if fast_decode is not False else None
+        if self.fast and fast_decode == "measure":
+            self.fast.tune(self.weights, self.owner)
         # page names chain from the state identity, as PrefixCachingBackend's do (with no salt)
         self.extra = (identity_of(model, self.pool),) if self.prefix_caching else None
         self.manager.extra = self.extra or ()

@@ -14,7 +14,8 @@ batch), attention, and the forward's matrix products timed alone (`lab.roofline.
 they read the weights) against the rest of the forward (norms, RoPE, activations, residual adds, sampling, and the
 Python between them). Beside it the same step as the engine runs it, in one C++ call (`lab/engine/fast.py`):
 its time, and the rate at which it reads the step's bytes. The steps above are the fused ones where the fused step
-takes that many decodes (`fused_rows`, per dtype: `lab.engine.fast.rows_for`), the reference ones beyond. Quick mode:
+takes that many decodes (`fused_rows`, per dtype, measured on this machine as the server measures it at start:
+`FusedStep.tune`, whose timings are `fused_tune`), the reference ones beyond. Quick mode:
 batches 1 and 4, 128 and 512 positions, float32, a quarter-GiB buffer.
 """
 
@@ -26,7 +27,6 @@ from tqdm.auto import tqdm
 
 from .. import roofline
 from ..engine import ServingEngine
-from ..engine.fast import rows_for
 from ..models import load
 from ..results import figures_dir, provenance, quick, require_clean, start_clock, value, write_section
 from ..step_cost import engine_steps, profile
@@ -45,15 +45,16 @@ def settings(quick_mode=None) -> dict:
     return QUICK if (quick() if quick_mode is None else quick_mode) else FULL
 
 
-def decode_step(model, batch: int, context: int, rounds: int, seed: int = 0) -> dict:
-    """The engine's decode step of `batch` sequences at `context` positions: {"step_s", "kv_read_bytes"}."""
+def decode_step(model, batch: int, context: int, rounds: int, rows: int, seed: int = 0) -> dict:
+    """The engine's decode step of `batch` sequences at `context` positions, fused up to `rows` decodes:
+    {"step_s", "kv_read_bytes"}."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(context)] for _ in range(batch)]
     # every request decodes through the others' prefill chunks (decodes go first), then the timed steps
     warmup = 2
     new = warmup + rounds + batch * context // 2048 + 4
     engine = ServingEngine(model, num_pages=batch * ((context + new) // PAGE + 2), page_size=PAGE,
-                           max_batch_tokens=2048, prefix_caching=False)
+                           max_batch_tokens=2048, prefix_caching=False, fast_decode=rows)
     r = engine_steps({"plain": engine}, prompts, rounds=rounds, warmup=warmup, new_tokens=new)["plain"]
     return {"step_s": r["step_s"], "kv_read_bytes": r["kv_read_bytes"]}
 
@@ -64,8 +65,11 @@ def measure(quick_mode=None) -> dict:
     steps, manifest = {}, {}
     cases = [(d, b, t) for d in s["dtypes"] for b in s["batches"] for t in s["contexts"]]
     models = {d: load("smollm2", d) for d in s["dtypes"]}
+    tuned = {d: ServingEngine(models[d], 2, PAGE, PAGE, fast_decode="measure").fast
+             for d in tqdm(s["dtypes"], desc="the fused step's sizes")}   # as the server measures them at start
+    rows = {d: fast.rows if fast else 0 for d, fast in tuned.items()}
     for d, b, t in tqdm(cases, desc="decode steps"):
-        steps.setdefault(d, {}).setdefault(b, {})[t] = decode_step(models[d], b, t, s["rounds"])
+        steps.setdefault(d, {}).setdefault(b, {})[t] = decode_step(models[d], b, t, s["rounds"], rows[d])
         manifest[d] = models[d].manifest
     breakdown = {}
     for d in tqdm(s["dtypes"], desc="one sequence's step, by part"):
@@ -75,7 +79,7 @@ def measure(quick_mode=None) -> dict:
                         "fused": {t: profile(models[d], 1, t, steps=s["rounds"]) for t in s["contexts"]}}
     return dict(settings=s, machine=ceilings, steps=steps, breakdown=breakdown, manifest=manifest,
                 threads=torch.get_num_threads(), config={d: m.config for d, m in models.items()},
-                fused_rows={d: rows_for(models[d].dtype) for d in s["dtypes"]})
+                fused_rows=rows, fused_tune={d: fast.timings for d, fast in tuned.items() if fast})
 
 
 def cases(m: dict):
@@ -96,8 +100,13 @@ def values(m: dict) -> dict:
                               for d, f in c["flops"].items()}},
          "steps": {}}
     if "fused_rows" in m:
-        v["fused_rows"] = {d: value(n, "decodes", note="the most a step may hold to run in one C++ call")
+        v["fused_rows"] = {d: value(n, "decodes", note="the most a step may hold to run in one C++ call, as measured")
                            for d, n in m["fused_rows"].items()}
+    for d, timings in m.get("fused_tune", {}).items():
+        v.setdefault("fused_tune", {})[d] = {f"b{b}": {
+            "fused_ms": value(t["fused"] * 1e3, "ms", note="the fused step's, the fastest of its rounds"),
+            "reference_ms": value(t["reference"] * 1e3, "ms", note="forward_cached's, the fastest of its rounds")}
+            for b, t in timings.items()}
     for d, b, t, measured, step, bound in cases(m):
         v["steps"].setdefault(d, {}).setdefault(f"b{b}", {})[f"t{t}"] = {
             "step_ms": value(measured["step_s"] * 1e3, "ms", note="median of the rounds"),

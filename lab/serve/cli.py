@@ -22,7 +22,9 @@ import uvicorn
 
 from .. import threads
 from ..engine import ServingEngine
+from ..engine.fast import FusedStep
 from ..fleet import POLICIES
+from ..kernels.step import ROWS
 from ..models import load
 from ..models.config import DTYPES
 from .api import MAX_BODY_BYTES
@@ -61,6 +63,27 @@ def weight_arg(text: str) -> float:
     raise argparse.ArgumentTypeError(f"a weight is a finite number >= 0, got {text!r}")
 
 
+def fast_decode_arg(text: str):
+    if text in ("measure", "off"):
+        return "measure" if text == "measure" else False
+    if text.isdigit() and int(text) <= ROWS:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"measure, off or a number of decodes from 0 to {ROWS}, got {text!r}")
+
+
+def fused_line(engine) -> str:
+    """What the engine's fused step takes (an EngineThread's or an EngineProcess's), and what it measured."""
+    fast = engine.fast if isinstance(engine, EngineProcess) else engine.engine.fast
+    if isinstance(fast, FusedStep):
+        fast = dict(rows=fast.rows, timings=fast.timings)
+    if not fast:
+        return "every step through forward_cached (no fused step for this model, or --fast-decode off)"
+    times = ", ".join(f"{b}: {t['fused'] * 1e3:.1f} / {t['reference'] * 1e3:.1f}" for b, t in (fast["timings"] or
+                                                                                               {}).items())
+    return f"fused decode steps of up to {fast['rows']} sequences" + (
+        f" (measured, sequences: fused / reference ms: {times})" if times else "")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m lab.serve", description="An OpenAI-compatible server over the "
                                 "ServingEngine: /v1/completions, /v1/chat/completions, /v1/models, /health.")
@@ -89,6 +112,9 @@ def main(argv=None):
                    "kv_aware: NVIDIA Dynamo's cost, prefill pages not cached against pages in use)")
     p.add_argument("--router-overlap-weight", type=weight_arg, default=1.0, help="kv_aware's weight on the "
                    "pages to prefill (default 1.0, Dynamo's: higher favours cache hits, lower even load)")
+    p.add_argument("--fast-decode", type=fast_decode_arg, default="measure", help="how many decodes a step may "
+                   "hold to run in one C++ call (lab/engine/fast.py): measure (default: as many as it was no slower "
+                   "for than the reference step, timed at start, about a second), off, or a number from 0 to 16")
     args = p.parse_args(argv)
     if args.one_process and args.workers > 1:
         p.error(f"--one-process runs one engine in the server's process; --workers {args.workers} needs "
@@ -98,12 +124,14 @@ def main(argv=None):
         if args.threads:
             torch.set_num_threads(args.threads)
         client = EngineClient(EngineThread(ServingEngine(load(args.model, args.dtype), *engine_args,
-                                                         prefix_caching=not args.no_prefix_caching)))
+                                                         prefix_caching=not args.no_prefix_caching,
+                                                         fast_decode=args.fast_decode)))
     else:
         torch.set_num_threads(1)       # this process parses and detokenizes; the engines' have the threads
         threads.for_engines(args.wait_policy)
         workers = [EngineClient(EngineProcess(args.model, *engine_args, prefix_caching=not args.no_prefix_caching,
-                                              threads=args.threads, dtype=args.dtype)) for _ in range(args.workers)]
+                                              threads=args.threads, dtype=args.dtype, fast_decode=args.fast_decode))
+                   for _ in range(args.workers)]
         client = workers[0] if args.workers == 1 else Fleet(workers, args.router, args.router_overlap_weight)
     app = create_app(client, max_body_bytes=args.max_body_bytes)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), app)
@@ -124,6 +152,8 @@ def main(argv=None):
     print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}"
           f"{' each' if args.workers > 1 else ''}, max_batch_tokens={args.max_batch_tokens}, {where}, "
           f"{n} threads, wait policy {policy}) on http://{args.host}:{args.port}", flush=True)
+    if args.workers == 1:
+        print(fused_line(client.engine), flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
         signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0
     if args.one_process:

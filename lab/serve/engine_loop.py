@@ -205,11 +205,12 @@ class EngineProcess:
     """The loop in a process of its own, over the model `load(model, dtype)` returns; the server's side loads only
     the tokenizer and the config. `extra` (what page names chain from) comes from the process once ready. The
     process ending unexpectedly is delivered as ("exited", why): its EngineClient fails every request from then.
-    `loop`: the EngineLoop class to run; `kv`: one end of a pipe to another worker (serve/disagg.py)."""
+    `loop`: the EngineLoop class to run; `kv`: one end of a pipe to another worker (serve/disagg.py); `fast_decode`:
+    ServingEngine's."""
 
     def __init__(self, model: str, num_pages: int, page_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True, threads: int | None = None, dtype: str = "float32",
-                 loop=EngineLoop, kv=None, name: str = "lab-engine"):
+                 loop=EngineLoop, kv=None, name: str = "lab-engine", fast_decode: bool | int | str = True):
         self.config, self.tokenizer = load_config(model, dtype)       # DtypeError here, before a process starts
         self.name, self.num_pages, self.page_size = self.config.name, num_pages, page_size
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
@@ -217,11 +218,14 @@ class EngineProcess:
         self.send_lock = threading.Lock()               # one message at a time into the pipe, whichever thread
         engine_args = dict(num_pages=num_pages, page_size=page_size, max_batch_tokens=max_batch_tokens,
                            prefix_caching=prefix_caching)
+        if fast_decode is not True:                     # ServingEngine's default (the disaggregated loops' engines
+            engine_args["fast_decode"] = fast_decode    # take only that)
         self.process = ctx.Process(target=engine_process, name=name, daemon=True,
                                    args=(child, model, engine_args, threads, self.config.dtype, loop, kv))
         self._child = child
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self.extra, self.deliver = None, None           # deliver: the EngineClient's, once it wraps this
+        self.fast = None                                # once ready: {"rows", "timings"} of its fused step, if any
 
     def start(self, timeout_s: float = 600):
         """Start the engine's process and wait until its model is loaded; RuntimeError if it fails to."""
@@ -252,7 +256,7 @@ class EngineProcess:
             kind, info = "failed", [f"it ended (exit code {self.process.exitcode})"]
         if kind != "ready":
             raise RuntimeError(f"the engine's process failed to start: {info[0]}")
-        self.extra = info[0]
+        self.extra, self.fast = info[0], info[1] if len(info) > 1 else None
         self.reader.start()
 
     def stop(self):
@@ -296,5 +300,6 @@ def engine_process(conn, model: str, engine_args: dict, threads: int | None, dty
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.extra))
+    fast = getattr(engine, "fast", None)
+    conn.send(("ready", engine.extra, fast and dict(rows=fast.rows, timings=fast.timings)))
     loop.connect(engine, conn, kv).run()
