@@ -233,8 +233,9 @@ sequence decoding after 512 positions, the lab's engine runs at
 {{calc: 100 * llamacpp.decode.d4096.ratio_float32|.0f}}% and
 {{calc: 100 * llamacpp.decode.d4096.ratio_bfloat16|.0f}}%). A step of one sequence should cost about one read of
 the weights; llama.cpp's is one compute graph in C, and the engine runs a step of up to sixteen decodes the same way
-(as many as the server measures no slower at start), every layer in one C++ call (chapter 3 times it against the machine's roofline). Larger batches run the reference
-step, Python calling a dozen torch operators a layer, a fixed cost per step that the batch shares.
+(as many as the server gives it after timing both steps at start), every layer in one C++ call (chapter 3
+times it against the machine's roofline). Larger batches run the reference step, Python calling a dozen torch
+operators a layer, a fixed cost per step that the batch shares.
 Serving 16 and 64 requests at once, the lab's server is
 {{verdict: min(llamacpp.serving.ratios.float32_llamacpp.c16.ratio,
   llamacpp.serving.ratios.float32_llamacpp.c64.ratio) >= 1|ahead of/behind}}

@@ -74,7 +74,7 @@ class ServingEngine:
     local_pages: the local layers' pages (chapter 10; default num_pages), at least a one-token step's; a chunk
     shrinks to fit. fast_decode: a step of a few decodes only runs in one C++ call where it applies (fast.py): True
     takes up to rows_for(dtype) decodes, an int up to that many, "measure" as many as FusedStep.tune finds it no
-    slower for on this machine (about a second for SmolLM2, at start); False runs every step through forward_cached.
+    slower for on this machine (a few seconds for SmolLM2, at start); False runs every step through forward_cached.
 
     `stats`: totals of steps, preemptions, cached_tokens (from named pages), computed_tokens (run through the
     model, recomputation included), evicted_pages; held_pages and peak_held_pages per group ({"full": n, "local":
