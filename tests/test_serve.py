@@ -29,7 +29,7 @@ from lab.engine import ChatSession, PrefixCachingBackend, ServingEngine, beam_se
 from lab.models import load
 from lab.models.load import RANDOM, smollm2_folder
 from lab.models.tokenizer import ByteTokenizer, Tokenizer
-from lab.serve import EngineClient, EngineProcess, IncrementalDetokenizer, RequestIdError
+from lab.serve import EngineClient, EngineProcess, EngineThread, IncrementalDetokenizer, RequestIdError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 NUM_PAGES, PAGE_SIZE = 64, 16                       # 1,024 positions; tiny-llama has 2,048
@@ -446,6 +446,10 @@ def test_the_engine_process_reports_its_measured_fused_step(remote):
     assert 0 <= fast["rows"] <= 16 and sorted(fast["timings"])[0] == 1
     assert fused_line(remote[1].engine).startswith(f"fused decode steps of up to {fast['rows']} sequences (measured")
     assert [fast_decode_arg(t) for t in ("measure", "off", "0", "16")] == ["measure", False, 0, 16]
+    thread = EngineThread(ServingEngine(load("tiny-llama"), NUM_PAGES, PAGE_SIZE, fast_decode=0))
+    assert fused_line(thread) == "every step through forward_cached (--fast-decode 0)"
+    thread.engine.fast.timings = {1: dict(fused=2.0, reference=1.0)}     # as a tune that found it slower leaves it
+    assert fused_line(thread).endswith("(measured: the fused step was slower at every size)")
     for bad in ("17", "-1", "on", "2.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="measure, off or a number"):
             fast_decode_arg(bad)

@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 
+from lab.cache import CacheInputError, CacheMismatchError
 from lab.cache.pool import PagePool
 from lab.engine import ServingEngine
 from lab.engine.fast import ROWS, FusedStep, rows_for
@@ -186,8 +187,15 @@ def test_tune_keeps_the_fused_step_as_far_as_it_was_measured_no_slower(monkeypat
     monkeypatch.setattr(FusedStep, "__call__", real_call)
     with pytest.raises(ValueError, match="sizes"):
         fast.tune(engine.weights, engine.owner, sizes=(4, 2))
-    with pytest.raises(ValueError, match="sizes"):
-        fast.tune(engine.weights, engine.owner, sizes=(1, ROWS + 1))
+    for sizes in ((1, ROWS + 1), 16, (True,), (1.0, 2.0), ()):
+        with pytest.raises(ValueError, match="sizes"):
+            fast.tune(engine.weights, engine.owner, sizes=sizes)
+    rows, timings = fast.rows, fast.timings
+    with pytest.raises(ValueError, match="rounds"):
+        fast.tune(engine.weights, engine.owner, rounds=0)
+    with pytest.raises(CacheMismatchError):                            # fails inside: nothing changes
+        fast.tune(engine.weights, None, sizes=(1, 2))
+    assert (fast.rows, fast.timings) == (rows, timings)
     prompts = [list(range(10 + 3 * i, 30 + 5 * i)) for i in range(6)]
     measured = ServingEngine(model, num_pages=64, fast_decode="measure")
     assert 0 <= measured.fast.rows <= ROWS and measured.fast.timings
@@ -206,6 +214,8 @@ def test_a_fast_decode_limit_sends_larger_steps_to_the_reference():
     while engine.running or engine.waiting:
         engine.step()
     assert calls and max(calls) == 2                       # three sequences decode through the reference
-    for bad in ("fast", 1.5, ROWS + 1, -1):
-        with pytest.raises(Exception, match="fast_decode|decodes"):
+    for bad in ("fast", 1.5, ROWS + 1, -1, None):
+        with pytest.raises(CacheInputError, match="fast_decode is True, False, a number of decodes"):
             ServingEngine(model, num_pages=64, fast_decode=bad)
+    with pytest.raises(CacheInputError, match="fast_decode"):            # checked where no fused step applies too
+        ServingEngine(load("tiny-gpt2"), num_pages=64, fast_decode=99)

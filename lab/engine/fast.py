@@ -15,7 +15,8 @@ How many decodes the fused step should take depends on the processor more than o
 each weight once for four sequences, in hand-written tiles, and past a few sequences oneDNN's products, blocked for
 many rows, catch up. On an Intel Xeon the fused step of 16 float32 sequences was faster than the reference; on an
 AMD EPYC, 1.5 times slower. `rows_for` is a default; `tune` measures both steps on this machine, at 1, 2, 4, 8 and
-16 sequences, and keeps the fused one as far as it is no slower (the server does this when it starts).
+16 sequences, and keeps the fused one up to the largest of them at which it was no slower (the server does this
+when it starts).
 """
 
 from time import perf_counter
@@ -29,7 +30,10 @@ from ..models import check_ids, check_positions, forward_cached
 from ..models.llama import rope_tables
 
 AMX_ROWS = 8   # bfloat16 on a processor with AMX: oneDNN multiplies on its matrix tiles, and on an Intel Xeon the
-               # reference step of 8 sequences was as fast as the kernel's (of 4: about 60% slower; of 16: 35% faster)
+               # reference step of 8 sequences was as fast as the kernel's (of 4: about 60% slower; of 16: 35% faster).
+               # The tiles have been made faster since: tune, on an Intel Xeon with AMX, found the fused step of 16
+               # faster than the reference (results.json, roofline.fused_tune): this is the default where nothing
+               # is measured (ServingEngine(fast_decode=True)); the server measures (fast_decode="measure")
 
 
 def rows_for(dtype) -> int:
@@ -119,9 +123,14 @@ class FusedStep:
         `sizes` sequences at about `context` positions, on a scratch pool, and take as many decodes as the
         largest size at which the fused step was no slower (the fastest of `rounds` steps each, taken in turns,
         after one of each: the fastest, as a step another process interrupted is only ever slower). Sets and
-        returns `rows`; `timings`: {size: {"fused": s, "reference": s}}."""
-        if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1 or sizes[-1] > ROWS:
-            raise ValueError(f"sizes: increasing numbers of sequences from 1 to {ROWS}, got {sizes!r}")
+        returns `rows`; `timings`: {size: {"fused": s, "reference": s}}. state: `owner(weights, config)`, as the
+        engine holds it (`engine.owner`); weights: the engine's (`engine.weights`, prepacked where it packs)."""
+        sizes = tuple(sizes) if isinstance(sizes, list | tuple) else None
+        if not sizes or any(type(b) is not int for b in sizes) or sorted(set(sizes)) != list(sizes) or \
+                sizes[0] < 1 or sizes[-1] > ROWS:
+            raise ValueError(f"sizes: increasing whole numbers of sequences from 1 to {ROWS}, got {sizes!r}")
+        if type(rounds) is not int or rounds < 1 or type(context) is not int or context < 1:
+            raise ValueError(f"rounds and context are whole numbers from 1, got rounds={rounds!r}, context={context!r}")
         cfg, P = self.config, self.page_size
         steps = len(sizes) * 2 * (rounds + 1)                  # positions each sequence may gain
         pool = PagePool.for_model(cfg, sizes[-1] * (-(-(context + steps) // P) + 1), P, dtype=self.dtype)
@@ -143,16 +152,20 @@ class FusedStep:
             run(step)
             return perf_counter() - t
 
-        rows, self.timings, self.rows = 0, {}, sizes[-1]      # every size through this step while timing
-        for B in sizes:
-            runs = {"fused": fused(B), "reference": reference(B)}
-            times = {k: [] for k in runs}
-            for r in range(rounds + 1):
-                for k in (("fused", "reference") if r % 2 else ("reference", "fused")):
-                    times[k].append(timed(B, runs[k]))
-            self.timings[B] = {k: min(v[1:]) for k, v in times.items()}
-            if self.timings[B]["fused"] <= self.timings[B]["reference"]:
-                rows = B
-        self.rows = rows
+        rows, timings, before, self.rows = 0, {}, self.rows, sizes[-1]   # every size through this step while timing
+        try:
+            for B in sizes:
+                runs = {"fused": fused(B), "reference": reference(B)}
+                times = {k: [] for k in runs}
+                for r in range(rounds + 1):
+                    for k in (("fused", "reference") if r % 2 else ("reference", "fused")):
+                        times[k].append(timed(B, runs[k]))
+                timings[B] = {k: min(v[1:]) for k, v in times.items()}
+                if timings[B]["fused"] <= timings[B]["reference"]:
+                    rows = B
+        except BaseException:
+            self.rows = before                                  # a failed tune changes nothing
+            raise
+        self.rows, self.timings = rows, timings
         return rows
     # endregion

@@ -18,7 +18,7 @@ from ..cache.pool import PagePool, StepBatch
 from ..models import InputError, PositionLimitError, forward_cached, owner
 from ..models.llama import Prepacked
 from .backends import common_prefix
-from .fast import FusedStep
+from .fast import ROWS, FusedStep
 from .generate import check_counts
 from .identity import identity_of, token_ids
 from .speculative import SpecInputError, check_guess
@@ -73,8 +73,9 @@ class ServingEngine:
     or False. schedule: "fcfs" or, with prefix caching, "lpm" (longest cached prefix first, SGLang's policy).
     local_pages: the local layers' pages (chapter 10; default num_pages), at least a one-token step's; a chunk
     shrinks to fit. fast_decode: a step of a few decodes only runs in one C++ call where it applies (fast.py): True
-    takes up to rows_for(dtype) decodes, an int up to that many, "measure" as many as FusedStep.tune finds it no
-    slower for on this machine (a few seconds for SmolLM2, at start); False runs every step through forward_cached.
+    takes up to rows_for(dtype) decodes, an int (0 to ROWS) up to that many in any dtype, "measure" as many as
+    FusedStep.tune finds it no slower for on this machine (a few seconds for SmolLM2, at start); False runs every
+    step through forward_cached.
 
     `stats`: totals of steps, preemptions, cached_tokens (from named pages), computed_tokens (run through the
     model, recomputation included), evicted_pages; held_pages and peak_held_pages per group ({"full": n, "local":
@@ -114,8 +115,10 @@ class ServingEngine:
         packs = cfg.arch != "gpt2" and Prepacked.applies(model.weights)
         self.weights = Prepacked(model.weights) if packs else model.weights
         # a step of a few decodes in one C++ call where it applies (fast.py); every other step: forward_cached
-        if not (isinstance(fast_decode, bool | int) or fast_decode == "measure"):
-            raise CacheInputError(f'fast_decode is True, False, a number of decodes or "measure", got {fast_decode!r}')
+        if not (isinstance(fast_decode, bool) or fast_decode == "measure" or
+                (type(fast_decode) is int and 0 <= fast_decode <= ROWS)):
+            raise CacheInputError(f'fast_decode is True, False, a number of decodes from 0 to {ROWS} or "measure", '
+                                  f"got {fast_decode!r}")
         rows = None if isinstance(fast_decode, bool | str) else fast_decode
         self.fast = FusedStep.build(model, self.pool, rows) if fast_decode is not False else None
         if self.fast and fast_decode == "measure":

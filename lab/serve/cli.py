@@ -77,7 +77,10 @@ def fused_line(engine) -> str:
     if isinstance(fast, FusedStep):
         fast = dict(rows=fast.rows, timings=fast.timings)
     if not fast:
-        return "every step through forward_cached (no fused step for this model, or --fast-decode off)"
+        return "every step through forward_cached (no fused step for this model and dtype, or --fast-decode off)"
+    if not fast["rows"]:
+        return "every step through forward_cached (" + ("--fast-decode 0)" if not fast["timings"] else
+                                                          "measured: the fused step was slower at every size)")
     times = ", ".join(f"{b}: {t['fused'] * 1e3:.1f} / {t['reference'] * 1e3:.1f}" for b, t in (fast["timings"] or
                                                                                                {}).items())
     return f"fused decode steps of up to {fast['rows']} sequences" + (
@@ -114,7 +117,8 @@ def main(argv=None):
                    "pages to prefill (default 1.0, Dynamo's: higher favours cache hits, lower even load)")
     p.add_argument("--fast-decode", type=fast_decode_arg, default="measure", help="how many decodes a step may "
                    "hold to run in one C++ call (lab/engine/fast.py): measure (default: as many as it was no slower "
-                   "for than the reference step, timed at start, about a second), off, or a number from 0 to 16")
+                   "for than the reference step, timed at start, a few seconds), off, or a number from 0 to "
+                   f"{ROWS}")
     args = p.parse_args(argv)
     if args.one_process and args.workers > 1:
         p.error(f"--one-process runs one engine in the server's process; --workers {args.workers} needs "
