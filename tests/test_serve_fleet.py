@@ -341,3 +341,19 @@ def rest(resp) -> list[str]:
 def leave(resp):
     resp.conn.sock.shutdown(socket.SHUT_RDWR)
     resp.conn.close()
+
+
+def test_workers_that_time_their_fused_step_start_one_after_the_other():
+    """Two workers timing their fused step at once on the same cores would each time the other's work too: with
+    fast_decode="measure" each waits for the last to be ready before it launches; otherwise they load at once."""
+    def worker(i, fast_decode, log):
+        engine = SimpleNamespace(fast_decode=fast_decode, launch=lambda: log.append(f"launch {i}"),
+                                 wait_ready=lambda timeout_s: log.append(f"ready {i}"))
+        return SimpleNamespace(name="m", config=None, tokenizer=None, num_pages=64, page_size=PAGE_SIZE,
+                               engine=engine, stop=lambda: None)
+
+    for fast_decode, want in (("measure", ["launch 0", "ready 0", "launch 1", "ready 1"]),
+                              (True, ["launch 0", "launch 1", "ready 0", "ready 1"])):
+        log = []
+        Fleet([worker(0, fast_decode, log), worker(1, fast_decode, log)]).start()
+        assert log == want

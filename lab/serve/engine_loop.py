@@ -213,6 +213,7 @@ class EngineProcess:
                  loop=EngineLoop, kv=None, name: str = "lab-engine", fast_decode: bool | int | str = True):
         self.config, self.tokenizer = load_config(model, dtype)       # DtypeError here, before a process starts
         self.name, self.num_pages, self.page_size = self.config.name, num_pages, page_size
+        self.fast_decode = fast_decode
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no forked torch thread pools
         self.conn, child = ctx.Pipe()
         self.send_lock = threading.Lock()               # one message at a time into the pipe, whichever thread
