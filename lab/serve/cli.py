@@ -156,8 +156,8 @@ def main(argv=None):
     print(f"serving {client.name} in {args.dtype} (pool of {args.num_pages} pages of {args.page_size}"
           f"{' each' if args.workers > 1 else ''}, max_batch_tokens={args.max_batch_tokens}, {where}, "
           f"{n} threads, wait policy {policy}) on http://{args.host}:{args.port}", flush=True)
-    if args.workers == 1:
-        print(fused_line(client.engine), flush=True)
+    for i, w in enumerate([client] if args.workers == 1 else client.workers):
+        print(("" if args.workers == 1 else f"worker {i}: ") + fused_line(w.engine), flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # uvicorn re-raises the signal that stopped it, once it has
         signal.signal(sig, server.handle_exit)   # drained: then ours (a no-op by then) takes it, and exit is 0
     if args.one_process:
