@@ -65,7 +65,7 @@ def weight_arg(text: str) -> float:
 
 def fast_decode_arg(text: str):
     if text in ("measure", "off"):
-        return "measure" if text == "measure" else False
+        return {"measure": "measure", "off": False}[text]
     if text.isdigit() and int(text) <= ROWS:
         return int(text)
     raise argparse.ArgumentTypeError(f"measure, off or a number of decodes from 0 to {ROWS}, got {text!r}")

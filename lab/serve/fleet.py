@@ -55,8 +55,9 @@ class Fleet:
                 w.engine.launch()
                 if alone:
                     w.engine.wait_ready(timeout_s)
-            for w in self.workers if not alone else ():
-                w.engine.wait_ready(timeout_s)
+            if not alone:
+                for w in self.workers:
+                    w.engine.wait_ready(timeout_s)
         except Exception:
             self.stop()
             raise
